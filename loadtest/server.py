@@ -1,0 +1,146 @@
+"""Start, wait for and stop a vLLM server for one KV policy (used by loadtest.compare).
+
+build_server_command is the single place that knows the `vllm serve` flags, so flag names can
+change in one spot. The server runs in its own process group: stopping it terminates the
+engine-core children too, not just the API process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+EVICTION_MODES = ("patched", "naive")
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    policy: str
+    sparsity: float | None = None
+    eviction: str | None = None
+
+    @property
+    def label(self) -> str:
+        """As written on the command line, e.g. `pyramidkv:0.7:patched`."""
+        parts = [self.policy]
+        if self.sparsity is not None:
+            parts.append(f"{self.sparsity:g}")
+        if self.eviction is not None:
+            parts.append(self.eviction)
+        return ":".join(parts)
+
+    @property
+    def slug(self) -> str:
+        """File-name-safe label."""
+        return self.label.replace(":", "-")
+
+
+def parse_policy(text: str) -> PolicySpec:
+    """`POLICY[:SPARSITY[:EVICTION]]`, e.g. `full`, `prulong:0.7`, `snapkv:0.7:patched`."""
+    parts = text.split(":")
+    if not parts[0] or len(parts) > 3:
+        raise ValueError(f"policy must look like NAME[:SPARSITY[:EVICTION]], got {text!r}")
+    sparsity = eviction = None
+    if len(parts) >= 2:
+        try:
+            sparsity = float(parts[1])
+        except ValueError:
+            raise ValueError(f"sparsity in {text!r} is not a number") from None
+        if not 0.0 <= sparsity <= 1.0:
+            raise ValueError(f"sparsity in {text!r} must be in [0, 1]")
+    if len(parts) == 3:
+        eviction = parts[2]
+        if eviction not in EVICTION_MODES:
+            raise ValueError(f"eviction in {text!r} must be one of {', '.join(EVICTION_MODES)}")
+    return PolicySpec(parts[0], sparsity, eviction)
+
+
+def build_server_command(model: str, spec: PolicySpec, *, kv_cache_bytes: int,
+                         max_batched_tokens: int, host: str = "127.0.0.1", port: int = 8000,
+                         extra_args: list[str] | tuple[str, ...] = (),
+                         executable: str = "vllm") -> list[str]:
+    """argv of `vllm serve` for one policy; every policy gets the same pool and batch size."""
+    argv = [executable, "serve", model, "--kv-policy", spec.policy]
+    if spec.sparsity is not None:
+        argv += ["--kv-sparsity", f"{spec.sparsity:g}"]
+    if spec.eviction is not None:
+        argv += ["--kv-eviction", spec.eviction]
+    argv += ["--kv-cache-memory-bytes", str(kv_cache_bytes),
+             "--max-num-batched-tokens", str(max_batched_tokens),
+             "--enforce-eager", "--host", host, "--port", str(port)]
+    return argv + list(extra_args)
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """True if something already listens there: benchmarking it instead would be silent."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        return s.connect_ex((host, port)) == 0
+
+
+class ServerProcess:
+    """A server started in its own session/process group, with output to a log file."""
+
+    def __init__(self, argv: list[str], log_path: Path) -> None:
+        self.argv, self.log_path = argv, log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log_tail(self, chars: int = 3000) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def wait_healthy(self, base_url: str, timeout_s: float = 900.0) -> float:
+        """Poll /health until 200; seconds it took. Fails early if the server exits."""
+        start = time.monotonic()
+        with httpx.Client(timeout=5.0, trust_env=False) as client:
+            while time.monotonic() - start < timeout_s:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {self.proc.returncode} before "
+                                       f"becoming healthy; log {self.log_path}:\n"
+                                       f"{self.log_tail()}")
+                try:
+                    if client.get(f"{base_url}/health").status_code == 200:
+                        return time.monotonic() - start
+                except httpx.HTTPError:
+                    pass
+                time.sleep(1.0)
+        raise TimeoutError(f"server not healthy after {timeout_s:.0f} s; log {self.log_path}")
+
+    def stop(self, timeout_s: float = 60.0) -> int | None:
+        """SIGTERM the process group, wait, then SIGKILL what is left."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10.0)
+            except ProcessLookupError:
+                pass
+        # Children that outlived the leader still belong to its group.
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

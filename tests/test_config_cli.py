@@ -1,0 +1,94 @@
+"""Flag parsing and config plumbing: no model, no server (except the one `bogus` start-up)."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_kvevict.config import POLICIES, KVPolicyConfig, KVPolicyError
+from vllm_kvevict.integration import cli
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.add_kv_policy_args(parser)
+    return parser.parse_args(argv)
+
+
+def test_flags_fold_into_additional_config():
+    args = parse(["--kv-policy", "snapkv", "--kv-sparsity", "0.5", "--kv-eviction", "naive",
+                  "--kv-obs-window", "32"])
+    policy = cli.policy_from_args(args, {})
+    assert policy["policy"] == "snapkv"
+    assert policy["sparsity"] == 0.5
+    assert policy["eviction"] == "naive"
+    assert policy["obs_window"] == 32
+    assert policy["sink"] == KVPolicyConfig().sink  # untouched fields keep their defaults
+
+
+def test_flags_override_additional_config_json_form():
+    additional = {"kv_policy": {"policy": "streaming", "window": 128}, "other": 1}
+    args = parse(["--kv-window", "512"])
+    policy = cli.policy_from_args(args, additional)
+    assert policy["policy"] == "streaming" and policy["window"] == 512
+
+
+def test_no_policy_given_means_none():
+    assert cli.policy_from_args(parse([]), {}) is None
+
+
+@pytest.mark.parametrize("raw, fragment", [
+    ({"policy": "bogus"}, "valid policies: " + ", ".join(POLICIES)),
+    ({"policy": "prulong", "sparsity": 1.5}, "sparsity must be a number in [0, 1]"),
+    ({"policy": "prulong", "sparsity": float("nan")}, "sparsity must be a number in [0, 1]"),
+    ({"policy": "streaming", "window": 0}, "window must be an integer >= 1"),
+    ({"policy": "snapkv", "eviction": "sometimes"}, "valid modes: patched, naive"),
+    ({"policy": "snapkv", "pool_kernel": 4}, "pool_kernel must be odd"),
+    ({"policy": "snapkv", "mask_path": "x.json"}, "mask_path only applies to duo, prulong"),
+    ({"policy": "full", "windw": 3}, "unknown kv_policy key(s) ['windw']"),
+])
+def test_invalid_config_names_the_problem(raw, fragment):
+    with pytest.raises(KVPolicyError) as exc:
+        KVPolicyConfig.from_dict(raw)
+    assert fragment in str(exc.value)
+
+
+def test_json_string_form():
+    cfg = KVPolicyConfig.from_dict('{"policy": "pyramidkv", "sparsity": 0.7}')
+    assert cfg.evicts_tokens and cfg.patched
+    assert KVPolicyConfig.from_dict('"streaming"').policy == "streaming"
+
+
+def test_fold_into_engine_args_exits_with_one_line(capsys):
+    class Args:  # what vLLM's EngineArgs looks like to us: an additional_config field
+        additional_config: dict = {}
+
+    with pytest.raises(SystemExit) as exc:
+        cli.fold_into_engine_args(Args(), parse(["--kv-policy", "nope"]))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown kv policy 'nope'" in err[0]
+
+
+def test_vllm_serve_rejects_bogus_policy_before_loading(bundled_model_dir):
+    vllm = Path(sys.executable).parent / "vllm"
+    proc = subprocess.run([str(vllm), "serve", str(bundled_model_dir), "--kv-policy", "bogus"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == ("vllm-kvevict: error: unknown kv policy 'bogus'; valid policies: "
+                    + ", ".join(POLICIES))
+    assert "Loading weights" not in proc.stderr + proc.stdout
+
+
+def test_vllm_serve_help_documents_every_flag():
+    vllm = Path(sys.executable).parent / "vllm"
+    proc = subprocess.run([str(vllm), "serve", "--help=vllm-kvevict"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for flag in cli.FLAGS:
+        assert flag in proc.stdout

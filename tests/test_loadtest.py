@@ -1,0 +1,608 @@
+"""Tests of the load generator against a tiny OpenAI-like server run in-process.
+
+The fake server streams `max_tokens` chunks with small sleeps, puts a kv_stats object in the
+final (usage) chunk, answers 400 to prompts longer than PROMPT_LIMIT tokens, 500 to model
+"boom", fails mid-stream for model "streamerr", never answers model "hang", and serves a fake
+Prometheus /metrics page.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from loadtest import compare, crosscheck, run as run_cli
+from loadtest.client import find_kv_stats
+from loadtest.loopback import RemoteURLError, check_base_url, is_loopback_host
+from loadtest.metrics import aggregate_kv_stats, latency_stats_ms, numeric_leaves
+from loadtest.monitors import parse_vllm_metrics, tree_rss_bytes
+from loadtest.report import build_result, comparison_markdown, format_table
+from loadtest.runner import LoadSettings, poisson_arrivals, run
+from loadtest.server import build_server_command, parse_policy
+from loadtest.workloads import Prompt, build_prompts, exact_length_ids, make_shapes
+
+PROMPT_LIMIT = 64
+TOKEN_DELAY_S = 0.002
+
+
+# ---------------------------------------------------------------- fake OpenAI-like server
+
+def metrics_text(step: int) -> str:
+    return f"""# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{{engine="0",model_name="fake"}} {min(1.0, 0.1 * step)}
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{engine="0",model_name="fake"}} 2.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{{engine="0",model_name="fake"}} 1.0
+# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{{engine="0",model_name="fake"}} {3.0 + step}
+"""
+
+
+def make_app() -> FastAPI:
+    app = FastAPI()
+    scrapes = {"n": 0}
+
+    @app.get("/health")
+    async def health():
+        return PlainTextResponse("")
+
+    @app.get("/metrics")
+    async def metrics():
+        scrapes["n"] += 1
+        return PlainTextResponse(metrics_text(scrapes["n"]))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        prompt, n = body["prompt"], body["max_tokens"]
+        if body["model"] == "boom":
+            return JSONResponse({"error": "internal"}, status_code=500)
+        if len(prompt) > PROMPT_LIMIT:
+            return JSONResponse({"object": "error", "type": "BadRequestError", "code": 400,
+                                 "message": f"prompt of {len(prompt)} tokens is longer than "
+                                            f"the maximum context length {PROMPT_LIMIT}"},
+                                status_code=400)
+
+        async def stream():
+            if body["model"] == "hang":
+                await asyncio.sleep(60)
+            for i in range(n):
+                await asyncio.sleep(TOKEN_DELAY_S)
+                yield "data: " + json.dumps({"choices": [{"index": 0, "text": f" t{i}"}]}) \
+                    + "\n\n"
+                if body["model"] == "streamerr":
+                    yield "data: " + json.dumps({"error": {"message": "engine died",
+                                                           "code": 500}}) + "\n\n"
+                    return
+            kv_stats = {"footprint": len(prompt) / PROMPT_LIMIT, "kv_bytes_peak": 100 * len(prompt),
+                        "kv_bytes_saved": 10, "policy": "fake", "exact": True,
+                        "layers": {"0": 1, "1": 3}}
+            final = {"choices": [], "usage": {"prompt_tokens": len(prompt),
+                                              "completion_tokens": n}}
+            if body["model"] == "transfer":
+                final["kv_transfer_params"] = {"kv_stats": kv_stats}
+            else:
+                final["kv_stats"] = kv_stats
+            yield "data: " + json.dumps(final) + "\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    return app
+
+
+class FakeServer:
+    """uvicorn on 127.0.0.1, on a socket bound to port 0 (no free-port race), in a thread."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(
+            make_app(), log_level="warning", lifespan="off", timeout_graceful_shutdown=1))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "FakeServer":
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "fake server did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(5)
+
+
+def serve_forever(port: int) -> None:
+    """Entry point of the fake server as a separate process (for the compare test)."""
+    uvicorn.run(make_app(), host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+
+
+@pytest.fixture(scope="module")
+def server():
+    with FakeServer() as s:
+        yield s
+
+
+class WordTokenizer:
+    """Word-level stub: any object with encode/decode can drive the prompt generator."""
+
+    def __init__(self) -> None:
+        self.vocab: dict[str, int] = {}
+        self.words: list[str] = []
+
+    def encode(self, text: str) -> list[int]:
+        ids = []
+        for word in text.split():
+            if word not in self.vocab:
+                self.vocab[word] = len(self.words)
+                self.words.append(word)
+            ids.append(self.vocab[word])
+        return ids
+
+    def decode(self, ids) -> str:
+        return " ".join(self.words[i] for i in ids)
+
+
+def prompts_of(lengths: list[int], output_len: int = 5) -> list[Prompt]:
+    return [Prompt(i, "rag", list(range(n)), output_len, "") for i, n in enumerate(lengths)]
+
+
+def settings(server, **kw) -> LoadSettings:
+    kw.setdefault("max_duration_s", 20.0)
+    return LoadSettings(base_url=server.base_url, model=kw.pop("model", "fake"),
+                        progress=False, **kw)
+
+
+# ---------------------------------------------------------------- prompt generation
+
+def test_prompts_have_exact_lengths_and_are_seeded():
+    shapes = make_shapes("rag", input_len=37, output_len=3)
+    a = build_prompts(WordTokenizer(), shapes, 4, seed=7)
+    b = build_prompts(WordTokenizer(), shapes, 4, seed=7)
+    c = build_prompts(WordTokenizer(), shapes, 4, seed=8)
+    assert [len(p.token_ids) for p in a] == [37] * 4
+    assert all(p.output_len == 3 and p.kind == "rag" for p in a)
+    assert [p.text for p in a] == [p.text for p in b]
+    assert [p.text for p in a] != [p.text for p in c]
+    assert len({p.text for p in a}) == 4  # distinct prompts: no prefix-cache hits between them
+
+
+def test_mix_workload_draws_both_kinds():
+    shapes = make_shapes("mix", input_len=50, output_len=20)
+    assert [(s.kind, s.input_len, s.output_len) for s in shapes] == \
+        [("rag", 50, 64), ("cot", 128, 20)]
+    prompts = build_prompts(WordTokenizer(), shapes, 40, seed=0)
+    kinds = {p.kind for p in prompts}
+    assert kinds == {"rag", "cot"}
+    for p in prompts:
+        assert len(p.token_ids) == (50 if p.kind == "rag" else 128)
+    with pytest.raises(ValueError):
+        make_shapes("chat")
+
+
+def _tiny_bpe_dir(tmp_path: Path) -> Path:
+    """A real transformers tokenizer directory, trained here (no download): byte-level BPE,
+    whose decode/encode does not round-trip token-exactly, unlike the word stub."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from loadtest.workloads import WORDS
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([" ".join(WORDS[i:] + WORDS[:i]) for i in range(0, 200, 7)], trainer)
+    path = tmp_path / "tokenizer"
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", unk_token="<unk>") \
+        .save_pretrained(path)
+    return path
+
+
+def test_exact_lengths_with_autotokenizer(tmp_path):
+    tokenizer = run_cli.load_tokenizer(str(_tiny_bpe_dir(tmp_path)))
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 17, 300, 1001):
+        ids = exact_length_ids(tokenizer, n, rng)
+        assert len(ids) == n
+        assert tokenizer.bos_token_id not in ids
+        assert isinstance(tokenizer.decode(ids), str)
+
+
+def _local_model_tokenizer() -> str | None:
+    """A real model tokenizer on this machine: $LOADTEST_TOKENIZER, the project's bundled model
+    if already converted (never converted here: too slow for this file), or the HF cache."""
+    env = os.environ.get("LOADTEST_TOKENIZER")
+    if env and Path(env).exists():
+        return env
+    try:
+        from vllm_kvevict.model import bundled_model_dir
+    except ImportError:
+        pass
+    else:
+        if (bundled_model_dir() / "tokenizer.json").is_file():
+            return str(bundled_model_dir())
+    hub = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub"
+    for path in sorted(hub.glob("models--*/snapshots/*/tokenizer.json")):
+        return str(path.parent)
+    return None
+
+
+@pytest.mark.skipif(_local_model_tokenizer() is None,
+                    reason="no model tokenizer available locally (set LOADTEST_TOKENIZER)")
+def test_exact_lengths_with_local_model_tokenizer():
+    tokenizer = run_cli.load_tokenizer(_local_model_tokenizer())
+    prompts = build_prompts(tokenizer, make_shapes("mix", 7000, 30), 6, seed=1)
+    assert {p.kind for p in prompts} == {"rag", "cot"}
+    for p in prompts:
+        assert len(p.token_ids) == (7000 if p.kind == "rag" else 128)
+        assert max(p.token_ids) < len(tokenizer)
+        assert tokenizer.bos_token_id not in p.token_ids
+
+
+# ---------------------------------------------------------------- metrics
+
+def test_percentiles_match_numpy():
+    values_s = [0.001 * v for v in [5, 1, 9, 3, 7, 2, 8, 100, 4, 6]]
+    stats = latency_stats_ms(values_s)
+    ref = np.array([5, 1, 9, 3, 7, 2, 8, 100, 4, 6], dtype=float)
+    for p in (50, 90, 99):
+        assert stats[f"p{p}"] == pytest.approx(np.percentile(ref, p))
+    assert stats["mean"] == pytest.approx(ref.mean())
+    one_to_100 = latency_stats_ms([0.001 * v for v in range(1, 101)])
+    assert one_to_100["p50"] == pytest.approx(50.5)
+    assert one_to_100["p90"] == pytest.approx(90.1)
+    assert one_to_100["p99"] == pytest.approx(99.01)
+    assert latency_stats_ms([None]) == {"mean": None, "p50": None, "p90": None, "p99": None}
+
+
+def test_kv_stats_aggregation_averages_every_numeric_leaf():
+    stats = [{"footprint": 0.5, "kv_bytes_peak": 100, "policy": "x", "ok": True,
+              "layers": [1, 3]},
+             {"footprint": 0.25, "kv_bytes_peak": 300, "kv_bytes_saved": 7},
+             None]
+    agg = aggregate_kv_stats(stats)
+    assert agg["requests"] == 2
+    assert agg["mean"] == {"footprint": 0.375, "kv_bytes_peak": 200.0, "kv_bytes_saved": 7.0,
+                           "layers.0": 1.0, "layers.1": 3.0}
+    assert agg["count"]["kv_bytes_saved"] == 1
+    assert numeric_leaves({"a": {"b": 2}, "c": "s", "d": False}) == {"a.b": 2.0}
+    assert find_kv_stats({"kv_transfer_params": {"kv_stats": {"x": 1}}}) == {"x": 1}
+    assert find_kv_stats({"kv_stats": {"y": 2}}) == {"y": 2}
+    assert find_kv_stats({"choices": []}) is None
+
+
+def test_parse_vllm_metrics():
+    row = parse_vllm_metrics(metrics_text(3))
+    assert row == {"kv_cache_usage": pytest.approx(0.3), "running": 2.0, "waiting": 1.0,
+                   "preemptions": 6.0}
+    assert parse_vllm_metrics("other_metric 1\n") == {}
+
+
+def test_tree_rss_of_own_process():
+    assert tree_rss_bytes(os.getpid()) > 10 * 2**20
+
+
+# ---------------------------------------------------------------- loopback
+
+def test_loopback_only_by_default():
+    for url in ("http://127.0.0.1:8000", "http://localhost:8000/", "http://127.1.2.3:1",
+                "http://[::1]:8000", "http://LOCALHOST:8000/v1"):
+        assert check_base_url(url).startswith("http")
+    assert check_base_url("http://localhost:8000/v1/") == "http://localhost:8000"
+    for url in ("http://10.0.0.5:8000", "http://example.com:8000", "http://128.0.0.1",
+                "http://localhost.example.com", "http://0.0.0.0:8000"):
+        with pytest.raises(RemoteURLError):
+            check_base_url(url)
+    assert check_base_url("http://10.0.0.5:8000", allow_remote=True) == "http://10.0.0.5:8000"
+    assert is_loopback_host("::ffff:127.0.0.1")
+    with pytest.raises(ValueError):
+        check_base_url("127.0.0.1:8000")
+
+
+def test_cli_refuses_remote_url(capsys):
+    with pytest.raises(SystemExit) as exc:
+        run_cli.main(["--base-url", "http://192.168.1.10:8000", "--model", "m",
+                      "--tokenizer", "/nonexistent"])
+    assert exc.value.code == 2
+    assert "--allow-remote" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- runs against the fake server
+
+def test_ok_and_rejected_counting(server):
+    prompts = prompts_of([10, PROMPT_LIMIT + 1, 20, 5000, 30], output_len=6)
+    data = run(prompts, settings(server, concurrency=2))
+    by_index = {r.index: r for r in data.results}
+    assert [by_index[i].outcome for i in range(5)] == ["ok", "rejected", "ok", "rejected", "ok"]
+    assert by_index[1].http_status == 400 and by_index[1].error_type == "HTTP 400"
+    assert "maximum context length" in by_index[1].error
+    ok = by_index[0]
+    assert ok.output_tokens == 6 and ok.input_tokens == 10
+    assert 0 < ok.ttft_s <= ok.e2e_s
+    assert ok.tpot_s == pytest.approx((ok.e2e_s - ok.ttft_s) / 5)
+    assert len(ok.itl_s) == 5
+    assert ok.kv_stats["kv_bytes_peak"] == 1000
+    result = build_result({"workload": "rag", "concurrency": 2}, data)
+    assert result["requests"] == {"total": 5, "sent": 5, "ok": 3, "rejected": 2, "failed": 0,
+                                  "cancelled": 0, "not_sent": 0}
+    assert result["tokens"] == {"input": 60, "output": 18}
+    assert result["errors"] == {"HTTP 400": 2}
+    assert result["kv_stats"]["mean"]["kv_bytes_peak"] == pytest.approx(2000)
+    assert result["kv_stats"]["mean"]["layers.1"] == 3
+
+
+def test_server_errors_and_connection_errors_are_failures(server):
+    data = run(prompts_of([4, 4]), settings(server, model="boom", scrape_metrics=False))
+    assert {(r.outcome, r.http_status) for r in data.results} == {("failed", 500)}
+    data = run(prompts_of([4]), settings(server, model="streamerr", scrape_metrics=False))
+    assert data.results[0].outcome == "failed"
+    assert data.results[0].error_type == "stream error 500"
+    assert data.results[0].error == "engine died"
+    with socket.socket() as s:  # a port that nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    data = run(prompts_of([4]), LoadSettings(base_url=dead, model="m", progress=False,
+                                             max_duration_s=5))
+    assert data.results[0].outcome == "failed"
+    assert data.results[0].error_type == "ConnectError"
+    assert data.metrics["scrapes"] == 0 and data.metrics["scrape_errors"] >= 2
+
+
+def test_kv_stats_inside_kv_transfer_params(server):
+    data = run(prompts_of([8, 16]), settings(server, model="transfer", scrape_metrics=False))
+    assert [r.kv_stats["kv_bytes_peak"] for r in data.results] == [800, 1600]
+
+
+def test_num_requests_bounds_the_run(server):
+    prompts = prompts_of([8] * 7, output_len=3)
+    data = run(prompts, settings(server, concurrency=3))
+    assert len(data.results) == 7
+    assert sorted(r.index for r in data.results) == list(range(7))  # each prompt sent once
+    assert all(r.ok for r in data.results)
+
+
+def test_max_duration_bounds_the_run(server):
+    start = time.monotonic()
+    data = run(prompts_of([8] * 50), settings(server, model="hang", concurrency=4,
+                                              max_duration_s=0.5))
+    took = time.monotonic() - start
+    assert took < 3.0
+    assert data.duration_s == pytest.approx(0.5, abs=0.5)
+    assert len(data.results) == 4  # the first wave; nothing new starts after the deadline
+    assert {r.outcome for r in data.results} == {"cancelled"}
+    result = build_result({}, data)
+    assert result["requests"]["cancelled"] == 4 and result["requests"]["not_sent"] == 46
+
+
+def test_request_timeout_is_a_failure_not_a_cancellation(server):
+    data = run(prompts_of([8] * 2), settings(server, model="hang", concurrency=2,
+                                             request_timeout_s=0.3, max_duration_s=10))
+    assert data.duration_s < 2.0
+    assert {(r.outcome, r.error_type) for r in data.results} == {("failed", "RequestTimeout")}
+
+
+def test_max_duration_bounds_a_slow_stream(server):
+    # 2000 tokens at >= 2 ms each take >= 4 s; the 0.4 s bound must cut them off.
+    data = run(prompts_of([8] * 3, output_len=2000), settings(server, concurrency=3,
+                                                               max_duration_s=0.4))
+    assert data.duration_s < 2.0
+    assert all(r.outcome == "cancelled" and r.ttft_s is not None for r in data.results)
+
+
+def test_poisson_arrivals(server):
+    offsets = poisson_arrivals(200, rate=50.0, seed=3)
+    assert offsets[0] == 0 and np.all(np.diff(offsets) >= 0)
+    assert np.diff(offsets).mean() == pytest.approx(1 / 50, rel=0.25)
+    assert np.array_equal(offsets, poisson_arrivals(200, rate=50.0, seed=3))
+    data = run(prompts_of([8] * 10, output_len=3), settings(server, concurrency=None,
+                                                            rate=100.0))
+    assert len(data.results) == 10 and all(r.ok for r in data.results)
+    starts = sorted(r.start_s for r in data.results)
+    assert starts[-1] > 0  # spread out, not all at once
+    with pytest.raises(ValueError):
+        LoadSettings(base_url="http://127.0.0.1:1", model="m", concurrency=2, rate=1.0)
+
+
+def test_metrics_and_memory_sampling(server):
+    data = run(prompts_of([8] * 4, output_len=250),
+               settings(server, concurrency=2, server_pid=os.getpid()))
+    assert data.duration_s > 1.0
+    m = data.metrics
+    assert m["scrapes"] >= 3  # before, every second during, after
+    assert m["preemptions"] == m["scrapes"] - 1  # fake counter grows by one per scrape
+    assert 0 < m["kv_cache_usage_peak"] <= 1
+    assert data.memory["peak_rss_bytes"] > 0 and len(data.memory["timeline"]) >= 3
+
+
+# ---------------------------------------------------------------- CLI and JSON output
+
+RUN_KEYS = {"schema", "config", "started_at", "duration_s", "requests", "tokens", "throughput",
+            "latency_ms", "kv_stats", "errors", "server", "per_request"}
+
+
+def test_cli_writes_json_result(server, tmp_path, capsys):
+    out = tmp_path / "results.json"
+    code = run_cli.main([
+        "--base-url", server.base_url, "--model", "fake",
+        "--tokenizer", str(_tiny_bpe_dir(tmp_path)), "--workload", "rag",
+        "--input-len", "40", "--output-len", "4", "--concurrency", "2", "--num-requests", "5",
+        "--max-duration", "20", "--seed", "0", "--server-pid", str(os.getpid()),
+        "--no-progress", "--out", str(out)])
+    assert code == 0
+    stdout = capsys.readouterr().out
+    assert "throughput" in stdout and "TTFT" in stdout and "kv_stats" in stdout
+    result = json.loads(out.read_text())
+    assert set(result) == RUN_KEYS
+    assert result["schema"] == "loadtest.run/1"
+    assert result["config"]["workload"] == "rag" and result["config"]["concurrency"] == 2
+    assert result["config"]["shapes"] == [{"kind": "rag", "input_len": 40, "output_len": 4,
+                                           "weight": 1.0}]
+    assert result["requests"]["ok"] == 5
+    assert result["tokens"] == {"input": 200, "output": 20}
+    assert set(result["throughput"]) == {"requests_per_s", "input_tokens_per_s",
+                                         "output_tokens_per_s", "total_tokens_per_s"}
+    thr = result["throughput"]
+    assert thr["total_tokens_per_s"] == pytest.approx(
+        thr["input_tokens_per_s"] + thr["output_tokens_per_s"])
+    assert thr["requests_per_s"] == pytest.approx(5 / result["duration_s"])
+    for name in ("ttft", "tpot", "e2e", "itl"):
+        assert set(result["latency_ms"][name]) == {"mean", "p50", "p90", "p99"}
+        assert result["latency_ms"][name]["p50"] > 0
+    assert set(result["server"]) == {"peak_rss_bytes", "kv_cache_usage_peak",
+                                     "kv_cache_usage_mean", "preemptions",
+                                     "metrics_timeline", "rss_timeline"}
+    assert result["server"]["peak_rss_bytes"] > 0
+    assert {"t", "kv_cache_usage", "preemptions", "running", "waiting"} <= \
+        set(result["server"]["metrics_timeline"][0])
+    assert result["kv_stats"]["requests"] == 5
+    assert result["kv_stats"]["mean"]["footprint"] == pytest.approx(40 / PROMPT_LIMIT)
+    assert len(result["per_request"]) == 5
+    assert set(result["per_request"][0]) == {
+        "index", "kind", "outcome", "http_status", "error_type", "error", "input_tokens",
+        "output_tokens", "start_s", "ttft_ms", "tpot_ms", "e2e_ms", "kv_stats"}
+    assert format_table(result)
+
+
+# ---------------------------------------------------------------- cross-check
+
+BENCH_OUTPUT = """
+============ Serving Benchmark Result ============
+Successful requests:                     16
+Benchmark duration (s):                  12.34
+Total input tokens:                      112000
+Total generated tokens:                  1024
+Request throughput (req/s):              1.30
+Output token throughput (tok/s):         82.98
+Peak output token throughput (tok/s):    150.00
+Peak concurrent requests:                4.00
+Total Token throughput (tok/s):          9159.00
+---------------Time to First Token----------------
+Mean TTFT (ms):                          500.12
+==================================================
+"""
+
+
+def test_cross_check_parsing_and_tolerance():
+    bench = crosscheck.parse_bench_output(BENCH_OUTPUT)
+    assert bench["requests_per_s"] == 1.30
+    assert bench["output_tokens_per_s"] == 82.98  # not the "Peak output" line
+    assert bench["total_tokens_per_s"] == 9159.0
+    assert bench["input_tokens_per_s"] == pytest.approx(9159.0 - 82.98)
+    ours = {"requests_per_s": 1.25, "input_tokens_per_s": 9000.0,
+            "output_tokens_per_s": 80.0, "total_tokens_per_s": 9080.0}
+    check = crosscheck.compare_throughput(ours, bench, tolerance=0.10)
+    assert check["within_tolerance"]
+    ours["output_tokens_per_s"] = 60.0
+    assert not crosscheck.compare_throughput(ours, bench)["within_tolerance"]
+    with pytest.raises(ValueError):
+        crosscheck.parse_bench_output("nothing here")
+    argv = crosscheck.bench_serve_command(
+        base_url="http://127.0.0.1:8000", model="m", tokenizer="/t", input_len=7000,
+        output_len=64, num_prompts=16, concurrency=4)
+    assert argv[:3] == ["vllm", "bench", "serve"]
+    assert argv[argv.index("--max-concurrency") + 1] == "4"
+    assert argv[argv.index("--random-input-len") + 1] == "7000"
+
+
+# ---------------------------------------------------------------- comparison
+
+def test_policy_parsing_and_server_command():
+    specs = [parse_policy(p) for p in ("full", "prulong:0.7", "pyramidkv:0.7:patched")]
+    assert [s.label for s in specs] == ["full", "prulong:0.7", "pyramidkv:0.7:patched"]
+    assert specs[2].slug == "pyramidkv-0.7-patched"
+    for bad in ("", "snapkv:x", "snapkv:1.5", "snapkv:0.7:lazy", "a:0.1:patched:x"):
+        with pytest.raises(ValueError):
+            parse_policy(bad)
+    argv = build_server_command("/models/m", specs[2], kv_cache_bytes=10**9,
+                                max_batched_tokens=2048, port=8123)
+    assert argv == ["vllm", "serve", "/models/m", "--kv-policy", "pyramidkv",
+                    "--kv-sparsity", "0.7", "--kv-eviction", "patched",
+                    "--kv-cache-memory-bytes", "1000000000", "--max-num-batched-tokens", "2048",
+                    "--enforce-eager", "--host", "127.0.0.1", "--port", "8123"]
+    assert "--kv-sparsity" not in build_server_command(
+        "m", specs[0], kv_cache_bytes=1, max_batched_tokens=1)
+    assert compare.parse_levels("1,4, 8,16") == [1, 4, 8, 16]
+
+
+def test_compare_starts_runs_and_stops_servers(tmp_path):
+    """End to end with the fake server as a subprocess standing in for `vllm serve`."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tests_dir = str(Path(__file__).parent)
+    repo_dir = str(Path(__file__).parent.parent)
+    started = []
+
+    def fake_command(model, spec, **kw):
+        assert kw["port"] == port and kw["kv_cache_bytes"] == 12345
+        started.append(spec.label)
+        code = (f"import sys; sys.path[:0] = [{tests_dir!r}, {repo_dir!r}]; "
+                f"import test_loadtest; test_loadtest.serve_forever({kw['port']})")
+        return [sys.executable, "-c", code]
+
+    runs, failures = compare.run_comparison(
+        policies=[parse_policy("full"), parse_policy("snapkv:0.7:patched")], levels=[1, 2],
+        model="fake", tokenizer=WordTokenizer(), shapes=make_shapes("rag", 12, 3),
+        num_requests=3, seed=0, out_dir=tmp_path, kv_cache_bytes=12345,
+        max_batched_tokens=64, port=port, max_duration_s=20, progress=False,
+        health_timeout_s=20, stop_timeout_s=5, command_fn=fake_command)
+    assert failures == {}
+    assert started == ["full", "snapkv:0.7:patched"]
+    assert set(runs) == {"full", "snapkv:0.7:patched"}
+    for per in runs.values():
+        assert set(per) == {1, 2}
+        for result in per.values():
+            assert result["requests"]["ok"] == 3
+            assert result["server"]["peak_rss_bytes"] > 0
+            assert result["server"]["metrics_timeline"]
+    # Level i uses seed + i: a level never repeats the previous level's prompts.
+    assert runs["full"][1]["config"]["seed"] == 0 and runs["full"][2]["config"]["seed"] == 1
+    from loadtest.server import port_in_use
+    assert not port_in_use("127.0.0.1", port)  # the last server was stopped
+    paths = compare.write_outputs(runs, failures, tmp_path, ["- note"])
+    for name in ("summary.md", "summary.json", "throughput.png", "latency_p99.png",
+                 "kv_usage.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert {p.name for p in paths} >= {"summary.md", "throughput.png"}
+    assert (tmp_path / "full_c1.json").exists() and (tmp_path / "server_full.log").exists()
+    md = (tmp_path / "summary.md").read_text()
+    assert "| concurrency | full | snapkv:0.7:patched |" in md
+    assert "kv_bytes_peak" in md
+
+
+def test_comparison_markdown_marks_missing_levels():
+    base = {"requests": {"ok": 1, "rejected": 0, "failed": 0, "cancelled": 0},
+            "throughput": {"requests_per_s": 1.0, "output_tokens_per_s": 2.0,
+                           "total_tokens_per_s": 3.0},
+            "latency_ms": {k: {"p50": 1.0, "p99": 2.0} for k in ("ttft", "tpot", "e2e")},
+            "server": {"peak_rss_bytes": None, "kv_cache_usage_peak": 0.5, "preemptions": 0},
+            "kv_stats": {"mean": {}}}
+    md = comparison_markdown({"full": {1: base, 4: base}, "prulong:0.7": {1: base}}, "T")
+    assert "| 4 | 3.0 | - |" in md

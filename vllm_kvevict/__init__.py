@@ -1,0 +1,11 @@
+"""vllm-kvevict: KV-cache eviction policies (PruLong, DuoAttention, SnapKV, PyramidKV,
+StreamingLLM) served inside vLLM, with the KV footprint of "Cache Me If You Can"."""
+
+__version__ = "0.1.0"
+
+
+def register() -> None:
+    """vLLM general-plugin entry point (kept import-light: it runs in every vLLM process)."""
+    from vllm_kvevict.integration.plugin import register as _register
+
+    _register()

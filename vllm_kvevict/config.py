@@ -1,0 +1,120 @@
+"""The KV policy configuration: one frozen dataclass, validated once, shared by every process.
+
+It travels from the `vllm serve` flags (or `--additional-config '{"kv_policy": {...}}'`) through
+vLLM's `additional_config` into the engine core and the workers. No vLLM import here, so the
+reference oracle, the trainer and the tests can use it without a server.
+
+Defaults are the paper's (sink 128, window 1024, observation window 64) scaled to the bundled
+model's 8K context: the paper keeps W/n at 1024/131072; at 8K that would leave a 64-token window,
+too little for a 135M model to write coherent text, so we keep DuoAttention's recent size (256)
+and half the paper's sink (64). Pass sink=128, window=1024 for the paper's values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+POLICIES = ("full", "streaming", "duo", "prulong", "snapkv", "pyramidkv")
+HEAD_MASK_POLICIES = ("duo", "prulong")
+TOKEN_EVICTION_POLICIES = ("snapkv", "pyramidkv")
+EVICTION_MODES = ("patched", "naive")
+
+DEFAULT_SINK = 64
+DEFAULT_WINDOW = 256
+DEFAULT_OBS_WINDOW = 64
+DEFAULT_POOL_KERNEL = 5
+DEFAULT_SPARSITY = 0.7
+
+
+class KVPolicyError(ValueError):
+    """A policy setting that cannot be served; the message names the valid values."""
+
+
+@dataclass(frozen=True)
+class KVPolicyConfig:
+    policy: str = "full"
+    # Head sparsity (share of streaming KV heads) for duo/prulong, token sparsity p (share of
+    # each prefill chunk's KVs evicted) for snapkv/pyramidkv. Ignored by full and streaming.
+    sparsity: float = DEFAULT_SPARSITY
+    sink: int = DEFAULT_SINK
+    window: int = DEFAULT_WINDOW
+    obs_window: int = DEFAULT_OBS_WINDOW
+    pool_kernel: int = DEFAULT_POOL_KERNEL
+    eviction: str = "patched"
+    # Head-mask file for duo/prulong; None means the mask shipped for the served model.
+    mask_path: str | None = None
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    @property
+    def uses_head_mask(self) -> bool:
+        return self.policy in HEAD_MASK_POLICIES or self.policy == "streaming"
+
+    @property
+    def evicts_tokens(self) -> bool:
+        return self.policy in TOKEN_EVICTION_POLICIES
+
+    @property
+    def patched(self) -> bool:
+        return self.evicts_tokens and self.eviction == "patched"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> "KVPolicyConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any] | str | None) -> "KVPolicyConfig":
+        """Build from a dict (or its JSON text); unknown keys are an error, not ignored."""
+        if raw is None:
+            return cls()
+        if isinstance(raw, str):
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise KVPolicyError(f"kv_policy is not valid JSON: {exc}") from None
+        if isinstance(raw, str):
+            raw = {"policy": raw}
+        if not isinstance(raw, Mapping):
+            raise KVPolicyError(f"kv_policy must be a JSON object, got {type(raw).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise KVPolicyError(
+                f"unknown kv_policy key(s) {unknown}; valid keys: {sorted(known)}")
+        return cls(**dict(raw))
+
+
+def _check_int(name: str, value: Any, lo: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise KVPolicyError(f"{name} must be an integer >= {lo}, got {value!r}")
+
+
+def validate(cfg: KVPolicyConfig) -> None:
+    if cfg.policy not in POLICIES:
+        raise KVPolicyError(
+            f"unknown kv policy {cfg.policy!r}; valid policies: {', '.join(POLICIES)}")
+    s = cfg.sparsity
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) \
+            or not 0.0 <= s <= 1.0:
+        raise KVPolicyError(f"sparsity must be a number in [0, 1], got {s!r}")
+    _check_int("sink", cfg.sink, 0)
+    _check_int("window", cfg.window, 1)
+    _check_int("obs_window", cfg.obs_window, 1)
+    _check_int("pool_kernel", cfg.pool_kernel, 1)
+    if cfg.pool_kernel % 2 == 0:
+        raise KVPolicyError(f"pool_kernel must be odd, got {cfg.pool_kernel}")
+    if cfg.eviction not in EVICTION_MODES:
+        raise KVPolicyError(
+            f"unknown eviction mode {cfg.eviction!r}; valid modes: {', '.join(EVICTION_MODES)}")
+    if cfg.mask_path is not None and not isinstance(cfg.mask_path, str):
+        raise KVPolicyError(f"mask_path must be a path string, got {cfg.mask_path!r}")
+    if cfg.mask_path is not None and cfg.policy not in HEAD_MASK_POLICIES:
+        raise KVPolicyError(
+            f"mask_path only applies to {', '.join(HEAD_MASK_POLICIES)}, not {cfg.policy!r}")

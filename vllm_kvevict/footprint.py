@@ -1,0 +1,185 @@
+"""The paper's KV footprint and peak KV ("Cache Me If You Can", section 2 and appendix A), exact.
+
+Time runs along the query axis: the n prompt positions (processed in prefill chunks), then the m
+decode steps. For every query position q we count, per (layer, KV head), the KV entries at
+positions <= q that are not yet evicted (active or inactive); the footprint is that count summed
+over all positions and averaged over heads, divided by the same count for full causal attention,
+T(n + m) with T(x) = x(x + 1) / 2.
+
+Per head, for a prefill chunk [a, b) of length c = b - a (K = sink + window):
+- streaming head: the chunk sees sink + the last `window` tokens before a (min(a, K) entries,
+  which equals Lw + Sk with Lw = min(W, a), Sk = min(s, a - Lw)) and itself causally:
+  T(c) + c * min(a, K). A decode step at current length a holds 1 + min(a, K).
+- full head: T(c) + past * c with past = a; decode adds T(m) + n * m, so T(n + m) in total.
+- token eviction (snapkv, pyramidkv): like a full head, but `past` grows only by the tokens a
+  layer keeps of each chunk, `policy.chunk_keep(...).kept`. The chunk itself is whole while it
+  runs; decode tokens are never evicted. Tokens appended for patched scoring are not counted
+  (they are not part of the n + m sequence and their KVs are dropped at once).
+
+Peak KV: the largest per-step count of un-evicted entries, averaged over heads, as a fraction of
+n + m (so full attention gives 1.0). Inside a chunk every head's count rises by one per query,
+and in decode it never falls, so the maximum over all n + m steps is attained at a chunk's last
+query (past + c, or min(a, K) + c for a streaming head) or at the last decode step (past + m, or
+1 + min(n + m - 1, K)). Heads are summed at the same step before taking the maximum.
+
+All counts are Python integers, so the only rounding is the final division.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from vllm_kvevict.policies.base import KVPolicy
+
+
+def tri(x: int) -> int:
+    """T(x) = x(x+1)/2: the causal entries of x queries over themselves."""
+    return x * (x + 1) // 2
+
+
+@dataclass(frozen=True)
+class FootprintResult:
+    footprint: float     # entries / full_entries
+    peak_kv: float       # largest per-step un-evicted count (head average) / (n + m)
+    entries: float       # un-evicted entries summed over query positions, averaged over heads
+    full_entries: float  # T(n + m)
+
+
+def chunk_boundaries_for(prompt_len: int, chunk_size: int) -> list[int]:
+    """Chunk end positions of a prompt prefilled `chunk_size` tokens at a time."""
+    if prompt_len < 1 or chunk_size < 1:
+        raise ValueError(f"need prompt_len >= 1 and chunk_size >= 1, got {prompt_len}, "
+                         f"{chunk_size}")
+    return list(range(chunk_size, prompt_len, chunk_size)) + [prompt_len]
+
+
+def _check(prompt_len: int, chunk_boundaries: Sequence[int], decode_len: int) -> list[int]:
+    for name, value, lo in (("prompt_len", prompt_len, 1), ("decode_len", decode_len, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+            raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
+    bounds = list(chunk_boundaries)
+    if not bounds:
+        raise ValueError("chunk_boundaries is empty; expected chunk end positions ending at "
+                         f"prompt_len={prompt_len}")
+    prev = 0
+    for b in bounds:
+        if isinstance(b, bool) or not isinstance(b, int) or b <= prev:
+            raise ValueError(f"chunk_boundaries must be strictly increasing positive integers "
+                             f"(chunk end positions), got {bounds}")
+        prev = b
+    if bounds[-1] != prompt_len:
+        raise ValueError(f"last chunk boundary {bounds[-1]} != prompt_len {prompt_len}")
+    return bounds
+
+
+def _sum_min(lo: int, hi: int, cap: int) -> int:
+    """Sum of min(a, cap) for a in [lo, hi): the decode steps of a streaming head, closed form."""
+    if hi <= lo:
+        return 0
+    mid = min(max(lo, cap), hi)  # a < mid contributes a, a >= mid contributes cap
+    below = (mid - lo) * (lo + mid - 1) // 2
+    return below + (hi - mid) * cap
+
+
+def _streaming_head(bounds: list[int], decode_len: int, sink: int,
+                    window: int) -> tuple[int, list[int]]:
+    """Entries and per-step peak candidates of one streaming head."""
+    cap = sink + window
+    entries, points, a = 0, [], 0
+    for b in bounds:
+        c, held = b - a, min(a, cap)
+        entries += tri(c) + c * held
+        points.append(held + c)
+        a = b
+    n = bounds[-1]
+    if decode_len:
+        entries += decode_len + _sum_min(n, n + decode_len, cap)
+        points.append(1 + min(n + decode_len - 1, cap))
+    return entries, points
+
+
+def _kept_head(bounds: list[int], decode_len: int, kept: list[int]) -> tuple[int, list[int]]:
+    """Entries and peak candidates of a head that keeps `kept[i]` tokens of chunk i."""
+    entries, points, past, a = 0, [], 0, 0
+    for b, k in zip(bounds, kept):
+        c = b - a
+        entries += tri(c) + past * c
+        points.append(past + c)
+        past += k
+        a = b
+    if decode_len:
+        entries += tri(decode_len) + past * decode_len
+        points.append(past + decode_len)
+    return entries, points
+
+
+def _chunk_lengths(bounds: list[int]) -> list[int]:
+    return [b - a for a, b in zip([0] + bounds[:-1], bounds)]
+
+
+def kv_footprint(policy: KVPolicy, prompt_len: int, chunk_boundaries: list[int],
+                 decode_len: int) -> FootprintResult:
+    """Footprint and peak KV of one request under `policy`, averaged over (layer, KV head).
+
+    chunk_boundaries: chunk end positions, e.g. [1024, 2048, 2500] for a 2500-token prompt.
+    """
+    bounds = _check(prompt_len, chunk_boundaries, decode_len)
+    lengths = _chunk_lengths(bounds)
+    num_layers, num_heads = policy.num_layers, policy.num_kv_heads
+    streaming_per_layer = policy.streaming_heads().sum(dim=1).tolist()
+
+    stream_entries, stream_points = _streaming_head(
+        bounds, decode_len, policy.config.sink, policy.config.window)
+    full_entries, full_points = _kept_head(bounds, decode_len, lengths)
+
+    keep_cache: dict[tuple[int, int, bool], int] = {}
+
+    def kept_of(layer: int, c: int, is_final: bool) -> int:
+        key = (layer, c, is_final)
+        if key not in keep_cache:
+            k = policy.chunk_keep(layer, c, is_final).kept
+            if not 0 <= k <= c:
+                raise ValueError(f"policy {policy.name!r} keeps {k} of a {c}-token chunk "
+                                 f"in layer {layer}")
+            keep_cache[key] = k
+        return keep_cache[key]
+
+    total = 0
+    step_totals = [0] * len(full_points)
+    last = len(lengths) - 1
+    for layer, n_stream in enumerate(streaming_per_layer):
+        n_other = num_heads - n_stream
+        if policy.evicts_tokens and n_other:
+            kept = [kept_of(layer, c, i == last) for i, c in enumerate(lengths)]
+            other_entries, other_points = _kept_head(bounds, decode_len, kept)
+        else:
+            other_entries, other_points = full_entries, full_points
+        total += n_stream * stream_entries + n_other * other_entries
+        for i, (s_pt, o_pt) in enumerate(zip(stream_points, other_points)):
+            step_totals[i] += n_stream * s_pt + n_other * o_pt
+
+    heads = num_layers * num_heads
+    seq = prompt_len + decode_len
+    return FootprintResult(footprint=total / (heads * tri(seq)),
+                           peak_kv=max(step_totals) / (heads * seq),
+                           entries=total / heads,
+                           full_entries=float(tri(seq)))
+
+
+def head_mask_footprint(n: int, m: int, chunk: int, h: float, sink: int,
+                        window: int) -> FootprintResult:
+    """Footprint of a head mask with a share `h` of streaming heads, prefilled in `chunk`s.
+
+    The same counts as `kv_footprint` without a policy object; h need not be a multiple of
+    1 / (L * H), which makes it handy for plots and the paper's reference values.
+    """
+    if not 0.0 <= h <= 1.0:
+        raise ValueError(f"streaming share h must be in [0, 1], got {h!r}")
+    bounds = _check(n, chunk_boundaries_for(n, chunk), m)
+    s_entries, s_points = _streaming_head(bounds, m, sink, window)
+    f_entries, f_points = _kept_head(bounds, m, _chunk_lengths(bounds))
+    entries = h * s_entries + (1.0 - h) * f_entries
+    peak = max(h * s + (1.0 - h) * f for s, f in zip(s_points, f_points))
+    return FootprintResult(footprint=entries / tri(n + m), peak_kv=peak / (n + m),
+                           entries=entries, full_entries=float(tri(n + m)))

@@ -1,0 +1,1 @@
+"""Everything that touches vLLM internals lives in this package (and only here)."""

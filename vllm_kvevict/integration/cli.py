@@ -1,0 +1,87 @@
+"""`vllm serve --kv-policy ...`: our flags on vLLM's own parser, carried in `additional_config`.
+
+vLLM builds the serve parser with `EngineArgs.add_cli_args` and copies only its dataclass fields
+in `from_cli_args`, so we wrap both: the first adds an argument group, the second folds the
+parsed values into `additional_config["kv_policy"]` and validates them before any model loads.
+`--additional-config '{"kv_policy": {...}}'` is the equivalent stable form; flags win over it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from vllm_kvevict.config import (DEFAULT_OBS_WINDOW, DEFAULT_POOL_KERNEL, DEFAULT_SINK,
+                                 DEFAULT_SPARSITY, DEFAULT_WINDOW, EVICTION_MODES, POLICIES,
+                                 KVPolicyConfig, KVPolicyError)
+
+ADDITIONAL_CONFIG_KEY = "kv_policy"
+
+# flag -> (KVPolicyConfig field, type, help)
+FLAGS = {
+    "--kv-policy": ("policy", str,
+                    f"KV eviction policy: {', '.join(POLICIES)} (default: full = stock vLLM)."),
+    "--kv-sparsity": ("sparsity", float,
+                      "Head sparsity (share of streaming KV heads) for duo/prulong; token "
+                      "sparsity p (share of each prefill chunk's KVs evicted) for "
+                      f"snapkv/pyramidkv. In [0, 1]; default {DEFAULT_SPARSITY}."),
+    "--kv-sink": ("sink", int, f"Sink tokens kept by streaming heads (default {DEFAULT_SINK}; "
+                               "paper: 128)."),
+    "--kv-window": ("window", int, "Local window of streaming heads, in tokens (default "
+                                   f"{DEFAULT_WINDOW}; paper: 1024)."),
+    "--kv-obs-window": ("obs_window", int, "Observation window k of snapkv/pyramidkv, in tokens "
+                                           f"(default {DEFAULT_OBS_WINDOW}, as in the paper)."),
+    "--kv-pool-kernel": ("pool_kernel", int, "Average-pool kernel smoothing snapkv/pyramidkv "
+                                             f"scores (odd; default {DEFAULT_POOL_KERNEL})."),
+    "--kv-eviction": ("eviction", str, "Chunked eviction mode of snapkv/pyramidkv: "
+                                       f"{' or '.join(EVICTION_MODES)} (default patched)."),
+    "--kv-mask": ("mask_path", str, "Head-mask file for duo/prulong (our JSON format, PruLong "
+                                    "0/1 TSV or DuoAttention gate TSV). Default: the mask shipped "
+                                    "in head_masks/ for the served model."),
+}
+
+
+def add_kv_policy_args(parser: argparse.ArgumentParser) -> None:
+    if any(a.dest == "kv_policy" for a in parser._actions):  # idempotent
+        return
+    group = parser.add_argument_group(
+        "vllm-kvevict", "KV-cache eviction (PruLong paper). Equivalent JSON form: "
+                        "--additional-config '{\"kv_policy\": {\"policy\": \"prulong\", "
+                        "\"sparsity\": 0.7}}'.")
+    for flag, (field, typ, help_text) in FLAGS.items():
+        group.add_argument(flag, dest="kv_" + field if field != "policy" else "kv_policy",
+                           type=typ, default=argparse.SUPPRESS, help=help_text)
+
+
+def policy_from_args(args: argparse.Namespace, additional_config: dict | None) -> dict | None:
+    """Merged, validated kv_policy dict (or None when neither form is used)."""
+    base = dict((additional_config or {}).get(ADDITIONAL_CONFIG_KEY) or {})
+    if isinstance((additional_config or {}).get(ADDITIONAL_CONFIG_KEY), str):
+        base = {"policy": additional_config[ADDITIONAL_CONFIG_KEY]}
+    for _flag, (field, _typ, _help) in FLAGS.items():
+        dest = "kv_" + field if field != "policy" else "kv_policy"
+        value = getattr(args, dest, None)
+        if value is not None:
+            base[field] = value
+    if not base:
+        return None
+    return KVPolicyConfig.from_dict(base).to_dict()
+
+
+def fail(message: str) -> "None":
+    """One line on stderr, exit code 2 (argparse's usage-error code), before any model loads."""
+    print(f"vllm-kvevict: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def fold_into_engine_args(engine_args, args: argparse.Namespace) -> None:
+    additional = engine_args.additional_config
+    if additional is None or not isinstance(additional, dict):
+        additional = {}
+    try:
+        policy = policy_from_args(args, additional)
+    except KVPolicyError as exc:
+        fail(str(exc))
+    if policy is not None:
+        additional = {**additional, ADDITIONAL_CONFIG_KEY: policy}
+        engine_args.additional_config = additional
