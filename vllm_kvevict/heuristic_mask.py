@@ -23,9 +23,16 @@ The text. Fixed and read from this Python's standard library on disk, so it is t
 every machine with the same Python version (its Python version and the SHA-256 of the token ids
 are recorded in the file): half English prose (the Zen of Python, decoded from `this.py`, then
 the topics of `pydoc_data/topics.py`, the language reference text behind `help()`, in sorted
-topic order), half Python source (the `json` package, `textwrap.py`, `argparse.py`). Each
-document is tokenized on its own, without special tokens; prose takes the first tokens // 2
-ids, code the rest.
+topic order), half Python source (the `json` package, `textwrap.py`, `argparse.py`), each
+in that order as far as the budget reaches (at 4096 tokens: the Zen, two topics and the first
+2048 tokens of `json/__init__.py`). Each document is tokenized on its own, without special
+tokens; prose takes the first tokens // 2 ids, code the rest.
+
+A caveat: diffuse attention scores high without retrieving anything (a head attending
+uniformly to its causal keys scores about 0.78 at 4096 tokens with sink 64 / window 256; the
+file records that reference as `uniform_attention_mass`). On SmolLM2 layers 0-10 score 0.10-0.76
+and layers 11-29 at most 0.27, so this ranking makes the early layers full first; a trained mask
+may well disagree.
 
 The forward. The model runs in float32 with a custom attention function (registered in
 transformers' AttentionInterface for the duration of the run) that computes plain causal
@@ -68,8 +75,10 @@ NOTES = ("NOT trained: heuristic long-range attention mass ranking. Each (layer,
          "scored by the mean attention probability (over query positions q > sink + window and "
          "over the query heads of its GQA group) on keys a streaming head would have evicted, "
          "i.e. positions in [sink, q - window), under full causal attention on a fixed text "
-         "(half prose: the Zen of Python and pydoc_data topics; half code: the json package, "
-         "textwrap.py and argparse.py, all read from the Python standard library). "
+         "read from the Python standard library: half prose (the Zen of Python, then "
+         "pydoc_data topics in sorted order), half code (the json package, textwrap.py, "
+         "argparse.py), each in that order as far as the token budget reaches; "
+         "extra.text_sources lists what was used). "
          "gate = rank / (N - 1) of that score among the N heads (0 = least long-range mass), so "
          "the top-k of the gates at any sparsity is the heuristic ranking; gates are ranks, not "
          "probabilities. Raw scores in extra.long_range_mass. Made by "
@@ -265,6 +274,13 @@ def long_range_mass(model, input_ids: list[int] | torch.Tensor, sink: int, windo
     return acc.result()
 
 
+def uniform_mass(num_tokens: int, sink: int, window: int) -> float:
+    """The score a head would get by attending uniformly to all its causal keys: a reference
+    point, since diffuse attention scores high without retrieving anything."""
+    qs = range(sink + window + 1, num_tokens)
+    return sum((q - window - sink) / (q + 1) for q in qs) / len(qs) if qs else 0.0
+
+
 def rank_gates(mass: torch.Tensor) -> torch.Tensor:
     """float32 [L, H]: rank / (N - 1) of each head's mass, rank 0 = least; equal masses rank
     in flat (layer-major) index order, as `full_heads_at_sparsity` breaks ties."""
@@ -287,7 +303,8 @@ def build_head_gates(mass: torch.Tensor, model_name: str, sink: int, window: int
         "long_range_mass": [[float(x) for x in row] for row in mass.tolist()],
     }
     if corpus is not None:
-        info.update(num_tokens=len(corpus.token_ids), token_ids_sha256=corpus.sha256,
+        info.update(uniform_attention_mass=uniform_mass(len(corpus.token_ids), sink, window),
+                    num_tokens=len(corpus.token_ids), token_ids_sha256=corpus.sha256,
                     python_version=".".join(map(str, sys.version_info[:3])),
                     text_sources=corpus.sources)
     info.update(extra or {})
@@ -366,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     num_layers, num_heads = gates.shape
     print(f"{name}: {num_layers} layers x {num_heads} KV heads, {tokens} tokens, sink "
           f"{args.sink}, window {args.window}, {elapsed:.1f} s")
+    print(f"(a head attending uniformly to all causal keys would score "
+          f"{uniform_mass(tokens, args.sink, args.window):.4f})")
     print("layer  long-range mass per KV head        gate (rank / (N-1))")
     for layer in range(num_layers):
         masses = " ".join(f"{m:.4f}" for m in mass[layer].tolist())

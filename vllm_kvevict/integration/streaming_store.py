@@ -18,7 +18,7 @@ The index bookkeeping (`StepPlan`) is computed once per engine step and shared b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +39,8 @@ class StepPlan:
     keep_dst: torch.Tensor          # long: their store rows
     max_seq_len: int
     valid: bool = True
+    # vLLM kernel work schedules for this step, per streaming-head count (filled lazily)
+    kernel_schedules: dict = field(default_factory=dict)
 
 
 def ring_slot(positions: torch.Tensor, sink: int, window: int) -> torch.Tensor:

@@ -1,0 +1,153 @@
+"""The attention backend: vLLM's CPU backend, with head-mask policies applied inside it.
+
+Registered over `CPU_ATTN` (the CPU platform always asks for it). With `full` every class here
+is vLLM's own, so `full` is stock vLLM bit for bit. With a head mask, per layer:
+  - full heads: vLLM's kernel over the paged cache, which holds only those heads;
+  - streaming heads: vLLM's kernel over a scratch paged cache laid out as
+    [sink | window | chunk] per request from `StreamingStore` (see streaming_store.py);
+  - a layer whose heads are all full takes the stock path unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm import _custom_ops as ops
+from vllm import envs
+from vllm.config import get_current_vllm_config
+from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
+                                                 CPUAttentionMetadataBuilder)
+
+from vllm_kvevict.integration.worker_state import get_state, init_state
+
+
+def _layer_index(layer) -> int:
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return extract_layer_index(layer.layer_name)
+
+
+class KVEvictMetadataBuilder(CPUAttentionMetadataBuilder):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        state = get_state()
+        if state is not None:
+            # This group's paged cache holds only the full heads of its layers: the kernel's
+            # work split must be sized for their query heads, not the layer's.
+            self.num_heads = self.num_kv_heads * state.heads[0].queries_per_kv
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        state = get_state()
+        if state is not None:
+            metadata.plan = state.step_plan(common_attn_metadata)
+            metadata.common = common_attn_metadata
+        return metadata
+
+
+class KVEvictAttentionImpl(CPUAttentionBackendImpl):
+    _scratch: dict[int, torch.Tensor] = {}  # per streaming-head count, shared by layers
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        heads = get_state().heads[_layer_index(layer)]
+        if heads.all_full:
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        if heads.full_kv:
+            full = list(heads.full_kv)
+            super().do_kv_cache_update(layer, key[:, full], value[:, full], kv_cache,
+                                       slot_mapping)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        if attn_metadata is None:
+            return output
+        state = get_state()
+        heads = state.heads[_layer_index(layer)]
+        if heads.all_full:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
+        n = attn_metadata.num_actual_tokens
+        if heads.full_kv:
+            full_q = heads.full_q
+            out_full = torch.empty(n, len(full_q), self.head_size, dtype=output.dtype)
+            self._kernel(layer, query[:n, full_q], kv_cache, out_full, attn_metadata.query_start_loc,
+                         attn_metadata.seq_lens, attn_metadata.block_table,
+                         attn_metadata.scheduler_metadata)
+            output[:n, full_q] = out_full  # the kernel needs a dense output; copy after
+        stream_q, stream_kv = heads.streaming_q, list(heads.streaming_kv)
+        plan = attn_metadata.plan
+        if not plan.valid:  # profiling / warm-up runs without real requests
+            output[:n, stream_q] = 0
+            return output
+        keys, values = key[:n, stream_kv], value[:n, stream_kv]
+        store = state.store(heads.layer)
+        laid_k, laid_v = store.lay_out(plan, keys, values)
+        scratch = self._scratch_cache(len(stream_kv), int(plan.block_table.max()) + 1,
+                                      state.block_size, state.dtype)
+        k_cache, v_cache = self._split(scratch)
+        ops.cpu_attn_reshape_and_cache(laid_k, laid_v, k_cache, v_cache, plan.scratch_slots,
+                                       layer.isa, k_scale=layer._k_scale_float,
+                                       v_scale=layer._v_scale_float,
+                                       kv_cache_dtype=self.kv_cache_dtype)
+        out_stream = torch.empty(n, len(stream_q), self.head_size, dtype=output.dtype)
+        sched = self._scheduler_metadata(layer, plan, len(stream_kv), len(stream_q), output.dtype)
+        self._kernel(layer, query[:n, stream_q], scratch, out_stream, plan.query_start_loc,
+                     plan.seq_lens, plan.block_table, sched)
+        output[:n, stream_q] = out_stream
+        store.commit(plan, keys, values)
+        return output
+
+    # -- helpers -------------------------------------------------------------------------
+    @staticmethod
+    def _split(kv_cache: torch.Tensor):
+        num_blocks, num_kv_heads, block_size, _ = kv_cache.size()
+        return kv_cache.view(num_blocks, num_kv_heads, block_size * 2, -1).chunk(2, dim=2)
+
+    def _kernel(self, layer, query, kv_cache, out, query_start_loc, seq_lens, block_table,
+                scheduler_metadata) -> None:
+        key_cache, value_cache = self._split(kv_cache)
+        ops.cpu_attention_with_kv_cache(
+            query=query, key_cache=key_cache, value_cache=value_cache, output=out,
+            query_start_loc=query_start_loc, seq_lens=seq_lens, scale=self.scale, causal=True,
+            alibi_slopes=self.alibi_slopes, sliding_window=self.sliding_window,
+            block_table=block_table, softcap=self.logits_soft_cap,
+            scheduler_metadata=scheduler_metadata, s_aux=None, dynamic_causal=None,
+            k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
+            kv_cache_dtype=self.kv_cache_dtype)
+
+    def _scratch_cache(self, num_heads: int, num_blocks: int, block_size: int,
+                       dtype: torch.dtype) -> torch.Tensor:
+        # Zero-initialised: the kernel reads whole block tiles past seq_len.
+        cache = self._scratch.get(num_heads)
+        if cache is None or cache.shape[0] < num_blocks:
+            cache = torch.zeros(max(num_blocks, 2 * (0 if cache is None else cache.shape[0])),
+                                num_heads, block_size, 2 * self.head_size,
+                                dtype=dtype)
+            KVEvictAttentionImpl._scratch[num_heads] = cache
+        return cache
+
+    def _scheduler_metadata(self, layer, plan, num_kv_heads, num_q_heads, dtype):
+        sched = plan.kernel_schedules.get(num_kv_heads)
+        if sched is None:
+            sched = ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=plan.num_reqs, num_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                head_dim=self.head_size, seq_lens=plan.seq_lens, dtype=dtype,
+                query_start_loc=plan.query_start_loc, causal=True,
+                sliding_window_size=self.sliding_window, isa=layer.isa,
+                enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None,
+                kv_cache_dtype=self.kv_cache_dtype)
+            plan.kernel_schedules[num_kv_heads] = sched
+        return sched
+
+
+class KVEvictAttentionBackend(CPUAttentionBackend):
+    """Keeps the name CPU_ATTN: vLLM's CPU platform selects backends by that name."""
+
+    @staticmethod
+    def get_impl_cls():
+        state = init_state(get_current_vllm_config())
+        return CPUAttentionBackendImpl if state is None else KVEvictAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        state = init_state(get_current_vllm_config())
+        return CPUAttentionMetadataBuilder if state is None else KVEvictMetadataBuilder

@@ -1,0 +1,119 @@
+"""Worker-side state of the policy: the policy object, per-layer head splits, the streaming
+stores, request -> store slot, and the current step's plan. One instance per worker process."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm_kvevict.config import KVPolicyConfig
+from vllm_kvevict.integration.head_split import LayerHeads, layer_heads
+from vllm_kvevict.integration.streaming_store import StepPlan, StreamingStore, build_step_plan
+from vllm_kvevict.policies import KVPolicy, build_policy
+
+logger = logging.getLogger("vllm_kvevict")
+
+
+@dataclass
+class WorkerState:
+    config: KVPolicyConfig
+    policy: KVPolicy
+    heads: list[LayerHeads]
+    head_dim: int
+    dtype: torch.dtype
+    block_size: int
+    stores: dict[int, StreamingStore] = field(default_factory=dict)
+    slot_of: dict[str, int] = field(default_factory=dict)
+    free_slots: list[int] = field(default_factory=list)
+    step: int = 0
+    runner: object = None
+    _plan_key: tuple | None = None
+    plan: StepPlan | None = None
+
+    # -- requests ------------------------------------------------------------------------
+    def slot_for(self, req_id: str) -> int:
+        if req_id not in self.slot_of:
+            slot = self.free_slots.pop() if self.free_slots else len(self.slot_of)
+            self.slot_of[req_id] = slot
+            for store in self.stores.values():
+                store.grow(slot + 1)
+        return self.slot_of[req_id]
+
+    def release(self, req_ids) -> None:
+        for req_id in req_ids or ():
+            slot = self.slot_of.pop(req_id, None)
+            if slot is not None:
+                self.free_slots.append(slot)
+
+    # -- per step ------------------------------------------------------------------------
+    def step_plan(self, common) -> StepPlan:
+        """The plan of the step whose common attention metadata is `common` (built once)."""
+        key = (self.step, id(common))
+        if key == self._plan_key and self.plan is not None:
+            return self.plan
+        num_reqs = common.num_reqs
+        q_start = common.query_start_loc_cpu[: num_reqs + 1].tolist()
+        q_lens = [q_start[i + 1] - q_start[i] for i in range(num_reqs)]
+        seq_lens = common.seq_lens[:num_reqs].cpu().tolist()
+        computed = [s - q for s, q in zip(seq_lens, q_lens)]
+        req_ids = list(getattr(getattr(self.runner, "input_batch", None), "req_ids", []) or [])
+        valid = len(req_ids) >= num_reqs and all(r is not None for r in req_ids[:num_reqs])
+        slots = [self.slot_for(r) for r in req_ids[:num_reqs]] if valid else [0] * num_reqs
+        plan = build_step_plan(slots, computed, q_lens, self.config.sink, self.config.window,
+                               self.block_size)
+        plan.valid = valid
+        self._plan_key, self.plan = key, plan
+        return plan
+
+    def store(self, layer: int) -> StreamingStore:
+        if layer not in self.stores:
+            heads = self.heads[layer]
+            self.stores[layer] = StreamingStore(
+                len(heads.streaming_kv), self.head_dim, self.config.sink, self.config.window,
+                self.dtype, slots=max(8, len(self.slot_of)))
+        return self.stores[layer]
+
+    def streaming_bytes_per_request(self) -> int:
+        cap = self.config.sink + self.config.window
+        heads = sum(len(h.streaming_kv) for h in self.heads)
+        return 2 * cap * heads * self.head_dim * torch.tensor([], dtype=self.dtype).element_size()
+
+
+_state: WorkerState | None = None
+
+
+def get_state() -> WorkerState | None:
+    return _state
+
+
+def init_state(vllm_config) -> WorkerState | None:
+    """Build the worker state from the VllmConfig (None for `full`: stock vLLM runs)."""
+    global _state
+    if _state is not None:
+        return _state
+    from vllm_kvevict.integration.validation import (model_shape, policy_config_of,
+                                                     resolve_full_heads)
+
+    cfg = policy_config_of(vllm_config)
+    if cfg.policy == "full":
+        return None
+    hf = vllm_config.model_config.hf_config
+    num_layers, num_kv_heads = model_shape(hf)
+    text = getattr(hf, "get_text_config", lambda: hf)()
+    queries_per_kv = text.num_attention_heads // num_kv_heads
+    full_heads, source = None, ""
+    if cfg.policy in ("duo", "prulong"):
+        full_heads, source = resolve_full_heads(cfg, vllm_config.model_config.model,
+                                                num_layers, num_kv_heads)
+    policy = build_policy(cfg, num_layers, num_kv_heads, full_heads=full_heads,
+                          mask_source=source)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    _state = WorkerState(config=cfg, policy=policy,
+                         heads=layer_heads(policy.streaming_heads(), queries_per_kv),
+                         head_dim=head_dim, dtype=vllm_config.model_config.dtype,
+                         block_size=vllm_config.cache_config.block_size)
+    logger.info("vllm-kvevict: policy %s, %d of %d KV heads streaming (mask %s)", cfg.policy,
+                int(policy.streaming_heads().sum()), num_layers * num_kv_heads, source or "-")
+    return _state
