@@ -48,7 +48,13 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
     _scratch: dict[int, torch.Tensor] = {}  # per streaming-head count, shared by layers
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        heads = get_state().heads[_layer_index(layer)]
+        state = get_state()
+        if state.token is not None:
+            # New tokens go to their physical slots in this layer (after earlier evictions).
+            slots = state.plan.slots[_layer_index(layer)]
+            n = slots.shape[0]
+            return super().do_kv_cache_update(layer, key[:n], value[:n], kv_cache, slots)
+        heads = state.heads[_layer_index(layer)]
         if heads.all_full:
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         if heads.full_kv:
@@ -61,6 +67,9 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
         if attn_metadata is None:
             return output
         state = get_state()
+        if state.token is not None:
+            return self._forward_token_eviction(state, layer, query, key, value, kv_cache,
+                                                attn_metadata, output)
         heads = state.heads[_layer_index(layer)]
         if heads.all_full:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
@@ -95,6 +104,56 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
         output[:n, stream_q] = out_stream
         store.commit(plan, keys, values)
         return output
+
+    def _forward_token_eviction(self, state, layer, query, key, value, kv_cache, attn_metadata,
+                                output):
+        """Attention over the kept (compacted) past + the chunk, then compress the chunk."""
+        plan = attn_metadata.plan
+        n = attn_metadata.num_actual_tokens
+        l = _layer_index(layer)
+        seq_lens = plan.seq_lens[l]
+        sched_key = tuple(seq_lens.tolist())
+        sched = plan.kernel_schedules.get(sched_key)
+        if sched is None:
+            sched = ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=plan.num_reqs, num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads, head_dim=self.head_size, seq_lens=seq_lens,
+                dtype=output.dtype, query_start_loc=plan.query_start_loc, causal=True,
+                sliding_window_size=self.sliding_window, isa=layer.isa,
+                enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None,
+                kv_cache_dtype=self.kv_cache_dtype)
+            plan.kernel_schedules[sched_key] = sched
+        self._kernel(layer, query[:n], kv_cache, output[:n], plan.query_start_loc, seq_lens,
+                     plan.block_table, sched)
+        if plan.valid and plan.jobs:
+            self._compress_chunks(state.policy, layer, l, plan, query, key, value, kv_cache)
+        return output
+
+    def _compress_chunks(self, policy, layer, l, plan, query, key, value, kv_cache) -> None:
+        """Score each prefill chunk by its observation window, keep the best KVs per KV head,
+        and rewrite them contiguously at the layer's physical end of the past."""
+        kept_k, kept_v, kept_slots = [], [], []
+        heads = torch.arange(self.num_kv_heads)
+        for job in plan.jobs:
+            keep = job.keep[l]
+            c = job.end - job.start
+            chunk_k = key[job.start:job.end]
+            chunk_v = value[job.start:job.end]
+            num_obs = min(policy.config.obs_window, c)
+            obs_q = query[job.end - num_obs:job.end].transpose(0, 1)
+            scores = policy.score(obs_q, chunk_k.transpose(0, 1), obs_offset=c - num_obs,
+                                  window=keep.window)
+            idx = policy.select(scores, keep.selected, c, keep.window)  # [H, kept]
+            kept_k.append(chunk_k[idx.T, heads])                        # [kept, H, d]
+            kept_v.append(chunk_v[idx.T, heads])
+            positions = job.phys_before[l] + torch.arange(idx.shape[1])
+            kept_slots.append(plan.physical_slots(job.row, positions))
+        key_cache, value_cache = self._split(kv_cache)
+        ops.cpu_attn_reshape_and_cache(torch.cat(kept_k), torch.cat(kept_v), key_cache,
+                                       value_cache, torch.cat(kept_slots), layer.isa,
+                                       k_scale=layer._k_scale_float,
+                                       v_scale=layer._v_scale_float,
+                                       kv_cache_dtype=self.kv_cache_dtype)
 
     # -- helpers -------------------------------------------------------------------------
     @staticmethod

@@ -21,6 +21,15 @@ PATCHED = (
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner.get_kv_cache_spec",
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner.execute_model",
     "vllm.v1.worker.gpu_model_runner.add_kv_sharing_layers_to_kv_cache_groups",
+    "vllm.v1.core.sched.scheduler.Scheduler.__init__",
+    "vllm.v1.core.sched.scheduler.Scheduler.schedule",
+    "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator.get_num_blocks_to_allocate",
+    "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator.allocate_new_blocks",
+    # kv_stats (_install_stats; the Scheduler hook is set by integration/connector.py when the
+    # engine core creates our stats connector)
+    "vllm.v1.core.sched.scheduler.Scheduler.update_from_output",
+    "vllm.v1.engine.output_processor.RequestState.make_request_output",
+    "vllm.entrypoints.launchers.api_server.entry.build_app",
 )
 
 
@@ -32,6 +41,8 @@ def register() -> None:
     _patch_cli()
     _register_backend()
     _patch_runner()
+    _patch_scheduler()
+    _install_stats()
 
 
 def _patch_cli() -> None:
@@ -133,8 +144,123 @@ def _patch_runner() -> None:
             state.step += 1
             state.release(scheduler_output.finished_req_ids)
             state.release(getattr(scheduler_output, "preempted_req_ids", None))
-        return original_execute(self, scheduler_output, *args, **kwargs)
+        output = original_execute(self, scheduler_output, *args, **kwargs)
+        if state is not None:
+            state.finish_step()
+        return output
 
     GPUModelRunner.get_kv_cache_spec = get_kv_cache_spec
     GPUModelRunner.execute_model = execute_model
     gpu_model_runner.add_kv_sharing_layers_to_kv_cache_groups = add_kv_sharing_layers
+
+
+def _patch_scheduler() -> None:
+    """Engine-core side of token eviction: physical block accounting and tail-block freeing."""
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from vllm_kvevict.integration import scheduler_side
+
+    original_init = Scheduler.__init__
+    original_schedule = Scheduler.schedule
+    original_count = KVCacheCoordinator.get_num_blocks_to_allocate
+    original_allocate = KVCacheCoordinator.allocate_new_blocks
+
+    @functools.wraps(original_init)
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        scheduler_side.attach(self)
+
+    @functools.wraps(original_schedule)
+    def schedule(self, *args, **kwargs):
+        ledger = scheduler_side.ledger_of(self)
+        if ledger is None:
+            return original_schedule(self, *args, **kwargs)
+        ledger.before_schedule()
+        output = original_schedule(self, *args, **kwargs)
+        ledger.after_schedule(output)
+        return output
+
+    @functools.wraps(original_count)
+    def get_num_blocks_to_allocate(self, request_id, num_tokens, *args, **kwargs):
+        ledger = scheduler_side.current()
+        if ledger is not None:
+            if kwargs.get("apply_admission_cap"):
+                num_tokens = ledger.admission_tokens(request_id, num_tokens)
+            else:
+                num_tokens = ledger.physical(request_id, num_tokens)
+            if "num_tokens_main_model" in kwargs:
+                kwargs["num_tokens_main_model"] = min(kwargs["num_tokens_main_model"],
+                                                      num_tokens)
+        return original_count(self, request_id, num_tokens, *args, **kwargs)
+
+    @functools.wraps(original_allocate)
+    def allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model, *args,
+                            **kwargs):
+        ledger = scheduler_side.current()
+        if ledger is not None:
+            num_tokens = ledger.physical(request_id, num_tokens)
+            num_tokens_main_model = ledger.physical(request_id, num_tokens_main_model)
+        return original_allocate(self, request_id, num_tokens, num_tokens_main_model, *args,
+                                 **kwargs)
+
+    Scheduler.__init__ = init
+    Scheduler.schedule = schedule
+    KVCacheCoordinator.get_num_blocks_to_allocate = get_num_blocks_to_allocate
+    KVCacheCoordinator.allocate_new_blocks = allocate_new_blocks
+
+
+def _install_stats() -> None:
+    """Per-request kv_stats (server/README.md). Every process: `create_engine_config` gives the
+    engine our stats connector (integration/connector.py) unless the user chose a KV connector
+    or set VLLM_KVEVICT_STATS=0. API-server process only (vLLM's `vllm serve` has imported its
+    app builder before plugins load): the output-processor hook that records each finished
+    request's stats, and the app builder that adds /v1/kv_stats, the response middleware and
+    the Prometheus series."""
+    import sys
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_kvevict.integration import connector
+
+    original_create = EngineArgs.create_engine_config
+
+    @functools.wraps(original_create)
+    def create_engine_config(self, *a, **kw):
+        connector.inject_config(self)
+        return original_create(self, *a, **kw)
+
+    EngineArgs.create_engine_config = create_engine_config
+
+    entry = sys.modules.get("vllm.entrypoints.launchers.api_server.entry")
+    if entry is None:
+        return
+    from vllm.v1.engine.output_processor import RequestState
+
+    original_output = RequestState.make_request_output
+    original_build = entry.build_app
+
+    @functools.wraps(original_output)
+    def make_request_output(self, *args, **kwargs):
+        # vLLM passes (new_token_ids, pooling_output, finish_reason, stop_reason,
+        # kv_transfer_params, ...); only a finished request carries kv_transfer_params.
+        params = kwargs.get("kv_transfer_params", args[4] if len(args) > 4 else None)
+        if params is not None and isinstance(params, dict) and "kv_stats" in params:
+            try:
+                from server.kv_stats import record_engine_output
+
+                record_engine_output(self.request_id, self.external_req_id, params)
+            except Exception:
+                logger.exception("vllm-kvevict: recording kv_stats failed")
+        return original_output(self, *args, **kwargs)
+
+    @functools.wraps(original_build)
+    def build_app(*args, **kwargs):
+        app = original_build(*args, **kwargs)
+        from server.kv_stats import install_app
+
+        install_app(app)
+        return app
+
+    RequestState.make_request_output = make_request_output
+    entry.build_app = build_app

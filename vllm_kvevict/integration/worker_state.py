@@ -11,6 +11,7 @@ import torch
 from vllm_kvevict.config import KVPolicyConfig
 from vllm_kvevict.integration.head_split import LayerHeads, layer_heads
 from vllm_kvevict.integration.streaming_store import StepPlan, StreamingStore, build_step_plan
+from vllm_kvevict.integration.token_eviction import TokenEvictionWorker, TokenStepPlan
 from vllm_kvevict.policies import KVPolicy, build_policy
 
 logger = logging.getLogger("vllm_kvevict")
@@ -29,8 +30,10 @@ class WorkerState:
     free_slots: list[int] = field(default_factory=list)
     step: int = 0
     runner: object = None
+    token: TokenEvictionWorker | None = None
     _plan_key: tuple | None = None
-    plan: StepPlan | None = None
+    plan: StepPlan | TokenStepPlan | None = None
+    _finished_key: tuple | None = None
 
     # -- requests ------------------------------------------------------------------------
     def slot_for(self, req_id: str) -> int:
@@ -42,6 +45,8 @@ class WorkerState:
         return self.slot_of[req_id]
 
     def release(self, req_ids) -> None:
+        if self.token is not None:
+            self.token.release(req_ids)
         for req_id in req_ids or ():
             slot = self.slot_of.pop(req_id, None)
             if slot is not None:
@@ -60,12 +65,43 @@ class WorkerState:
         computed = [s - q for s, q in zip(seq_lens, q_lens)]
         req_ids = list(getattr(getattr(self.runner, "input_batch", None), "req_ids", []) or [])
         valid = len(req_ids) >= num_reqs and all(r is not None for r in req_ids[:num_reqs])
+        if self.token is not None:
+            plan = self._token_plan(req_ids[:num_reqs], computed, q_lens, valid)
+            self._plan_key, self.plan = key, plan
+            return plan
         slots = [self.slot_for(r) for r in req_ids[:num_reqs]] if valid else [0] * num_reqs
         plan = build_step_plan(slots, computed, q_lens, self.config.sink, self.config.window,
                                self.block_size)
         plan.valid = valid
         self._plan_key, self.plan = key, plan
         return plan
+
+    def _token_plan(self, req_ids, computed, q_lens, valid) -> TokenStepPlan:
+        if not valid:  # profiling / warm-up: nothing to keep, nothing to evict
+            n = len(q_lens)
+            req_ids = [f"__dummy{i}" for i in range(n)]
+            prompt_lens, block_ids = [0] * n, [[0]] * n
+        else:
+            batch = self.runner.input_batch
+            prompt_lens = [int(x) for x in batch.num_prompt_tokens[: len(req_ids)]]
+            block_ids = [self.runner.requests[r].block_ids[0] for r in req_ids]
+        plan = self.token.plan(req_ids, computed, q_lens, prompt_lens, block_ids)
+        plan.valid = valid
+        if not valid:
+            self.token.release(req_ids)
+        return plan
+
+    def finish_step(self) -> None:
+        """End of an engine step (worker): book token evictions once per plan."""
+        plan = self.plan
+        if (self.token is None or plan is None or not plan.valid
+                or self._finished_key == self._plan_key or self._plan_key[0] != self.step):
+            return
+        self._finished_key = self._plan_key
+        requests = self.runner.requests
+        counts = self.runner.input_batch.block_table.block_tables[0].num_blocks_per_row
+        self.token.finish_step(
+            plan, lambda r: requests[r].block_ids[0] if r in requests else None, counts)
 
     def store(self, layer: int) -> StreamingStore:
         if layer not in self.stores:
@@ -110,10 +146,13 @@ def init_state(vllm_config) -> WorkerState | None:
     policy = build_policy(cfg, num_layers, num_kv_heads, full_heads=full_heads,
                           mask_source=source)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    block_size = vllm_config.cache_config.block_size
     _state = WorkerState(config=cfg, policy=policy,
                          heads=layer_heads(policy.streaming_heads(), queries_per_kv),
                          head_dim=head_dim, dtype=vllm_config.model_config.dtype,
-                         block_size=vllm_config.cache_config.block_size)
+                         block_size=block_size,
+                         token=TokenEvictionWorker(policy, block_size)
+                         if policy.evicts_tokens else None)
     logger.info("vllm-kvevict: policy %s, %d of %d KV heads streaming (mask %s)", cfg.policy,
                 int(policy.streaming_heads().sum()), num_layers * num_kv_heads, source or "-")
     return _state

@@ -66,6 +66,8 @@ class SnapKVPolicy(KVPolicy):
         k = chunk_keys.float()
         num_q_heads, num_obs, head_dim = q.shape
         num_kv_heads, chunk_len, _ = k.shape
+        if chunk_len == window:  # a chunk no longer than the window: nothing to choose from
+            return k.new_zeros(num_kv_heads, 0)
         group = num_q_heads // num_kv_heads
         k = k.repeat_interleave(group, dim=0)
         logits = torch.einsum("hqd,hkd->hqk", q, k) / math.sqrt(head_dim)

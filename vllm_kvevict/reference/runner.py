@@ -63,7 +63,14 @@ class ReferenceOutput:
     cache: KVCache  # after generation (prefill survivors + decode tokens, streaming cut)
 
 
-def chunk_boundaries(prompt_len: int, chunk_size: int) -> list[tuple[int, int]]:
+def chunk_boundaries(prompt_len: int, chunk_size: "int | list[int]") -> list[tuple[int, int]]:
+    """[start, end) of each prefill chunk: fixed-size chunks, or the chunk ends a server used
+    (e.g. vLLM's reported boundaries [256, 300, 556, ...]; the last must be prompt_len)."""
+    if not isinstance(chunk_size, int):
+        ends = [int(e) for e in chunk_size]
+        if not ends or ends[-1] != prompt_len or any(b <= a for a, b in zip([0] + ends, ends)):
+            raise ValueError(f"chunk ends {ends} must increase and end at {prompt_len}")
+        return list(zip([0] + ends[:-1], ends))
     if prompt_len < 1 or chunk_size < 1:
         raise ValueError(f"need prompt_len >= 1 and chunk_size >= 1, got {prompt_len}, "
                          f"{chunk_size}")

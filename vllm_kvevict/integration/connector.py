@@ -1,0 +1,350 @@
+"""The KV connector that measures every request and hands `kv_stats` back with its output.
+
+vLLM's KV-connector API (`--kv-transfer-config`) is the one sanctioned channel from the
+scheduler to a request's OpenAI response: the dict a scheduler-side connector returns from
+`request_finished` arrives verbatim as `kv_transfer_params` of the response. This connector
+transfers nothing: its worker-side methods are no-ops, and its scheduler side only reads.
+
+- `on_new_request`: remembers the request (prompt length, arrival time, vllm_xargs overrides);
+- `build_connector_meta` (every engine step, after this step's block allocation and before the
+  request's computed-token count advances): scheduled tokens, chunk boundaries and the ids of the
+  blocks each scheduled request holds in every KV-cache group (the KV manager's
+  `req_to_blocks`, bound to us by the scheduler through `bind_kv_cache_manager`);
+- `on_step_output` (called from `Scheduler.update_from_output`, which we wrap once when the
+  first scheduler-side instance is created): when the step's output is back, the time of the
+  first token of requests whose prefill ended in that step;
+- `request_finished_all_groups`: returns `{"kv_stats": {...}}` (see `request_stats.py`).
+
+It declares `SupportsHMA`, so vLLM keeps the hybrid KV-cache manager, and role `kv_producer`
+(`kv_consumer` would make the scheduler defer block frees under async scheduling).
+Nothing here may raise into the engine: a failure is logged once and reported in the stats.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
+                                                               KVConnectorMetadata,
+                                                               KVConnectorRole, SupportsHMA)
+
+from vllm_kvevict.integration.request_stats import (STATS_KEY, ByteLayout, RequestRecord,
+                                                    effective_config, finite_or_none,
+                                                    footprint_function)
+
+logger = logging.getLogger("vllm_kvevict")
+
+CONNECTOR_CLASS = "KVEvictStatsConnector"
+CONNECTOR_MODULE = "vllm_kvevict.integration.connector"
+ENV_DISABLE = "VLLM_KVEVICT_STATS"  # "0" turns the stats connector off
+
+
+# -- configuration (API-server process, before the engine starts) ---------------------------------
+
+def is_ours(kv_transfer_config) -> bool:
+    return (kv_transfer_config is not None
+            and kv_transfer_config.kv_connector == CONNECTOR_CLASS
+            and kv_transfer_config.kv_connector_module_path in (None, CONNECTOR_MODULE))
+
+
+def stats_status(vllm_config) -> tuple[bool, str]:
+    """(kv_stats enabled on this server, why not)."""
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    if is_ours(ktc):
+        return True, ""
+    if ktc is not None and ktc.kv_connector:
+        return False, (f"--kv-transfer-config selects connector {ktc.kv_connector!r}; per-request "
+                       f"kv_stats need vllm-kvevict's {CONNECTOR_CLASS}")
+    if os.environ.get(ENV_DISABLE, "1") == "0":
+        return False, f"{ENV_DISABLE}=0"
+    return False, "stats connector not configured"
+
+
+def inject_config(engine_args) -> None:
+    """Give the engine our stats connector unless the user chose a KV connector of their own."""
+    from vllm.config.kv_transfer import KVTransferConfig
+
+    if os.environ.get(ENV_DISABLE, "1") == "0":
+        return
+    ktc = engine_args.kv_transfer_config
+    if ktc is None:
+        engine_args.kv_transfer_config = KVTransferConfig(
+            kv_connector=CONNECTOR_CLASS, kv_connector_module_path=CONNECTOR_MODULE,
+            kv_role="kv_producer")
+    elif not is_ours(ktc) and ktc.kv_connector:
+        logger.warning(
+            "vllm-kvevict: --kv-transfer-config selects KV connector %r, and vLLM runs one "
+            "connector per engine, so per-request kv_stats are OFF on this server (responses "
+            "carry \"kv_stats\": null, GET /v1/kv_stats reports enabled=false). Drop "
+            "--kv-transfer-config to get them back.", ktc.kv_connector)
+
+
+# -- the connector ------------------------------------------------------------------------------
+
+@dataclass
+class KVEvictStatsMetadata(KVConnectorMetadata):
+    """Nothing travels to the workers."""
+
+
+class KVEvictStatsConnector(KVConnectorBase_V1, SupportsHMA):
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._stats: SchedulerStats | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._stats = SchedulerStats(vllm_config, kv_cache_config)
+            _hook_scheduler_step_output()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False
+
+    # -- worker side: no-ops -------------------------------------------------------------------
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    # -- scheduler side ------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        return 0, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        return None
+
+    def on_new_request(self, request) -> None:
+        if self._stats is not None:
+            self._stats.guard(self._stats.add, request)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        if self._stats is not None:
+            self._stats.guard(self._stats.on_schedule, scheduler_output, self._kv_cache_manager)
+        return KVEvictStatsMetadata()
+
+    def on_step_output(self, scheduler_output) -> None:
+        if self._stats is not None:
+            self._stats.guard(self._stats.on_step_done, scheduler_output)
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict | None]:
+        if self._stats is None:
+            return False, None
+        stats = self._stats.guard(self._stats.finish, request)
+        return False, ({STATS_KEY: stats} if stats is not None else None)
+
+
+_hooked = False
+
+
+def _hook_scheduler_step_output() -> None:
+    """Wrap Scheduler.update_from_output once (listed in plugin.PATCHED): our connector learns
+    when a step's output is back, which is when its first tokens exist. Under async scheduling
+    the next step is scheduled before that, so build_connector_meta alone cannot time it."""
+    global _hooked
+    if _hooked:
+        return
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    original = Scheduler.update_from_output
+
+    @functools.wraps(original)
+    def update_from_output(self, scheduler_output, model_runner_output):
+        connector = self.connector
+        if isinstance(connector, KVEvictStatsConnector):
+            connector.on_step_output(scheduler_output)
+        return original(self, scheduler_output, model_runner_output)
+
+    Scheduler.update_from_output = update_from_output
+    _hooked = True
+
+
+# -- scheduler-side accounting ------------------------------------------------------------------
+
+def _dtype_bytes(dtype) -> int:
+    import torch
+
+    return torch.tensor([], dtype=dtype).element_size()
+
+
+def _group_bytes_per_block(kv_cache_config) -> tuple[int, ...]:
+    """Real bytes one block of each KV-cache group reserves.
+
+    vLLM 0.32 lays all groups over one allocation (`get_kv_cache_config_from_groups`: every
+    KVCacheTensor has size = bytes_per_block x num_blocks, groups alias from byte 0, and
+    bytes_per_block is the largest group's), and block ids are global, so a block of any group
+    ties up bytes_per_block of the pool. With one group that is the sum of the group's per-layer
+    pages (UniformTypeKVCacheSpecs.page_size_bytes already sums them).
+    """
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    groups = kv_cache_config.kv_cache_groups
+    pages = []
+    for group in groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            pages.append(spec.page_size_bytes)
+        else:
+            pages.append(spec.page_size_bytes * len(group.layer_names))
+    tensors = [t for t in kv_cache_config.kv_cache_tensors if not getattr(t, "host_resident", False)]
+    num_blocks = kv_cache_config.num_blocks
+    allocation = tensors[0].size // num_blocks if tensors and num_blocks else 0
+    if allocation and any(t.size != tensors[0].size for t in tensors):
+        allocation = 0  # not the aliasing layout this reasoning is about: use the pages
+    if len(groups) == 1:
+        if allocation and allocation != pages[0]:
+            logger.info("vllm-kvevict: KV pool reserves %d bytes per block, the group's pages "
+                        "sum to %d; reporting the reservation", allocation, pages[0])
+        return (allocation or pages[0],)
+    return tuple(allocation or p for p in pages)
+
+
+class SchedulerStats:
+    """Per-request records of one scheduler (engine-core process, scheduler thread only)."""
+
+    def __init__(self, vllm_config, kv_cache_config) -> None:
+        from vllm_kvevict.integration.validation import (model_shape, policy_config_of,
+                                                         resolve_full_heads)
+        from vllm_kvevict.policies import build_policy
+
+        self._failed: set[str] = set()
+        self.cfg = policy_config_of(vllm_config)
+        hf = vllm_config.model_config.hf_config
+        self.num_layers, self.num_kv_heads = model_shape(hf)
+        text = getattr(hf, "get_text_config", lambda: hf)()
+        self.head_dim = (getattr(text, "head_dim", None)
+                         or text.hidden_size // text.num_attention_heads)
+        full_heads, source = None, ""
+        if self.cfg.policy in ("duo", "prulong"):
+            full_heads, source = resolve_full_heads(self.cfg, vllm_config.model_config.model,
+                                                    self.num_layers, self.num_kv_heads)
+        self._full_heads, self._mask_source = full_heads, source
+        self.policy = build_policy(self.cfg, self.num_layers, self.num_kv_heads,
+                                   full_heads=full_heads, mask_source=source)
+        self._policies = {(): self.policy}
+
+        block_size = vllm_config.cache_config.block_size
+        first = kv_cache_config.kv_cache_groups[0].kv_cache_spec if kv_cache_config else None
+        spec = getattr(first, "first_spec", first)  # UniformTypeKVCacheSpecs -> a layer's spec
+        kv_dtype = getattr(spec, "dtype", None) or vllm_config.model_config.dtype
+        head_size = getattr(spec, "head_size", None) or self.head_dim
+        full_bytes_per_block = (self.num_layers * 2 * block_size * self.num_kv_heads * head_size
+                                * _dtype_bytes(kv_dtype))
+        streaming_bytes = 0
+        if self.cfg.uses_head_mask:
+            # WorkerState.streaming_bytes_per_request(): K and V of sink + window tokens for
+            # every streaming head, in the model dtype, per running request.
+            heads = int(self.policy.streaming_heads().sum())
+            streaming_bytes = (2 * (self.cfg.sink + self.cfg.window) * heads * self.head_dim
+                               * _dtype_bytes(vllm_config.model_config.dtype))
+        self.layout = ByteLayout(
+            block_size=block_size,
+            group_bytes_per_block=_group_bytes_per_block(kv_cache_config),
+            full_bytes_per_block=full_bytes_per_block,
+            streaming_bytes_per_request=streaming_bytes)
+        self.records: dict[str, RequestRecord] = {}
+        self._requests: dict[str, Any] = {}
+        self._pending_first_token: dict[int, tuple[Any, list[str]]] = {}
+        logger.info("vllm-kvevict: kv_stats on (policy %s): %s bytes per block per KV-cache group, "
+                    "%d per block for full attention, %d streaming-store bytes per request",
+                    self.cfg.policy, list(self.layout.group_bytes_per_block),
+                    full_bytes_per_block, streaming_bytes)
+
+    def guard(self, fn, *args):
+        try:
+            return fn(*args)
+        except Exception as exc:  # never take the engine down for a statistic
+            name = getattr(fn, "__name__", "stats")
+            if name not in self._failed:
+                self._failed.add(name)
+                logger.exception("vllm-kvevict: kv_stats %s failed (logged once): %s", name, exc)
+            if name == "finish" and args:
+                self.records.pop(args[0].request_id, None)
+                self._requests.pop(args[0].request_id, None)
+                return {"error": f"{type(exc).__name__}: {exc}"}
+            return None
+
+    # -- policy with per-request overrides ------------------------------------------------------
+    def policy_for(self, overrides: dict[str, Any]):
+        key = tuple(sorted(overrides.items()))
+        if key not in self._policies:
+            from vllm_kvevict.policies import build_policy
+
+            cfg, _ = effective_config(self.cfg, overrides)
+            self._policies[key] = build_policy(cfg, self.num_layers, self.num_kv_heads,
+                                               full_heads=self._full_heads,
+                                               mask_source=self._mask_source)
+            if len(self._policies) > 64:  # bounded: drop the oldest non-default entry
+                self._policies.pop(next(k for k in self._policies if k))
+        return self._policies[key]
+
+    # -- events ---------------------------------------------------------------------------------
+    def add(self, request) -> None:
+        params = getattr(request, "sampling_params", None)
+        _, overrides = effective_config(self.cfg, getattr(params, "extra_args", None))
+        self.records[request.request_id] = RequestRecord(
+            request_id=request.request_id, prompt_len=request.num_prompt_tokens,
+            arrival_time=getattr(request, "arrival_time", None), layout=self.layout,
+            overrides=overrides)
+        self._requests[request.request_id] = request
+
+    def on_schedule(self, scheduler_output, kv_cache_manager) -> None:
+        now = time.time()
+        managers = kv_cache_manager.coordinator.single_type_managers if kv_cache_manager else ()
+        ended: list[str] = []
+        for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+            record = self.records.get(req_id)
+            request = self._requests.get(req_id)
+            if record is None or request is None:
+                continue
+            held = []
+            for manager in managers:
+                # .get: req_to_blocks is a defaultdict; indexing would insert an entry.
+                blocks = manager.req_to_blocks.get(req_id) or ()
+                held.append({b.block_id for b in blocks if not b.is_null})
+            if record.on_step(request.num_computed_tokens, scheduled, held, now,
+                              getattr(request, "num_preemptions", 0)):
+                ended.append(req_id)
+        if ended:
+            self._pending_first_token[id(scheduler_output)] = (scheduler_output, ended)
+            while len(self._pending_first_token) > 16:  # outputs that never came back
+                self._pending_first_token.pop(next(iter(self._pending_first_token)))
+
+    def on_step_done(self, scheduler_output) -> None:
+        entry = self._pending_first_token.pop(id(scheduler_output), None)
+        if entry is None or entry[0] is not scheduler_output:
+            return
+        now = time.time()
+        for req_id in entry[1]:
+            record = self.records.get(req_id)
+            if record is not None:
+                record.on_first_token(now)
+
+    def finish(self, request) -> dict[str, Any] | None:
+        record = self.records.pop(request.request_id, None)
+        self._requests.pop(request.request_id, None)
+        if record is None:
+            return None
+        policy = self.policy_for(record.overrides)
+        params = policy.config.to_dict()
+        params.pop("policy", None)
+        mask = params.pop("mask_path", None)
+        if mask:
+            params["mask"] = os.path.basename(mask)
+        stats = record.finish(completion_tokens=request.num_output_tokens, now=time.time(),
+                              policy_name=self.cfg.policy, params=params,
+                              footprint_of=footprint_function(policy))
+        return finite_or_none(stats)

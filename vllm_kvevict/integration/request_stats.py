@@ -1,0 +1,288 @@
+"""Per-request KV accounting behind `kv_stats` (no vLLM import: unit-testable without a server).
+
+The scheduler-side connector (`connector.py`) calls `RequestRecord.on_step` once per engine step
+in which the request is scheduled, with what vLLM really did that step: tokens already computed,
+tokens scheduled, and the ids of the KV blocks the request holds in every KV-cache group (read
+from the KV manager after this step's allocation, so they are the blocks held while the step
+runs). From those it keeps:
+
+- chunk_boundaries: the end of every prefill chunk vLLM scheduled, e.g. [256, 512, 700];
+- real bytes held at each step = sum over groups of blocks held x the group's bytes per block,
+  plus the streaming store of head-mask policies (a fixed sink + window buffer per request);
+  `kv_bytes_peak` is their maximum, `kv_bytes_integral` the sum over steps of bytes held x tokens
+  processed for this request in that step;
+- the same two figures for stock vLLM's full attention: ceil(tokens / block_size) blocks of all
+  layers and KV heads, tokens = computed + scheduled after the step's write;
+- blocks_freed: blocks that left the request's block table while it ran (eviction), counted by
+  block id, so a block swapped for vLLM's null block counts and a preemption (which frees all
+  blocks and recomputes) does not;
+- timestamps for TTFT, prefill and decode throughput.
+
+`finish` turns a record into the `kv_stats` dict (JSON-safe: ints, floats, strings, lists).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from vllm_kvevict.footprint import kv_footprint
+
+STATS_KEY = "kv_stats"
+
+
+@dataclass(frozen=True)
+class ByteLayout:
+    """How many bytes a held block and a running request cost on this server."""
+
+    block_size: int                        # tokens per block (stock vLLM's, for full attention)
+    group_bytes_per_block: tuple[int, ...]  # real bytes one block of KV-cache group g reserves
+    full_bytes_per_block: int              # stock vLLM: every layer and KV head, block_size tokens
+    streaming_bytes_per_request: int = 0   # head-mask policies' sink + window store, per request
+
+    def full_bytes(self, tokens: int) -> int:
+        return -(-tokens // self.block_size) * self.full_bytes_per_block
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den > 0 else None
+
+
+def _rate(tokens: int, start: float | None, end: float | None) -> float | None:
+    if start is None or end is None or tokens <= 0 or end <= start:
+        return None
+    return tokens / (end - start)
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    prompt_len: int
+    arrival_time: float | None
+    layout: ByteLayout
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    boundaries: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    steps: int = 0
+    tokens: int = 0
+    bytes_peak: int = 0
+    bytes_integral: int = 0
+    full_bytes_peak: int = 0
+    full_bytes_integral: int = 0
+    blocks_held_peak: int = 0
+    blocks_held: int = 0
+    full_blocks: int = 0
+    blocks_freed: int = 0
+    preemptions: int = 0
+    t_first_scheduled: float | None = None
+    t_first_token: float | None = None
+    _held: list[set[int] | None] = field(default_factory=list)
+
+    def on_step(self, computed: int, scheduled: int, held_ids: Sequence[set[int]], now: float,
+                preemptions: int = 0) -> bool:
+        """Account one engine step. Returns True when this step ends the prompt's prefill."""
+        if self.t_first_scheduled is None:
+            self.t_first_scheduled = now
+        if preemptions != self.preemptions:
+            # Preemption freed every block and restarts the prefill: not eviction.
+            self.preemptions = preemptions
+            self._held = []
+        ends_prefill = False
+        if computed < self.prompt_len:
+            if not self.boundaries and computed > 0:  # a prefix-cache hit served [0, computed)
+                self.cached_tokens = computed
+                self.boundaries.append(computed)
+            end = min(computed + scheduled, self.prompt_len)
+            if not self.boundaries or end > self.boundaries[-1]:
+                self.boundaries.append(end)
+            ends_prefill = computed + scheduled >= self.prompt_len
+
+        if len(self._held) != len(held_ids):
+            self._held = [None] * len(held_ids)
+        held_bytes = self.layout.streaming_bytes_per_request
+        held_blocks = 0
+        for g, ids in enumerate(held_ids):
+            prev = self._held[g]
+            if prev:
+                self.blocks_freed += len(prev - ids)
+            self._held[g] = ids
+            held_blocks += len(ids)
+            held_bytes += len(ids) * self.layout.group_bytes_per_block[g]
+        total = computed + scheduled
+        full_bytes = self.layout.full_bytes(total)
+
+        self.steps += 1
+        self.tokens += scheduled
+        self.blocks_held = held_blocks
+        self.blocks_held_peak = max(self.blocks_held_peak, held_blocks)
+        self.full_blocks = -(-total // self.layout.block_size)
+        self.bytes_peak = max(self.bytes_peak, held_bytes)
+        self.bytes_integral += held_bytes * scheduled
+        self.full_bytes_peak = max(self.full_bytes_peak, full_bytes)
+        self.full_bytes_integral += full_bytes * scheduled
+        return ends_prefill
+
+    def on_first_token(self, now: float) -> None:
+        if self.t_first_token is None:
+            self.t_first_token = now
+
+    def finish(self, completion_tokens: int, now: float, policy_name: str,
+               params: dict[str, Any], footprint_of: Callable | None) -> dict[str, Any]:
+        """The kv_stats dict. `footprint_of(prompt_len, boundaries, decode_len)` returns a
+        FootprintResult (None: not computed)."""
+        n = self.prompt_len
+        # The paper's query positions that vLLM really ran: n prompt positions and one decode
+        # forward per generated token after the first (the last token is never fed back).
+        decode_steps = max(completion_tokens - 1, 0)
+        footprint = peak_kv = None
+        if footprint_of is not None and self.boundaries and self.boundaries[-1] == n:
+            result = footprint_of(n, list(self.boundaries), decode_steps)
+            footprint, peak_kv = result.footprint, result.peak_kv
+        t_first_token = self.t_first_token if self.t_first_token is not None else (
+            now if self.boundaries and self.boundaries[-1] == n else None)
+        arrival = self.arrival_time
+        return {
+            "engine_request_id": self.request_id,
+            "policy": policy_name,
+            "params": params,
+            "overrides": dict(self.overrides),
+            "prompt_tokens": n,
+            "completion_tokens": completion_tokens,
+            "cached_tokens": self.cached_tokens,
+            "chunk_boundaries": list(self.boundaries),
+            "decode_steps": decode_steps,
+            "footprint": footprint,
+            "peak_kv": peak_kv,
+            "kv_bytes_peak": self.bytes_peak,
+            "kv_bytes_integral": self.bytes_integral,
+            "full_kv_bytes_peak": self.full_bytes_peak,
+            "full_kv_bytes_integral": self.full_bytes_integral,
+            "measured_footprint": _ratio(self.bytes_integral, self.full_bytes_integral),
+            "kv_bytes_saved": self.full_bytes_peak - self.bytes_peak,
+            "streaming_store_bytes": self.layout.streaming_bytes_per_request,
+            "block_size": self.layout.block_size,
+            "blocks_held_peak": self.blocks_held_peak,
+            "blocks_held_end": self.blocks_held,
+            "full_blocks_end": self.full_blocks,
+            "blocks_freed": self.blocks_freed,
+            "engine_steps": self.steps,
+            "tokens_processed": self.tokens,
+            "preemptions": self.preemptions,
+            "queue_s": (self.t_first_scheduled - arrival
+                        if arrival is not None and self.t_first_scheduled is not None else None),
+            "ttft_s": t_first_token - arrival if arrival is not None and t_first_token else None,
+            "prefill_tokens_per_s": _rate(n - self.cached_tokens, self.t_first_scheduled,
+                                          t_first_token),
+            "decode_tokens_per_s": _rate(decode_steps, t_first_token, now),
+            "e2e_s": now - arrival if arrival is not None else None,
+        }
+
+
+def finite_or_none(value: Any) -> Any:
+    """JSON has no NaN/inf: map them to None (recursively)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite_or_none(v) for v in value]
+    return value
+
+
+def footprint_function(policy) -> Callable:
+    """footprint_of(prompt_len, boundaries, decode_len) for a KVPolicy."""
+    def footprint_of(prompt_len: int, boundaries: list[int], decode_len: int):
+        return kv_footprint(policy, prompt_len, boundaries, decode_len)
+    return footprint_of
+
+
+# -- per-request overrides: OpenAI body `vllm_xargs` -> sampling_params.extra_args -----------------
+
+# key -> (KVPolicyConfig field, description for error messages)
+OVERRIDE_KEYS = {
+    "kv_sparsity": ("sparsity", "a number in [0, 1] (token sparsity p)"),
+    "kv_obs_window": ("obs_window", "an integer >= 1 (observation window k, in tokens)"),
+}
+# vllm_xargs keys vLLM itself reads; never ours to judge.
+VLLM_OWN_XARGS = frozenset({"kv_transfer_params", "ec_transfer_params", "kv_cache_report_mode",
+                            "session_id"})
+# Server settings a request may not change (the KV layout and masks are fixed at start-up).
+PATH_KEYS = frozenset({"mask_path", "kv_mask", "kv_mask_path", "mask", "kv_mask_file"})
+SERVER_KEYS = frozenset({"policy", "kv_policy", "sparsity", "sink", "kv_sink", "window",
+                         "kv_window", "obs_window", "pool_kernel", "kv_pool_kernel", "eviction",
+                         "kv_eviction"}) | PATH_KEYS
+TOKEN_EVICTION = ("snapkv", "pyramidkv")
+
+
+def _valid_keys_text(max_model_len: int | None) -> str:
+    window = OVERRIDE_KEYS["kv_obs_window"][1]
+    if max_model_len:
+        window = f"an integer in [1, {max_model_len}] (observation window k, in tokens)"
+    return (f"kv_sparsity ({OVERRIDE_KEYS['kv_sparsity'][1]}), kv_obs_window ({window}); "
+            f"only for policies {', '.join(TOKEN_EVICTION)}")
+
+
+def override_error(key: str, value: Any, policy: str, max_model_len: int | None = None
+                   ) -> str | None:
+    """Why `vllm_xargs[key] = value` is refused (None: accepted or not ours)."""
+    valid = _valid_keys_text(max_model_len)
+    if key in VLLM_OWN_XARGS:
+        return None
+    if key in PATH_KEYS:
+        return (f"vllm_xargs key {key!r} is refused: a request may not name a file path "
+                f"(head masks are chosen at server start with --kv-mask). Per-request KV keys: "
+                f"{valid}.")
+    if key in SERVER_KEYS:
+        return (f"vllm_xargs key {key!r} is a server setting (--kv-* flags at start-up), not "
+                f"per request. Per-request KV keys: {valid}.")
+    if key not in OVERRIDE_KEYS:
+        if key.startswith("kv_"):
+            return f"unknown vllm_xargs key {key!r}. Per-request KV keys: {valid}."
+        return None  # another extension's key: passed through untouched
+    if policy not in TOKEN_EVICTION:
+        return (f"vllm_xargs key {key!r} only applies to token-eviction policies "
+                f"({', '.join(TOKEN_EVICTION)}); this server runs kv policy {policy!r}, whose KV "
+                f"layout is fixed at start-up.")
+    if key == "kv_sparsity":
+        expected = OVERRIDE_KEYS[key][1]
+        ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+              and math.isfinite(value) and 0.0 <= value <= 1.0)
+    else:
+        expected = (f"an integer in [1, {max_model_len}]" if max_model_len
+                    else "an integer >= 1")
+        ok = (isinstance(value, int) and not isinstance(value, bool) and value >= 1
+              and (not max_model_len or value <= max_model_len))
+    if not ok:
+        return (f"vllm_xargs[{key!r}] = {value!r} is invalid: expected {expected}. "
+                f"Per-request KV keys: {valid}.")
+    return None
+
+
+def check_vllm_xargs(xargs: Any, policy: str, max_model_len: int | None = None) -> str | None:
+    """First refusal for a request's vllm_xargs (None: fine). Non-dicts are vLLM's to judge."""
+    if not isinstance(xargs, dict):
+        return None
+    for key, value in xargs.items():
+        error = override_error(str(key), value, policy, max_model_len)
+        if error:
+            return error
+    return None
+
+
+def request_overrides(extra_args: Any, policy: str) -> dict[str, Any]:
+    """The valid per-request overrides among sampling_params.extra_args (engine side: anything
+    that slipped past the API check, e.g. from the offline API, is ignored, never fatal)."""
+    if not isinstance(extra_args, dict):
+        return {}
+    return {key: extra_args[key] for key in OVERRIDE_KEYS
+            if key in extra_args and override_error(key, extra_args[key], policy) is None}
+
+
+def effective_config(cfg, extra_args: Any):
+    """(KVPolicyConfig with the request's overrides applied, the overrides used)."""
+    overrides = request_overrides(extra_args, cfg.policy)
+    if not overrides:
+        return cfg, {}
+    return cfg.replace(**{OVERRIDE_KEYS[k][0]: v for k, v in overrides.items()}), overrides
