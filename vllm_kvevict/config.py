@@ -44,7 +44,7 @@ class KVPolicyConfig:
     window: int = DEFAULT_WINDOW
     obs_window: int = DEFAULT_OBS_WINDOW
     pool_kernel: int = DEFAULT_POOL_KERNEL
-    eviction: str = "naive"
+    eviction: str = "patched"
     # Head-mask file for duo/prulong; None means the mask shipped for the served model.
     mask_path: str | None = None
 

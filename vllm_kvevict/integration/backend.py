@@ -26,6 +26,15 @@ def _layer_index(layer) -> int:
     return extract_layer_index(layer.layer_name)
 
 
+def _with_questions(plan, x: torch.Tensor) -> torch.Tensor:
+    """The batch's tokens followed by the patched-scoring question rows (if any)."""
+    n = plan.num_tokens
+    if not plan.num_questions:
+        return x[:n]
+    off = plan.question_offset
+    return torch.cat([x[:n], x[off:off + plan.num_questions]])
+
+
 class KVEvictMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -51,9 +60,10 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
         state = get_state()
         if state.token is not None:
             # New tokens go to their physical slots in this layer (after earlier evictions).
-            slots = state.plan.slots[_layer_index(layer)]
-            n = slots.shape[0]
-            return super().do_kv_cache_update(layer, key[:n], value[:n], kv_cache, slots)
+            plan = state.plan
+            slots = plan.slots[_layer_index(layer)]
+            return super().do_kv_cache_update(layer, _with_questions(plan, key),
+                                              _with_questions(plan, value), kv_cache, slots)
         heads = state.heads[_layer_index(layer)]
         if heads.all_full:
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
@@ -123,8 +133,16 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
                 enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None,
                 kv_cache_dtype=self.kv_cache_dtype)
             plan.kernel_schedules[sched_key] = sched
-        self._kernel(layer, query[:n], kv_cache, output[:n], plan.query_start_loc, seq_lens,
-                     plan.block_table, sched)
+        if plan.num_questions:
+            out = torch.empty(n + plan.num_questions, *output.shape[1:], dtype=output.dtype)
+            self._kernel(layer, _with_questions(plan, query), kv_cache, out,
+                         plan.query_start_loc, seq_lens, plan.block_table, sched)
+            output[:n] = out[:n]
+            off = plan.question_offset
+            output[off:off + plan.num_questions] = out[n:]
+        else:
+            self._kernel(layer, query[:n], kv_cache, output[:n], plan.query_start_loc,
+                         seq_lens, plan.block_table, sched)
         if plan.valid and plan.jobs:
             self._compress_chunks(state.policy, layer, l, plan, query, key, value, kv_cache)
         return output
@@ -139,9 +157,15 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
             c = job.end - job.start
             chunk_k = key[job.start:job.end]
             chunk_v = value[job.start:job.end]
-            num_obs = min(policy.config.obs_window, c)
-            obs_q = query[job.end - num_obs:job.end].transpose(0, 1)
-            scores = policy.score(obs_q, chunk_k.transpose(0, 1), obs_offset=c - num_obs,
+            if job.question:  # patched: the question's queries, positioned after the chunk
+                first = plan.question_offset + job.question_start - plan.num_tokens
+                obs_q = query[first:first + len(job.question)].transpose(0, 1)
+                obs_offset = c
+            else:  # naive, and every final chunk: the chunk's own last k queries
+                num_obs = min(policy.config.obs_window, c)
+                obs_q = query[job.end - num_obs:job.end].transpose(0, 1)
+                obs_offset = c - num_obs
+            scores = policy.score(obs_q, chunk_k.transpose(0, 1), obs_offset=obs_offset,
                                   window=keep.window)
             idx = policy.select(scores, keep.selected, c, keep.window)  # [H, kept]
             kept_k.append(chunk_k[idx.T, heads])                        # [kept, H, d]

@@ -34,7 +34,7 @@ FLAGS = {
     "--kv-pool-kernel": ("pool_kernel", int, "Average-pool kernel smoothing snapkv/pyramidkv "
                                              f"scores (odd; default {DEFAULT_POOL_KERNEL})."),
     "--kv-eviction": ("eviction", str, "Chunked eviction mode of snapkv/pyramidkv: "
-                                       f"{' or '.join(EVICTION_MODES)} (default naive; patched is not available inside vLLM yet)."),
+                                       f"{' or '.join(EVICTION_MODES)} (default patched, as in the paper)."),
     "--kv-mask": ("mask_path", str, "Head-mask file for duo/prulong (our JSON format, PruLong "
                                     "0/1 TSV or DuoAttention gate TSV). Default: the mask shipped "
                                     "in head_masks/ for the served model."),

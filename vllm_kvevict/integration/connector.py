@@ -49,7 +49,7 @@ ENV_DISABLE = "VLLM_KVEVICT_STATS"  # "0" turns the stats connector off
 def is_ours(kv_transfer_config) -> bool:
     return (kv_transfer_config is not None
             and kv_transfer_config.kv_connector == CONNECTOR_CLASS
-            and kv_transfer_config.kv_connector_module_path in (None, CONNECTOR_MODULE))
+            and kv_transfer_config.kv_connector_module_path == CONNECTOR_MODULE)
 
 
 def stats_status(vllm_config) -> tuple[bool, str]:
@@ -305,6 +305,13 @@ class SchedulerStats:
         now = time.time()
         managers = kv_cache_manager.coordinator.single_type_managers if kv_cache_manager else ()
         ended: list[str] = []
+        new_blocks: dict[str, Any] = {}  # blocks allocated this step, per request and group
+        for new in scheduler_output.scheduled_new_reqs:
+            new_blocks[new.req_id] = new.block_ids
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, ids in zip(cached.req_ids, cached.new_block_ids):
+            if ids is not None:
+                new_blocks[req_id] = ids
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             record = self.records.get(req_id)
             request = self._requests.get(req_id)
@@ -316,7 +323,7 @@ class SchedulerStats:
                 blocks = manager.req_to_blocks.get(req_id) or ()
                 held.append({b.block_id for b in blocks if not b.is_null})
             if record.on_step(request.num_computed_tokens, scheduled, held, now,
-                              getattr(request, "num_preemptions", 0)):
+                              getattr(request, "num_preemptions", 0), new_blocks.get(req_id)):
                 ended.append(req_id)
         if ended:
             self._pending_first_token[id(scheduler_output)] = (scheduler_output, ended)

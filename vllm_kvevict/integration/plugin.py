@@ -20,6 +20,8 @@ PATCHED = (
     "vllm.v1.attention.backends.registry.register_backend(CPU_ATTN)",
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner.get_kv_cache_spec",
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner.execute_model",
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner._model_forward",
+    "vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots",
     "vllm.v1.worker.gpu_model_runner.add_kv_sharing_layers_to_kv_cache_groups",
     "vllm.v1.core.sched.scheduler.Scheduler.__init__",
     "vllm.v1.core.sched.scheduler.Scheduler.schedule",
@@ -89,6 +91,7 @@ def _patch_runner() -> None:
     """Worker side: per-layer paged specs with full heads only, and per-step bookkeeping."""
     import dataclasses
 
+    import torch
     from vllm.model_executor.layers.attention import Attention
     from vllm.model_executor.models.utils import extract_layer_index
     from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
@@ -149,6 +152,23 @@ def _patch_runner() -> None:
             state.finish_step()
         return output
 
+    original_forward = GPUModelRunner._model_forward
+
+    @functools.wraps(original_forward)
+    def model_forward(self, input_ids=None, positions=None, *args, **kwargs):
+        # Patched chunked eviction: the question tokens ride along as extra rows after the
+        # (padded) batch; the attention backend knows where they are from the step plan.
+        state = get_state()
+        plan = None if state is None or state.token is None else state.plan
+        if plan is None or not plan.valid or not plan.num_questions or input_ids is None:
+            return original_forward(self, input_ids, positions, *args, **kwargs)
+        plan.question_offset = input_ids.shape[0]
+        input_ids = torch.cat([input_ids, plan.question_ids.to(input_ids.dtype)])
+        positions = torch.cat([positions, plan.question_positions.to(positions.dtype)])
+        out = original_forward(self, input_ids, positions, *args, **kwargs)
+        return out[: plan.question_offset] if isinstance(out, torch.Tensor) else out
+
+    GPUModelRunner._model_forward = model_forward
     GPUModelRunner.get_kv_cache_spec = get_kv_cache_spec
     GPUModelRunner.execute_model = execute_model
     gpu_model_runner.add_kv_sharing_layers_to_kv_cache_groups = add_kv_sharing_layers
@@ -204,6 +224,23 @@ def _patch_scheduler() -> None:
         return original_allocate(self, request_id, num_tokens, num_tokens_main_model, *args,
                                  **kwargs)
 
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    original_alloc_slots = KVCacheManager.allocate_slots
+
+    @functools.wraps(original_alloc_slots)
+    def allocate_slots(self, request, num_new_tokens, *args, **kwargs):
+        # Patched eviction: a non-final prefill chunk also writes its question's k KVs right
+        # after the chunk; reserve those slots (the mechanism speculative decoding uses).
+        ledger = scheduler_side.current()
+        if ledger is not None and ledger.policy.config.patched:
+            n = request.num_prompt_tokens
+            if request.num_computed_tokens + num_new_tokens < n:
+                extra = min(ledger.policy.config.obs_window, n)
+                kwargs["num_lookahead_tokens"] = kwargs.get("num_lookahead_tokens", 0) + extra
+        return original_alloc_slots(self, request, num_new_tokens, *args, **kwargs)
+
+    KVCacheManager.allocate_slots = allocate_slots
     Scheduler.__init__ = init
     Scheduler.schedule = schedule
     KVCacheCoordinator.get_num_blocks_to_allocate = get_num_blocks_to_allocate

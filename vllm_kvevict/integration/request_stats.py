@@ -13,9 +13,11 @@ runs). From those it keeps:
   processed for this request in that step;
 - the same two figures for stock vLLM's full attention: ceil(tokens / block_size) blocks of all
   layers and KV heads, tokens = computed + scheduled after the step's write;
-- blocks_freed: blocks that left the request's block table while it ran (eviction), counted by
-  block id, so a block swapped for vLLM's null block counts and a preemption (which frees all
-  blocks and recomputes) does not;
+- blocks_freed: blocks returned to the pool while the request ran (eviction), counted by block
+  id: a block held at the previous step that is gone now, or that came back as one of this
+  step's newly allocated blocks (vLLM 0.32 reuses freed blocks LIFO, so the request's next
+  allocation often gets the very blocks it just gave back). A block swapped for vLLM's null
+  block counts; a preemption (which frees all blocks and recomputes) does not;
 - timestamps for TTFT, prefill and decode throughput.
 
 `finish` turns a record into the `kv_stats` dict (JSON-safe: ints, floats, strings, lists).
@@ -81,8 +83,10 @@ class RequestRecord:
     _held: list[set[int] | None] = field(default_factory=list)
 
     def on_step(self, computed: int, scheduled: int, held_ids: Sequence[set[int]], now: float,
-                preemptions: int = 0) -> bool:
-        """Account one engine step. Returns True when this step ends the prompt's prefill."""
+                preemptions: int = 0, new_ids: Sequence[Sequence[int]] | None = None) -> bool:
+        """Account one engine step: `held_ids` per KV-cache group after this step's allocation,
+        `new_ids` per group the blocks allocated this step (vLLM's new_block_ids).
+        Returns True when this step ends the prompt's prefill."""
         if self.t_first_scheduled is None:
             self.t_first_scheduled = now
         if preemptions != self.preemptions:
@@ -107,6 +111,8 @@ class RequestRecord:
             prev = self._held[g]
             if prev:
                 self.blocks_freed += len(prev - ids)
+                if new_ids is not None and g < len(new_ids) and new_ids[g]:
+                    self.blocks_freed += len(prev.intersection(new_ids[g]))
             self._held[g] = ids
             held_blocks += len(ids)
             held_bytes += len(ids) * self.layout.group_bytes_per_block[g]
@@ -244,7 +250,7 @@ def override_error(key: str, value: Any, policy: str, max_model_len: int | None 
     if policy not in TOKEN_EVICTION:
         return (f"vllm_xargs key {key!r} only applies to token-eviction policies "
                 f"({', '.join(TOKEN_EVICTION)}); this server runs kv policy {policy!r}, whose KV "
-                f"layout is fixed at start-up.")
+                f"layout is fixed at start-up. Per-request KV keys: {valid}.")
     if key == "kv_sparsity":
         expected = OVERRIDE_KEYS[key][1]
         ok = (isinstance(value, (int, float)) and not isinstance(value, bool)

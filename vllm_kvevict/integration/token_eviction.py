@@ -60,6 +60,8 @@ class EvictionJob:
     is_final: bool
     phys_before: list[int]        # per layer
     keep: list                    # per layer: ChunkKeep
+    question: list[int] = field(default_factory=list)  # patched: the prompt's last k tokens
+    question_start: int = 0       # their rows in the extended token axis [T, T + Q)
 
 
 @dataclass
@@ -73,6 +75,15 @@ class TokenStepPlan:
     block_size: int
     valid: bool = True
     kernel_schedules: dict = field(default_factory=dict)
+    # Patched scoring: the question tokens run as extra rows after the batch's T tokens.
+    num_tokens: int = 0                    # T
+    question_ids: torch.Tensor | None = None        # long [Q]
+    question_positions: torch.Tensor | None = None  # long [Q]
+    question_offset: int = 0               # where they sit in the model's token axis
+
+    @property
+    def num_questions(self) -> int:
+        return 0 if self.question_ids is None else int(self.question_ids.shape[0])
 
     def physical_slots(self, row: int, positions: torch.Tensor) -> torch.Tensor:
         bs = self.block_size
@@ -90,7 +101,9 @@ class TokenEvictionWorker:
             self.ledgers.pop(req_id, None)
 
     def plan(self, req_ids: list[str], computed: list[int], query_lens: list[int],
-             prompt_lens: list[int], block_ids: list[list[int]]) -> TokenStepPlan:
+             prompt_lens: list[int], block_ids: list[list[int]],
+             prompt_ids=None) -> TokenStepPlan:
+        """prompt_ids(row) -> the row's prompt token ids (needed by patched scoring only)."""
         L, bs = self.policy.num_layers, self.block_size
         rows, jobs = len(req_ids), []
         seq_lens = torch.zeros(L, rows, dtype=torch.int32)
@@ -104,9 +117,12 @@ class TokenEvictionWorker:
             seq_lens[:, r] = (before + c).int()
             if a + c <= n and self.policy.evicts_tokens:  # a prefill chunk: compress it
                 is_final = a + c == n
+                question = []
+                if self.policy.config.patched and not is_final:
+                    question = list(prompt_ids(r)[n - min(self.policy.config.obs_window, n):])
                 jobs.append(EvictionJob(
                     req_id=req_id, row=r, computed=a, start=0, end=0, is_final=is_final,
-                    phys_before=before.tolist(),
+                    phys_before=before.tolist(), question=question,
                     keep=[self.policy.chunk_keep(l, c, is_final) for l in range(L)]))
         width = max((len(b) for b in block_ids), default=1) or 1
         table = torch.zeros(rows, width, dtype=torch.int32)
@@ -119,9 +135,49 @@ class TokenEvictionWorker:
         token_row = torch.repeat_interleave(torch.arange(rows), torch.tensor(query_lens))
         token_off = torch.arange(len(token_row)) - q_start[:-1].long()[token_row]
         pos = phys_before[:, token_row] + token_off            # [L, T]
-        slots = table[token_row.expand(L, -1), pos // bs].long() * bs + pos % bs
-        return TokenStepPlan(num_reqs=rows, query_start_loc=q_start, block_table=table,
-                             seq_lens=seq_lens, slots=slots, jobs=jobs, block_size=bs)
+        plan = TokenStepPlan(num_reqs=rows, query_start_loc=q_start, block_table=table,
+                             seq_lens=seq_lens, slots=None, jobs=jobs, block_size=bs,
+                             num_tokens=len(token_row))
+        patched = [j for j in jobs if j.question]
+        if patched:
+            self._add_questions(plan, patched, token_row, pos, phys_before)
+        else:
+            plan.slots = table[token_row.expand(L, -1), pos // bs].long() * bs + pos % bs
+        return plan
+
+    def _add_questions(self, plan, patched, token_row, pos, phys_before) -> None:
+        """Patched scoring: each non-final chunk's question (the prompt's last k tokens) runs as
+        extra rows at logical positions right after the chunk and physical slots right after
+        it (the scheduler reserved them); the kernel sees them as extra sequences that share
+        their request's block row. Their KVs end up past the kept length: dropped."""
+        L, bs = self.policy.num_layers, self.block_size
+        ids, positions, rows, offs = [], [], [], []
+        q_lens, seq_extra = [], []
+        start = plan.num_tokens
+        for job in patched:
+            k, c = len(job.question), job.end - job.start
+            job.question_start = start
+            start += k
+            ids += job.question
+            positions += range(job.computed + c, job.computed + c + k)
+            rows += [job.row] * k
+            offs.append(torch.arange(k) + c)
+            q_lens.append(k)
+            seq_extra.append(phys_before[:, job.row] + c + k)
+        rows_t = torch.tensor(rows)
+        q_pos = phys_before[:, rows_t] + torch.cat(offs)                    # [L, Q]
+        all_rows = torch.cat([token_row, rows_t])
+        all_pos = torch.cat([pos, q_pos], dim=1)
+        plan.slots = (plan.block_table[all_rows.expand(L, -1), all_pos // bs].long() * bs
+                      + all_pos % bs)
+        plan.question_ids = torch.tensor(ids, dtype=torch.long)
+        plan.question_positions = torch.tensor(positions, dtype=torch.long)
+        ends = plan.query_start_loc[-1].item() + torch.tensor(q_lens).cumsum(0)
+        plan.query_start_loc = torch.cat([plan.query_start_loc, ends.int()])
+        plan.seq_lens = torch.cat([plan.seq_lens, torch.stack(seq_extra, 1).int()], dim=1)
+        plan.block_table = torch.cat([plan.block_table,
+                                      plan.block_table[[j.row for j in patched]]])
+        plan.num_reqs += len(patched)
 
     def finish_step(self, plan: TokenStepPlan, request_block_ids, row_block_counts) -> None:
         """After the forward: book the compressed chunks and drop the tail blocks from vLLM's

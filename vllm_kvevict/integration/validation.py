@@ -54,10 +54,6 @@ def validate_against_model(vllm_config) -> None:
         num_layers, num_kv_heads = model_shape(vllm_config.model_config.hf_config)
         # Per-request eviction state starts at token 0: a prefix-cache hit would skip it.
         vllm_config.cache_config.enable_prefix_caching = False
-        if cfg.patched:
-            raise KVPolicyError(
-                "patched chunked eviction is not available inside vLLM yet; use "
-                "--kv-eviction naive (valid modes today: naive)")
         if cfg.policy in ("duo", "prulong"):
             _, source = resolve_full_heads(cfg, vllm_config.model_config.model, num_layers,
                                            num_kv_heads)

@@ -85,7 +85,9 @@ class WorkerState:
             batch = self.runner.input_batch
             prompt_lens = [int(x) for x in batch.num_prompt_tokens[: len(req_ids)]]
             block_ids = [self.runner.requests[r].block_ids[0] for r in req_ids]
-        plan = self.token.plan(req_ids, computed, q_lens, prompt_lens, block_ids)
+        requests = getattr(self.runner, "requests", {})
+        plan = self.token.plan(req_ids, computed, q_lens, prompt_lens, block_ids,
+                               prompt_ids=lambda row: requests[req_ids[row]].prompt_token_ids)
         plan.valid = valid
         if not valid:
             self.token.release(req_ids)

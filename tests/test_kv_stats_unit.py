@@ -1,0 +1,351 @@
+"""kv_stats without a server: per-request byte accounting, vllm_xargs validation, the store's
+aggregates and lookups, response shaping (JSON lift, SSE chunk) and the ASGI middleware, and the
+Prometheus series. The served end-to-end checks are in test_kv_stats.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from server import kv_stats as ks
+from vllm_kvevict.integration.request_stats import (ByteLayout, RequestRecord,
+                                                    check_vllm_xargs, effective_config)
+
+BS = 128
+GROUP_BPB = 1000       # bytes per held block
+FULL_BPB = 30_000      # stock full attention, bytes per block
+STORE = 5_000          # streaming store per request
+
+
+def record(prompt_len=700, streaming=STORE) -> RequestRecord:
+    layout = ByteLayout(block_size=BS, group_bytes_per_block=(GROUP_BPB,),
+                        full_bytes_per_block=FULL_BPB, streaming_bytes_per_request=streaming)
+    return RequestRecord(request_id="r", prompt_len=prompt_len, arrival_time=100.0,
+                         layout=layout)
+
+
+def blocks(n: int, start: int = 1) -> set[int]:
+    return set(range(start, start + n))
+
+
+def test_record_chunks_bytes_and_timing():
+    rec = record()
+    # 700-token prompt in chunks of 256 (blocks of 128 held after each allocation), 3 decodes.
+    steps = [(0, 256), (256, 256), (512, 188), (700, 1), (701, 1), (702, 1)]
+    ends = []
+    for i, (computed, n) in enumerate(steps):
+        held = blocks(-(-(computed + n) // BS))
+        ends.append(rec.on_step(computed, n, [held], now=101.0 + i))
+        if ends[-1]:
+            rec.on_first_token(104.0)
+    assert ends == [False, False, True, False, False, False]
+    assert rec.boundaries == [256, 512, 700]
+
+    exp_bytes = [(-(-(c + n) // BS)) * GROUP_BPB + STORE for c, n in steps]
+    exp_full = [(-(-(c + n) // BS)) * FULL_BPB for c, n in steps]
+    stats = rec.finish(completion_tokens=4, now=107.0, policy_name="streaming", params={},
+                       footprint_of=None)
+    assert stats["kv_bytes_peak"] == max(exp_bytes)
+    assert stats["kv_bytes_integral"] == sum(b * n for b, (_, n) in zip(exp_bytes, steps))
+    assert stats["full_kv_bytes_peak"] == max(exp_full)
+    assert stats["full_kv_bytes_integral"] == sum(b * n for b, (_, n) in zip(exp_full, steps))
+    assert stats["measured_footprint"] == pytest.approx(
+        stats["kv_bytes_integral"] / stats["full_kv_bytes_integral"])
+    assert stats["kv_bytes_saved"] == max(exp_full) - max(exp_bytes)
+    assert stats["decode_steps"] == 3 and stats["tokens_processed"] == 703
+    assert stats["blocks_freed"] == 0 and stats["blocks_held_end"] == 6
+    assert stats["full_blocks_end"] == 6
+    assert stats["ttft_s"] == pytest.approx(4.0)
+    assert stats["queue_s"] == pytest.approx(1.0)
+    assert stats["prefill_tokens_per_s"] == pytest.approx(700 / 3.0)
+    assert stats["decode_tokens_per_s"] == pytest.approx(3 / 3.0)
+    assert stats["e2e_s"] == pytest.approx(7.0)
+    assert stats["footprint"] is None  # no policy given
+    json.dumps(stats)
+
+
+def test_record_counts_evicted_blocks_by_id_but_not_preemption():
+    rec = record(prompt_len=600, streaming=0)
+    rec.on_step(0, 256, [blocks(2)], now=1.0)            # blocks 1, 2
+    rec.on_step(256, 256, [{1, 3, 4}], now=2.0)          # 2 evicted, 3, 4 new
+    assert rec.blocks_freed == 1
+    rec.on_step(512, 88, [{1, 3, 0 + 5}], now=3.0)       # 4 evicted (swapped for 5)
+    assert rec.blocks_freed == 2
+    rec.on_step(0, 256, [blocks(2, start=10)], now=4.0, preemptions=1)  # recompute: not eviction
+    assert rec.blocks_freed == 2 and rec.preemptions == 1
+    assert rec.boundaries == [256, 512, 600]
+
+
+def test_record_counts_blocks_freed_and_reused_in_the_same_step():
+    # vLLM 0.32 hands freed blocks out again first (LIFO): the request gives back 4-8 after its
+    # first chunk and its second chunk's allocation gets 8, 7, 6 ... back.
+    rec = record(prompt_len=512, streaming=0)
+    rec.on_step(0, 256, [blocks(8)], now=1.0, new_ids=[list(range(1, 9))])
+    rec.on_step(256, 256, [blocks(11)], now=2.0, new_ids=[[8, 7, 6, 5, 4, 9, 10, 11]])
+    assert rec.blocks_freed == 5 and rec.blocks_held == 11
+
+
+def test_record_prefix_cache_hit_is_a_first_chunk():
+    rec = record(prompt_len=300)
+    rec.on_step(256, 44, [blocks(3)], now=1.0)
+    assert rec.boundaries == [256, 300] and rec.cached_tokens == 256
+
+
+def test_footprint_is_reported_for_the_scheduled_chunks():
+    from vllm_kvevict.config import KVPolicyConfig
+    from vllm_kvevict.footprint import kv_footprint
+    from vllm_kvevict.integration.request_stats import footprint_function
+    from vllm_kvevict.policies import build_policy
+
+    policy = build_policy(KVPolicyConfig(policy="streaming", sink=4, window=8), 2, 2)
+    rec = record(prompt_len=40)
+    for computed, n in [(0, 16), (16, 16), (32, 8), (40, 1)]:
+        rec.on_step(computed, n, [blocks(1)], now=1.0)
+    stats = rec.finish(2, 2.0, "streaming", {}, footprint_function(policy))
+    expected = kv_footprint(policy, 40, [16, 32, 40], 1)
+    assert stats["footprint"] == expected.footprint and stats["peak_kv"] == expected.peak_kv
+
+
+# -- vllm_xargs ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("xargs", [
+    {"kv_sparsity": 0.5}, {"kv_sparsity": 0}, {"kv_sparsity": 1}, {"kv_obs_window": 32},
+    {"kv_sparsity": 0.2, "kv_obs_window": 1}, {"session_id": "abc", "my_ext": [1, 2]},
+    {"kv_transfer_params": {"x": 1}, "kv_cache_report_mode": "full"}, None, "not-a-dict",
+])
+def test_vllm_xargs_accepted_for_token_eviction(xargs):
+    assert check_vllm_xargs(xargs, "snapkv", 8192) is None
+
+
+@pytest.mark.parametrize("xargs, needle", [
+    ({"kv_sparsity": 1.5}, "invalid"), ({"kv_sparsity": -0.1}, "invalid"),
+    ({"kv_sparsity": "0.5"}, "invalid"), ({"kv_sparsity": True}, "invalid"),
+    ({"kv_sparsity": float("nan")}, "invalid"), ({"kv_obs_window": 0}, "invalid"),
+    ({"kv_obs_window": 64.0}, "invalid"), ({"kv_obs_window": "64"}, "invalid"),
+    ({"kv_obs_window": 9000}, "invalid"), ({"kv_sparsty": 0.5}, "unknown"),
+    ({"mask_path": "/etc/passwd"}, "file path"), ({"kv_mask": "x.json"}, "file path"),
+    ({"sink": 4}, "server setting"), ({"kv_policy": "full"}, "server setting"),
+])
+def test_vllm_xargs_refused(xargs, needle):
+    message = check_vllm_xargs(xargs, "snapkv", 8192)
+    assert message is not None and needle in message
+    assert "kv_sparsity" in message and "kv_obs_window" in message  # lists the valid keys
+
+
+def test_vllm_xargs_overrides_need_a_token_eviction_policy():
+    for policy in ("full", "streaming", "duo", "prulong"):
+        message = check_vllm_xargs({"kv_sparsity": 0.5}, policy)
+        assert message is not None and policy in message and "snapkv" in message
+    assert check_vllm_xargs({"kv_obs_window": 16}, "pyramidkv") is None
+
+
+def test_effective_config_applies_valid_overrides_only():
+    from vllm_kvevict.config import KVPolicyConfig
+
+    cfg = KVPolicyConfig(policy="snapkv", sparsity=0.7)
+    eff, used = effective_config(cfg, {"kv_sparsity": 0.25, "kv_obs_window": 16, "x": 1})
+    assert (eff.sparsity, eff.obs_window, used) == (0.25, 16, {"kv_sparsity": 0.25,
+                                                                "kv_obs_window": 16})
+    eff, used = effective_config(cfg, {"kv_sparsity": 7})  # invalid: ignored engine-side
+    assert eff is cfg and used == {}
+    eff, used = effective_config(KVPolicyConfig(policy="streaming"), {"kv_sparsity": 0.2})
+    assert used == {}
+
+
+# -- store and aggregates -----------------------------------------------------------------------
+
+def stats(engine_id, external, policy="streaming", footprint=0.5, measured=0.25, peak=100,
+          full=400, freed=0, integral=10, full_integral=40):
+    return {"request_id": external, "engine_request_id": engine_id, "policy": policy,
+            "footprint": footprint, "measured_footprint": measured, "kv_bytes_peak": peak,
+            "full_kv_bytes_peak": full, "kv_bytes_saved": full - peak, "blocks_freed": freed,
+            "kv_bytes_integral": integral, "full_kv_bytes_integral": full_integral,
+            "ttft_s": 0.5}
+
+
+def test_store_aggregates_and_lookups():
+    store = ks.KVStatsStore(capacity=3)
+    store.record(stats("cmpl-a-0-x1", "cmpl-a-0", footprint=0.2, measured=0.1), "cmpl-a-0")
+    store.record(stats("cmpl-a-1-x2", "cmpl-a-1", footprint=0.4, measured=0.3), "cmpl-a-1")
+    store.record(stats("chatcmpl-b-x3", "chatcmpl-b", policy="full", footprint=1.0,
+                       measured=1.0, peak=400, freed=0, integral=40), "chatcmpl-b")
+    store.record(stats("snap-x4", "snap", policy="snapkv", footprint=0.3, measured=0.35,
+                       peak=150, freed=5), "snap")
+
+    agg = store.aggregates()
+    assert agg["requests"] == 4
+    assert agg["requests_per_policy"] == {"streaming": 2, "full": 1, "snapkv": 1}
+    assert agg["mean_footprint"] == pytest.approx((0.2 + 0.4 + 1.0 + 0.3) / 4)
+    assert agg["kv_bytes_saved"] == 300 + 300 + 0 + 250
+    assert agg["blocks_freed"] == 5
+    assert agg["measured_footprint_pooled"] == pytest.approx((10 + 10 + 40 + 10) / 160)
+    assert agg["per_policy"]["streaming"]["mean_measured_footprint"] == pytest.approx(0.2)
+    assert agg["per_policy"]["full"]["kv_bytes_saved"] == 0
+
+    # capacity 3: the oldest entry is gone from lookups but stays in the aggregates
+    assert store.get("cmpl-a-0-x1") is None
+    assert [s["engine_request_id"] for s in store.for_response("cmpl-a")] == ["cmpl-a-1-x2"]
+    assert store.get("chatcmpl-b")["policy"] == "full"
+    assert store.get("snap-x4")["blocks_freed"] == 5
+    assert [s["engine_request_id"] for s in store.recent(10)] == [
+        "snap-x4", "chatcmpl-b-x3", "cmpl-a-1-x2"]
+    assert store.get("nope") is None
+
+
+def test_store_response_id_forms():
+    store = ks.KVStatsStore()
+    for i in range(3):
+        store.record(stats(f"cmpl-z-{i}-e", f"cmpl-z-{i}"), f"cmpl-z-{i}")
+    store.record(stats("chatcmpl-y_0-e", "chatcmpl-y_0"), "chatcmpl-y_0")
+    store.record(stats("chatcmpl-y_1-e", "chatcmpl-y_1"), "chatcmpl-y_1")
+    assert len(store.for_response("cmpl-z")) == 3
+    assert len(store.for_response("chatcmpl-y")) == 2
+    assert store.get("cmpl-z")["engine_request_id"] == "cmpl-z-0-e"
+    assert store.get("cmpl-z-2")["engine_request_id"] == "cmpl-z-2-e"
+
+
+# -- response shaping ---------------------------------------------------------------------------
+
+def test_lift_moves_kv_stats_to_top_level():
+    body = {"id": "cmpl-1", "choices": [{}], "kv_transfer_params": {"kv_stats": {"a": 1}}}
+    out = ks.lift_kv_stats(dict(body), [])
+    assert out["kv_stats"] == {"a": 1} and out["kv_transfer_params"] is None
+    body = {"id": "cmpl-1", "choices": [{}],
+            "kv_transfer_params": {"kv_stats": {"a": 1}, "other": 2}}
+    out = ks.lift_kv_stats(dict(body), [{"b": 2}, {"c": 3}])
+    assert out["kv_stats"] == {"b": 2} and out["kv_transfer_params"] == {"other": 2}
+    assert out["kv_stats_per_request"] == [{"b": 2}, {"c": 3}]
+    assert ks.lift_kv_stats({"id": "x", "choices": []}, [])["kv_stats"] is None
+
+
+def test_sse_rewriter_inserts_stats_chunk_before_done():
+    events = [b'data: {"id":"cmpl-9","object":"text_completion","created":5,"model":"m",'
+              b'"choices":[{"text":"a"}]}\n\n',
+              b'data: {"id":"cmpl-9","choices":[{"text":"b"}]}\n\n', b"data: [DONE]\n\n"]
+    raw = b"".join(events)
+    seen = []
+    rewriter = ks.SSERewriter(lambda rid: seen.append(rid) or {"footprint": 0.5})
+    # split the stream at awkward places: events must come out whole and in order
+    out = b"".join(rewriter.feed(raw[i:i + 7], final=i + 7 >= len(raw))
+                   for i in range(0, len(raw), 7))
+    parts = [p for p in out.split(b"\n\n") if p]
+    assert parts[0] + b"\n\n" == events[0] and parts[1] + b"\n\n" == events[1]
+    extra = json.loads(parts[2][len(b"data: "):])
+    assert extra == {"id": "cmpl-9", "object": "text_completion", "created": 5, "model": "m",
+                     "choices": [], "kv_stats": {"footprint": 0.5}}
+    assert parts[3] == b"data: [DONE]" and seen == ["cmpl-9"]
+
+
+# -- the middleware, on a fake inner app ---------------------------------------------------------
+
+def _asgi_call(app, method, path, body=b"", headers=()):
+    messages = []
+    sent = False
+
+    async def receive():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.sleep(3600)
+
+    async def send(message):
+        messages.append(message)
+
+    scope = {"type": "http", "method": method, "path": path, "root_path": "",
+             "headers": list(headers), "app": _FakeApp()}
+    asyncio.run(app(scope, receive, send))
+    status = messages[0]["status"]
+    data = b"".join(m.get("body", b"") for m in messages[1:])
+    return status, dict(messages[0]["headers"]), data
+
+
+class _FakeApp:
+    class state:  # noqa: N801 - mimics app.state
+        _kvevict_info = {"policy": "snapkv", "max_model_len": 8192, "enabled": True,
+                         "reason": ""}
+
+
+def _inner(kind):
+    async def app(scope, receive, send):
+        request = await receive()
+        body = json.loads(request["body"])
+        if kind == "json":
+            content = json.dumps({"id": "cmpl-m", "choices": [{"text": "x"}],
+                                  "echo_xargs": body.get("vllm_xargs"),
+                                  "kv_transfer_params": {"kv_stats": {"footprint": 0.9}}})
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(content)).encode())]})
+            await send({"type": "http.response.body", "body": content.encode()})
+        else:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream")]})
+            for part in (b'data: {"id":"cmpl-s","object":"text_completion","created":1,'
+                         b'"model":"m","choices":[{"text":"x"}]}\n\n', b"data: [DONE]\n\n"):
+                await send({"type": "http.response.body", "body": part, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+    return app
+
+
+def test_middleware_refuses_bad_xargs_and_passes_good_ones_unchanged():
+    mw = ks.KVStatsMiddleware(_inner("json"))
+    status, _, data = _asgi_call(mw, "POST", "/v1/completions",
+                                 json.dumps({"prompt": "x", "vllm_xargs": {"kv_sparsity": 2}}
+                                            ).encode())
+    error = json.loads(data)["error"]
+    assert status == 400 and error["code"] == 400 and "kv_sparsity" in error["message"]
+    good = {"kv_sparsity": 0.25, "kv_obs_window": 16, "other": "x"}
+    status, headers, data = _asgi_call(
+        mw, "POST", "/v1/chat/completions", json.dumps({"vllm_xargs": good}).encode())
+    payload = json.loads(data)
+    assert status == 200 and payload["echo_xargs"] == good
+    assert payload["kv_stats"] == {"footprint": 0.9} and payload["kv_transfer_params"] is None
+    assert int(headers[b"content-length"]) == len(data)
+
+
+def test_middleware_adds_stats_chunk_to_streams():
+    state = ks.ServerStats.get()
+    state.store.record({"request_id": "cmpl-s-0", "engine_request_id": "cmpl-s-0-e",
+                        "policy": "snapkv", "footprint": 0.4}, "cmpl-s-0")
+    mw = ks.KVStatsMiddleware(_inner("sse"))
+    status, _, data = _asgi_call(mw, "POST", "/v1/completions", b'{"stream": true}')
+    parts = [p for p in data.split(b"\n\n") if p]
+    assert status == 200 and parts[-1] == b"data: [DONE]"
+    last = json.loads(parts[-2][len(b"data: "):])
+    assert last["choices"] == [] and last["kv_stats"]["footprint"] == 0.4
+
+
+def test_middleware_ignores_other_routes():
+    async def other(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": b'{"ok": 1}'})
+
+    mw = ks.KVStatsMiddleware(other)
+    assert _asgi_call(mw, "POST", "/v1/embeddings", b'{"vllm_xargs": {"kv_x": 1}}')[2] == \
+        b'{"ok": 1}'
+    assert _asgi_call(mw, "GET", "/v1/models")[0] == 200
+
+
+# -- Prometheus ---------------------------------------------------------------------------------
+
+def test_metrics_series():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from server.metrics import KVEvictMetrics
+
+    registry = CollectorRegistry()
+    metrics = KVEvictMetrics(registry)
+    metrics.observe({"policy": "snapkv", "footprint": 0.3, "measured_footprint": 0.4,
+                     "kv_bytes_saved": 1000, "blocks_freed": 7})
+    metrics.observe({"policy": "snapkv", "footprint": 0.5, "kv_bytes_saved": -50,
+                     "blocks_freed": 0})
+    text = generate_latest(registry).decode()
+    assert 'vllm_kvevict_footprint_count{policy="snapkv"} 2.0' in text
+    assert 'vllm_kvevict_footprint_sum{policy="snapkv"} 0.8' in text
+    assert 'vllm_kvevict_kv_bytes_saved_total{policy="snapkv"} 1000.0' in text
+    assert 'vllm_kvevict_blocks_freed_total{policy="snapkv"} 7.0' in text
+    assert 'vllm_kvevict_requests_total{policy="snapkv"} 2.0' in text
