@@ -144,15 +144,16 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
             self._kernel(layer, query[:n], kv_cache, output[:n], plan.query_start_loc,
                          seq_lens, plan.block_table, sched)
         if plan.valid and plan.jobs:
-            self._compress_chunks(state.policy, layer, l, plan, query, key, value, kv_cache)
+            self._compress_chunks(layer, l, plan, query, key, value, kv_cache)
         return output
 
-    def _compress_chunks(self, policy, layer, l, plan, query, key, value, kv_cache) -> None:
+    def _compress_chunks(self, layer, l, plan, query, key, value, kv_cache) -> None:
         """Score each prefill chunk by its observation window, keep the best KVs per KV head,
         and rewrite them contiguously at the layer's physical end of the past."""
         kept_k, kept_v, kept_slots = [], [], []
         heads = torch.arange(self.num_kv_heads)
         for job in plan.jobs:
+            policy = job.policy
             keep = job.keep[l]
             c = job.end - job.start
             chunk_k = key[job.start:job.end]

@@ -233,10 +233,11 @@ def _patch_scheduler() -> None:
         # Patched eviction: a non-final prefill chunk also writes its question's k KVs right
         # after the chunk; reserve those slots (the mechanism speculative decoding uses).
         ledger = scheduler_side.current()
-        if ledger is not None and ledger.policy.config.patched:
+        policy = None if ledger is None else ledger.request_policy(request)
+        if policy is not None and policy.config.patched:
             n = request.num_prompt_tokens
             if request.num_computed_tokens + num_new_tokens < n:
-                extra = min(ledger.policy.config.obs_window, n)
+                extra = min(policy.config.obs_window, n)
                 kwargs["num_lookahead_tokens"] = kwargs.get("num_lookahead_tokens", 0) + extra
         return original_alloc_slots(self, request, num_new_tokens, *args, **kwargs)
 

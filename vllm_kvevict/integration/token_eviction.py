@@ -27,6 +27,27 @@ import torch
 from vllm_kvevict.policies import KVPolicy
 
 
+class RequestPolicies:
+    """The served policy, with a request's `vllm_xargs` overrides (kv_sparsity, kv_obs_window)
+    applied; one policy object per distinct setting."""
+
+    def __init__(self, policy: KVPolicy):
+        self.base = policy
+        self._cache: dict = {}
+
+    def __call__(self, extra_args) -> KVPolicy:
+        from vllm_kvevict.integration.request_stats import effective_config
+        from vllm_kvevict.policies import build_policy
+
+        cfg, overrides = effective_config(self.base.config, extra_args)
+        if not overrides:
+            return self.base
+        key = tuple(sorted(overrides.items()))
+        if key not in self._cache:
+            self._cache[key] = build_policy(cfg, self.base.num_layers, self.base.num_kv_heads)
+        return self._cache[key]
+
+
 def chunk_kept_per_layer(policy: KVPolicy, chunk_len: int, is_final: bool) -> list[int]:
     return [policy.chunk_keep(layer, chunk_len, is_final).kept
             for layer in range(policy.num_layers)]
@@ -61,6 +82,7 @@ class EvictionJob:
     phys_before: list[int]        # per layer
     keep: list                    # per layer: ChunkKeep
     question: list[int] = field(default_factory=list)  # patched: the prompt's last k tokens
+    policy: KVPolicy | None = None  # the request's (served policy + its overrides)
     question_start: int = 0       # their rows in the extended token axis [T, T + Q)
 
 
@@ -93,6 +115,7 @@ class TokenStepPlan:
 class TokenEvictionWorker:
     def __init__(self, policy: KVPolicy, block_size: int):
         self.policy = policy
+        self.policy_for = RequestPolicies(policy)
         self.block_size = block_size
         self.ledgers: dict[str, RequestLedger] = {}
 
@@ -102,8 +125,9 @@ class TokenEvictionWorker:
 
     def plan(self, req_ids: list[str], computed: list[int], query_lens: list[int],
              prompt_lens: list[int], block_ids: list[list[int]],
-             prompt_ids=None) -> TokenStepPlan:
-        """prompt_ids(row) -> the row's prompt token ids (needed by patched scoring only)."""
+             prompt_ids=None, extra_args=None) -> TokenStepPlan:
+        """prompt_ids(row) -> the row's prompt token ids (needed by patched scoring only);
+        extra_args(row) -> the request's sampling extra_args (per-request overrides)."""
         L, bs = self.policy.num_layers, self.block_size
         rows, jobs = len(req_ids), []
         seq_lens = torch.zeros(L, rows, dtype=torch.int32)
@@ -116,14 +140,15 @@ class TokenEvictionWorker:
             phys_before[:, r] = before
             seq_lens[:, r] = (before + c).int()
             if a + c <= n and self.policy.evicts_tokens:  # a prefill chunk: compress it
+                policy = self.policy_for(extra_args(r) if extra_args else None)
                 is_final = a + c == n
                 question = []
-                if self.policy.config.patched and not is_final:
-                    question = list(prompt_ids(r)[n - min(self.policy.config.obs_window, n):])
+                if policy.config.patched and not is_final:
+                    question = list(prompt_ids(r)[n - min(policy.config.obs_window, n):])
                 jobs.append(EvictionJob(
                     req_id=req_id, row=r, computed=a, start=0, end=0, is_final=is_final,
-                    phys_before=before.tolist(), question=question,
-                    keep=[self.policy.chunk_keep(l, c, is_final) for l in range(L)]))
+                    phys_before=before.tolist(), question=question, policy=policy,
+                    keep=[policy.chunk_keep(l, c, is_final) for l in range(L)]))
         width = max((len(b) for b in block_ids), default=1) or 1
         table = torch.zeros(rows, width, dtype=torch.int32)
         for r, b in enumerate(block_ids):
@@ -208,9 +233,10 @@ class TokenEvictionScheduler:
 
     def __init__(self, policy: KVPolicy, chunk_size: int):
         self.policy = policy
+        self.policy_for = RequestPolicies(policy)
         self.chunk_size = chunk_size
         self.allocation_evicted: dict[str, int] = {}
-        self.pending: dict[str, tuple[int, bool]] = {}
+        self.pending: dict[str, tuple[int, bool, KVPolicy]] = {}
         self.scheduler = None
 
     def physical(self, req_id: str, num_tokens: int) -> int:
@@ -223,13 +249,14 @@ class TokenEvictionScheduler:
         if request is None:
             return num_tokens
         n, c = request.num_prompt_tokens, self.chunk_size
+        policy = self.request_policy(request)
         done, kept = 0, 0
         peak = 0
         while done < n:
             step = min(c, n - done)
             final = done + step == n
             peak = max(peak, kept + step)
-            kept += step - allocation_eviction(self.policy, step, final)
+            kept += step - allocation_eviction(policy, step, final)
             done += step
         return min(num_tokens, max(peak, kept + num_tokens - n))
 
@@ -240,7 +267,7 @@ class TokenEvictionScheduler:
             return
         manager = self.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
         bs = manager.block_size
-        for req_id, (chunk_len, is_final) in list(self.pending.items()):
+        for req_id, (chunk_len, is_final, policy) in list(self.pending.items()):
             del self.pending[req_id]
             request = self.scheduler.requests.get(req_id)
             blocks = manager.req_to_blocks.get(req_id)
@@ -248,7 +275,7 @@ class TokenEvictionScheduler:
                 self.allocation_evicted.pop(req_id, None)
                 continue
             self.allocation_evicted[req_id] = (self.allocation_evicted.get(req_id, 0)
-                                               + allocation_eviction(self.policy, chunk_len,
+                                               + allocation_eviction(policy, chunk_len,
                                                                      is_final))
             keep = -(-self.physical(req_id, request.num_computed_tokens) // bs)
             if len(blocks) > keep:
@@ -271,4 +298,9 @@ class TokenEvictionScheduler:
             if before == 0:
                 self.allocation_evicted.pop(req_id, None)
             if before + c <= request.num_prompt_tokens:
-                self.pending[req_id] = (c, before + c == request.num_prompt_tokens)
+                self.pending[req_id] = (c, before + c == request.num_prompt_tokens,
+                                        self.request_policy(request))
+
+    def request_policy(self, request) -> KVPolicy:
+        params = getattr(request, "sampling_params", None)
+        return self.policy_for(getattr(params, "extra_args", None))

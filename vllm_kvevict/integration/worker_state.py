@@ -87,7 +87,8 @@ class WorkerState:
             block_ids = [self.runner.requests[r].block_ids[0] for r in req_ids]
         requests = getattr(self.runner, "requests", {})
         plan = self.token.plan(req_ids, computed, q_lens, prompt_lens, block_ids,
-                               prompt_ids=lambda row: requests[req_ids[row]].prompt_token_ids)
+                               prompt_ids=lambda row: requests[req_ids[row]].prompt_token_ids,
+                               extra_args=lambda row: _extra_args(requests.get(req_ids[row])))
         plan.valid = valid
         if not valid:
             self.token.release(req_ids)
@@ -120,6 +121,11 @@ class WorkerState:
 
 
 _state: WorkerState | None = None
+
+
+def _extra_args(request_state):
+    params = getattr(request_state, "sampling_params", None)
+    return getattr(params, "extra_args", None)
 
 
 def get_state() -> WorkerState | None:

@@ -1,0 +1,166 @@
+"""Real memory at a fixed KV pool: how many long requests run at once, and the measured KV
+footprint next to the paper's idealized one, per policy.
+
+    python -m loadtest.bench_memory --policies full prulong:0.7 snapkv:0.7:patched \\
+        pyramidkv:0.7:patched --input-len 8000 --output-len 64 --num-requests 16 \\
+        --kv-cache-memory-bytes 1610612736 --chunk 1024 --out-dir docs/results/memory
+
+For each policy it starts `vllm serve` on the bundled model with the same pool, sends
+`--num-requests` long prompts at once, samples vLLM's /metrics every 0.25 s (requests running /
+waiting, preemptions, pool usage) and keeps every response's `kv_stats`. Written: one JSON per
+policy, `summary.md` (the table) and `running.png` (requests running over time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from loadtest.monitors import parse_vllm_metrics
+from loadtest.server import ServerProcess, build_server_command, parse_policy
+from loadtest.workloads import exact_length_ids
+
+SERVE_EXTRA = ["--dtype", "float32", "--served-model-name", "bench", "--max-model-len", "8192",
+               "--max-num-seqs", "64"]
+
+
+async def run_policy(base_url: str, prompts: list[list[int]], output_len: int) -> dict:
+    timeline, stats, failures = [], [], []
+    done = asyncio.Event()
+
+    async def sample(client):
+        start = time.monotonic()
+        while not done.is_set():
+            try:
+                text = (await client.get(base_url + "/metrics")).text
+                m = parse_vllm_metrics(text)
+                timeline.append({"t": time.monotonic() - start, **m})
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.25)
+
+    async def one(client, ids):
+        body = {"model": "bench", "prompt": ids, "max_tokens": output_len, "temperature": 0,
+                "ignore_eos": True}
+        r = await client.post(base_url + "/v1/completions", json=body, timeout=3600)
+        if r.status_code != 200:
+            failures.append(r.text[:300])
+            return
+        stats.append(r.json().get("kv_stats"))
+
+    async with httpx.AsyncClient() as client:
+        sampler = asyncio.create_task(sample(client))
+        t0 = time.monotonic()
+        await asyncio.gather(*(one(client, ids) for ids in prompts))
+        elapsed = time.monotonic() - t0
+        done.set()
+        await sampler
+    return {"timeline": timeline, "kv_stats": stats, "failures": failures, "elapsed_s": elapsed}
+
+
+def summarize(label: str, result: dict) -> dict:
+    tl = result["timeline"]
+    running = [p.get("running", 0) for p in tl]
+    preempt = [p.get("preemptions", 0) for p in tl]
+    usage = [p.get("kv_cache_usage", 0) for p in tl]
+    stats = [s for s in result["kv_stats"] if s]
+    ratio = [s["measured_footprint"] / s["footprint"] for s in stats if s.get("footprint")]
+    mean = lambda xs: statistics.fmean(xs) if xs else float("nan")
+    return {
+        "policy": label,
+        "ok": len(result["kv_stats"]), "failed": len(result["failures"]),
+        "max_running": max(running, default=0),
+        "preemptions": (max(preempt) - min(preempt)) if preempt else 0,
+        "peak_pool_usage": max(usage, default=0),
+        "footprint": mean([s["footprint"] for s in stats]),
+        "measured_footprint": mean([s["measured_footprint"] for s in stats]),
+        "measured_over_idealized": mean(ratio),
+        "kv_bytes_peak_per_request": mean([s["kv_bytes_peak"] for s in stats]),
+        "full_kv_bytes_peak_per_request": mean([s["full_kv_bytes_peak"] for s in stats]),
+        "elapsed_s": result["elapsed_s"],
+    }
+
+
+def write_report(rows: list[dict], results: dict[str, dict], out_dir: Path, argv: str) -> None:
+    base = next((r for r in rows if r["policy"] == "full"), None)
+    lines = [f"Command: `{argv}`", "",
+             "| policy | ok | failed | max running | x full | preemptions | peak pool use | "
+             "footprint (paper) | measured footprint | measured / paper | KV bytes peak/req | "
+             "wall s |", "|" + "---|" * 12]
+    for r in rows:
+        ratio = (r["max_running"] / base["max_running"]) if base and base["max_running"] else 0
+        lines.append(
+            f"| {r['policy']} | {r['ok']} | {r['failed']} | {r['max_running']} | {ratio:.2f} | "
+            f"{r['preemptions']:.0f} | {r['peak_pool_usage'] * 100:.0f}% | {r['footprint']:.3f} | "
+            f"{r['measured_footprint']:.3f} | {r['measured_over_idealized']:.3f} | "
+            f"{r['kv_bytes_peak_per_request'] / 2**20:.0f} MiB | {r['elapsed_s']:.0f} |")
+    (out_dir / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for label, res in results.items():
+        tl = res["timeline"]
+        ax.plot([p["t"] for p in tl], [p.get("running", 0) for p in tl], label=label)
+    ax.set_xlabel("seconds since the burst")
+    ax.set_ylabel("requests running")
+    ax.set_title("Long requests running at once, same KV pool")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "running.png", dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="model dir (default: the bundled model)")
+    ap.add_argument("--policies", nargs="+",
+                    default=["full", "prulong:0.7", "snapkv:0.7:patched",
+                             "pyramidkv:0.7:patched"])
+    ap.add_argument("--input-len", type=int, default=8000)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--num-requests", type=int, default=16)
+    ap.add_argument("--kv-cache-memory-bytes", type=int, default=1536 << 20)
+    ap.add_argument("--chunk", type=int, default=1024)
+    ap.add_argument("--port", type=int, default=8123)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out-dir", type=Path, default=Path("docs/results/memory"))
+    args = ap.parse_args()
+    from transformers import AutoTokenizer
+
+    from vllm_kvevict.model import ensure_bundled_model
+
+    model = args.model or str(ensure_bundled_model())
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    rng = np.random.default_rng(args.seed)
+    prompts = [exact_length_ids(tokenizer, args.input_len, rng) for _ in range(args.num_requests)]
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    base_url = f"http://127.0.0.1:{args.port}"
+    rows, results = [], {}
+    for text in args.policies:
+        spec = parse_policy(text)
+        argv = build_server_command(model, spec, kv_cache_bytes=args.kv_cache_memory_bytes,
+                                    max_batched_tokens=args.chunk, port=args.port,
+                                    extra_args=SERVE_EXTRA)
+        with ServerProcess(argv, args.out_dir / f"server_{spec.slug}.log") as server:
+            server.wait_healthy(base_url)
+            result = asyncio.run(run_policy(base_url, prompts, args.output_len))
+        (args.out_dir / f"{spec.slug}.json").write_text(json.dumps(result, indent=1))
+        results[spec.label] = result
+        rows.append(summarize(spec.label, result))
+        print(json.dumps(rows[-1]))
+    write_report(rows, results, args.out_dir, "python -m loadtest.bench_memory " +
+                 " ".join(f"{k}={v}" for k, v in vars(args).items()))
+
+
+if __name__ == "__main__":
+    main()
