@@ -88,12 +88,13 @@ def port_in_use(host: str, port: int) -> bool:
 class ServerProcess:
     """A server started in its own session/process group, with output to a log file."""
 
-    def __init__(self, argv: list[str], log_path: Path) -> None:
+    def __init__(self, argv: list[str], log_path: Path, env: dict | None = None) -> None:
         self.argv, self.log_path = argv, log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+                                     stdin=subprocess.DEVNULL, start_new_session=True,
+                                     env=None if env is None else {**os.environ, **env})
 
     @property
     def pid(self) -> int:
