@@ -242,23 +242,35 @@ class TokenEvictionScheduler:
     def physical(self, req_id: str, num_tokens: int) -> int:
         return num_tokens - self.allocation_evicted.get(req_id, 0)
 
-    def admission_tokens(self, req_id: str, num_tokens: int) -> int:
-        """Peak slots a whole request needs: the compressed prompt before its last chunk, that
-        chunk, and everything after it (decode tokens are never evicted)."""
-        request = self.scheduler.requests.get(req_id) if self.scheduler else None
-        if request is None:
-            return num_tokens
+    def peak_tokens(self, request, num_tokens: int) -> int:
+        """Peak slots a request of `num_tokens` tokens needs: the compressed prompt before a
+        chunk, that chunk and its patched question, and every token after the prompt (decode
+        tokens are never evicted)."""
         n, c = request.num_prompt_tokens, self.chunk_size
         policy = self.request_policy(request)
-        done, kept = 0, 0
-        peak = 0
+        question = min(policy.config.obs_window, n) if policy.config.patched else 0
+        done, kept, peak = 0, 0, 0
         while done < n:
             step = min(c, n - done)
             final = done + step == n
-            peak = max(peak, kept + step)
+            peak = max(peak, kept + step + (0 if final else question))
             kept += step - allocation_eviction(policy, step, final)
             done += step
         return min(num_tokens, max(peak, kept + num_tokens - n))
+
+    def admission_tokens(self, req_id: str, num_tokens: int) -> int:
+        """What admitting a request must find free: its own peak, plus what the running
+        evicting requests still have to grow to reach theirs (vLLM reserves nothing for
+        in-flight prefills, and with eviction a request's need is not its length)."""
+        request = self.scheduler.requests.get(req_id) if self.scheduler else None
+        if request is None:
+            return num_tokens
+        growth = 0
+        for other in self.scheduler.running:
+            if other.request_id != req_id and other.num_computed_tokens < other.num_prompt_tokens:
+                held = self.physical(other.request_id, other.num_computed_tokens)
+                growth += max(self.peak_tokens(other, other.num_tokens) - held, 0)
+        return self.peak_tokens(request, num_tokens) + growth
 
     def before_schedule(self) -> None:
         """Apply the evictions of the chunks scheduled last step (their forward precedes any
