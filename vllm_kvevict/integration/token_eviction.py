@@ -258,19 +258,29 @@ class TokenEvictionScheduler:
             done += step
         return min(num_tokens, max(peak, kept + num_tokens - n))
 
+    def final_need(self, request) -> int:
+        """Slots a request needs at its largest: its peak including all max_tokens outputs."""
+        params = getattr(request, "sampling_params", None)
+        max_new = getattr(params, "max_tokens", None) or 0
+        return self.peak_tokens(request, request.num_prompt_tokens + max_new)
+
     def admission_tokens(self, req_id: str, num_tokens: int) -> int:
-        """What admitting a request must find free: its own peak, plus what the running
-        evicting requests still have to grow to reach theirs (vLLM reserves nothing for
-        in-flight prefills, and with eviction a request's need is not its length)."""
+        """What admitting a request must find free: its own final need, plus the blocks the
+        running evicting requests still have to grow by to reach theirs (vLLM reserves nothing
+        for in-flight requests, and with eviction a request's need is not its length). This
+        keeps admitted requests from being preempted, whose recompute would not be exact."""
         request = self.scheduler.requests.get(req_id) if self.scheduler else None
         if request is None:
             return num_tokens
-        growth = 0
+        manager = self.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+        bs = manager.block_size
+        growth_blocks = 0
         for other in self.scheduler.running:
-            if other.request_id != req_id and other.num_computed_tokens < other.num_prompt_tokens:
-                held = self.physical(other.request_id, other.num_computed_tokens)
-                growth += max(self.peak_tokens(other, other.num_tokens) - held, 0)
-        return self.peak_tokens(request, num_tokens) + growth
+            if other.request_id == req_id:
+                continue
+            held = len(manager.req_to_blocks.get(other.request_id, ()))
+            growth_blocks += max(-(-self.final_need(other) // bs) - held, 0)
+        return self.final_need(request) + growth_blocks * bs
 
     def before_schedule(self) -> None:
         """Apply the evictions of the chunks scheduled last step (their forward precedes any
