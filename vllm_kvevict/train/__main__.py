@@ -13,6 +13,7 @@ import torch
 from vllm_kvevict.config import DEFAULT_SINK, DEFAULT_WINDOW
 from vllm_kvevict.masks import HEAD_MASKS_DIR, full_heads_at_sparsity, model_key
 from vllm_kvevict.train import data as data_mod
+from vllm_kvevict.train import hard_concrete as hc
 from vllm_kvevict.train.trainer import DTYPES, OBJECTIVES, TrainConfig, Trainer
 
 
@@ -34,14 +35,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sink", type=int, default=DEFAULT_SINK)
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW)
     p.add_argument("--lr", type=float, default=None,
-                   help="peak lr of log_alpha (prulong, default 1) or alpha (duo, default 0.02)")
+                   help="peak lr of log_alpha (prulong, default 1 as the paper; 0.5 is better "
+                        "for runs of < ~100 steps) or alpha (duo, default 0.02)")
     p.add_argument("--lambda-lr", type=float, default=1.0, help="peak lr of lambda1, lambda2")
     p.add_argument("--warmup-frac", type=float, default=0.1, help="lr warm-up share of steps")
     p.add_argument("--final-lr-frac", type=float, default=0.01,
                    help="lr at the last step, as a share of the peak")
     p.add_argument("--sparsity-warmup-steps", type=int, default=None,
                    help="steps over which the target goes 0 -> t (default 0.8 * steps)")
-    p.add_argument("--init-log-alpha", type=float, default=0.0)
+    p.add_argument("--init-log-alpha", type=float, default=None,
+                   help="initial log_alpha (default: the clamp's upper bound, 0.90 for C = 2.5; "
+                        "3.0 without a clamp)")
+    p.add_argument("--gate-logit-clamp", type=float, default=hc.DEFAULT_GATE_LOGIT_CLAMP,
+                   help="after every step clamp log_alpha so that P(z > 0) stays in "
+                        "[sigmoid(-C), sigmoid(C)]; 0 disables (default 2.5: 7.6%%..92.4%%; "
+                        "not in the paper, see hard_concrete.clamp_log_alpha_)")
     p.add_argument("--duo-lambda", type=float, default=0.05, help="duo: L1 weight")
     p.add_argument("--duo-passkeys", type=int, default=10)
     p.add_argument("--duo-passkey-words", type=int, default=8)
@@ -75,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         batch_size=args.batch_size, chunk=args.chunk, sink=args.sink, window=args.window,
         lr=args.lr, lambda_lr=args.lambda_lr, warmup_frac=args.warmup_frac,
         final_lr_frac=args.final_lr_frac, sparsity_warmup_steps=args.sparsity_warmup_steps,
-        init_log_alpha=args.init_log_alpha, duo_lambda=args.duo_lambda,
+        init_log_alpha=args.init_log_alpha,
+        gate_logit_clamp=args.gate_logit_clamp, duo_lambda=args.duo_lambda,
         duo_passkeys=args.duo_passkeys, duo_passkey_words=args.duo_passkey_words,
         seed=args.seed, ckpt_every=args.ckpt_every, ckpt_dir=args.ckpt_dir,
         resume=args.resume, dtype=args.dtype, text_share=args.text_share,

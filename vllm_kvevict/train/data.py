@@ -3,9 +3,9 @@
 Sources (each one a "document" of natural long text; see the package docstring for why):
 - code, `stdlib:<name>`: each package directory (or single module) of this Python's standard
   library, its `.py` files concatenated in sorted path order, each file preceded by a
-  `# file: <relative path>` line: repository-level code. `test` (the CPython test suite, a
-  third of the stdlib, mostly generated-looking cases), `site-packages`, `idlelib`,
-  `pydoc_data` (used as text) and `__pycache__` are left out.
+  `# file: <relative path>` line: repository-level code. Left out: `test` (the CPython test
+  suite, large and test cases rather than library code), `site-packages`, `idlelib`,
+  `pydoc_data` (used as text) and `__pycache__`.
 - code, `site:<name>`: the same for each top-level package of the running interpreter's
   site-packages (the project venv: torch, transformers, numpy, ...).
 - text, `doc:python-topics`: the Python language reference topics behind `help()`

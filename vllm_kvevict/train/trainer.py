@@ -9,6 +9,11 @@ PruLong (`objective="prulong"`), one step (batch of B sequences, each of exactly
     L      = L_lm + lambda1 (s - t) + lambda2 (s - t)^2
     log_alpha <- AdamW step on  dL/dlog_alpha                         (descent)
     lambda    <- AdamW step on -dL/dlambda                            (ascent: grads negated)
+    log_alpha <- clamp so that log_alpha - tau log(-l/r) in [-c, c]    (ours, c = 2.5; 0 = off)
+
+log_alpha starts at the clamp's upper bound (0.90; 3.0 without clamp), lambdas at 0. The
+clamp and that start are not in the paper; they make runs of tens of steps work (the reasons
+and measurements are in `hard_concrete.clamp_log_alpha_`).
 
 DuoAttention (`objective="duo"`), one step:
 
@@ -40,7 +45,6 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from vllm_kvevict.config import DEFAULT_SINK, DEFAULT_WINDOW, KVPolicyConfig
 from vllm_kvevict.masks import HeadGates, model_key, save_head_gates
@@ -56,8 +60,8 @@ CHECKPOINT_NAME = "checkpoint.pt"
 LOG_NAME = "train_log.jsonl"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Changing these between a checkpoint and its resumption would silently train something else.
-RESUME_MUST_MATCH = ("objective", "seq_len", "chunk", "sink", "window", "seed",
-                     "batch_size", "init_log_alpha", "text_share", "held_out_fraction",
+RESUME_MUST_MATCH = ("objective", "seq_len", "chunk", "sink", "window", "seed", "batch_size",
+                     "init_log_alpha", "gate_logit_clamp", "text_share", "held_out_fraction",
                      "max_source_chars", "duo_passkeys", "duo_passkey_words")
 
 
@@ -78,7 +82,10 @@ class TrainConfig:
     warmup_frac: float = 0.1
     final_lr_frac: float = 0.01
     sparsity_warmup_steps: int | None = None  # None: round(0.8 * steps) (paper: 800 of 1000)
-    init_log_alpha: float = 0.0
+    init_log_alpha: float | None = None  # None: hc.default_init_log_alpha(gate_logit_clamp)
+    # After every step keep log_alpha - tau log(-l/r) (the logit of P(z > 0)) in [-c, c];
+    # 0 or None: no clamp. See hard_concrete.clamp_log_alpha_.
+    gate_logit_clamp: float | None = hc.DEFAULT_GATE_LOGIT_CLAMP
     duo_lambda: float = 0.05
     duo_passkeys: int = 10
     duo_passkey_words: int = 8
@@ -108,6 +115,8 @@ class TrainConfig:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.lr is None:
             self.lr = DEFAULT_LR[self.objective]
+        if self.init_log_alpha is None:
+            self.init_log_alpha = hc.default_init_log_alpha(self.gate_logit_clamp)
         if self.sparsity_warmup_steps is None:
             self.sparsity_warmup_steps = round(0.8 * self.steps)
         if self.resume and not self.ckpt_dir:
@@ -118,6 +127,36 @@ class TrainConfig:
 
 
 # -- schedules ----------------------------------------------------------------------------------
+
+class FusedLMLoss(torch.autograd.Function):
+    """mean_i CE(h_i W^T, y_i) with its gradient to h computed in the forward pass, block by
+    block, so the [n, vocab] logits never exist at once and are never recomputed (the weights
+    W are frozen: no gradient for them). Logits and softmax in float32."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                block: int) -> torch.Tensor:
+        num = hidden.shape[0]
+        total = torch.zeros((), dtype=torch.float32)
+        grad = torch.empty_like(hidden) if hidden.requires_grad else None
+        for start in range(0, num, block):
+            h = hidden[start:start + block]
+            y = targets[start:start + block]
+            logits = (h @ weight.t()).float()
+            logp = torch.log_softmax(logits, dim=-1)
+            total += -logp.gather(1, y[:, None]).sum()
+            if grad is not None:
+                probs = logp.exp_()
+                probs[torch.arange(len(y)), y] -= 1.0
+                grad[start:start + block] = (probs.to(weight.dtype) @ weight) / num
+        ctx.save_for_backward(grad)
+        return total / num
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (grad,) = ctx.saved_tensors
+        return (None if grad is None else grad * grad_out.to(grad.dtype)), None, None, None
+
 
 def lr_factor(step: int, total: int, warmup_frac: float = 0.1, final_frac: float = 0.01) -> float:
     """Multiplier of the peak learning rate at 0-based `step` of `total`: (step + 1) / W for the
@@ -177,7 +216,7 @@ class Trainer:
         dtype = DTYPES[cfg.dtype]
         if model is None or encode is None:
             loaded_model, encode, eos_id = load_model_and_tokenizer(cfg.model, dtype)
-            model = model or loaded_model
+            model = loaded_model if model is None else model
         self.encode, self.eos_id = encode, eos_id
         for p in model.parameters():
             p.requires_grad_(False)
@@ -245,19 +284,10 @@ class Trainer:
         return self.runner.run_layers(ids, self.positions, attention)
 
     def _lm_loss(self, hidden: torch.Tensor, ids: list[int]) -> torch.Tensor:
-        """Mean next-token cross-entropy; logits are made block by block and recomputed in
-        backward, so the [n, vocab] float32 logits never exist at once."""
+        """Mean next-token cross-entropy of the final hidden states (`FusedLMLoss`)."""
         targets = torch.tensor(ids[1:], dtype=torch.long, device=hidden.device)
-        h = hidden[:-1]
-        total = hidden.new_zeros((), dtype=torch.float32)
-        block = self.cfg.loss_block
-        for start in range(0, h.shape[0], block):
-            total = total + checkpoint(self._ce_sum, h[start:start + block],
-                                       targets[start:start + block], use_reentrant=False)
-        return total / h.shape[0]
-
-    def _ce_sum(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.runner.logits(h), targets, reduction="sum")
+        return FusedLMLoss.apply(hidden[:-1], self.runner.model.lm_head.weight, targets,
+                                 self.cfg.loss_block)
 
     def _prulong_micro(self, ids: list[int], micro: int) -> tuple[torch.Tensor, dict]:
         z, saturated = hc.sample_gates_with_saturation(
@@ -299,7 +329,7 @@ class Trainer:
             else:
                 loss, info = self._duo_micro(ids, answer_len)
             (loss / len(batch)).backward()
-            main_loss += float(loss) / len(batch)
+            main_loss += float(loss.detach()) / len(batch)
             for key, value in info.items():
                 extra[key] = extra.get(key, 0.0) + value / len(batch)
 
@@ -310,22 +340,24 @@ class Trainer:
             penalty = lagrangian(s, t, self.lambdas)
             penalty.backward()
             ascend_(self.lambdas)
-            total = main_loss + float(penalty)
-            metrics.update(lm_loss=main_loss, lagrangian=float(penalty), expected_sparsity=float(s),
-                           target_sparsity=t, lambda1=float(self.lambdas[0]),
-                           lambda2=float(self.lambdas[1]), **extra)
+            total = main_loss + float(penalty.detach())
+            metrics.update(lm_loss=main_loss, lagrangian=float(penalty.detach()),
+                           expected_sparsity=float(s.detach()), target_sparsity=t, **extra)
         else:
             reg = self.alpha.abs().mean()
             (cfg.duo_lambda * reg).backward()
-            total = main_loss + cfg.duo_lambda * float(reg)
-            metrics.update(distill_loss=main_loss, l1=float(reg))
+            total = main_loss + cfg.duo_lambda * float(reg.detach())
+            metrics.update(distill_loss=main_loss, l1=float(reg.detach()))
         self.optimizer.step()
         if cfg.objective == "prulong":
-            metrics.update(lambda1=float(self.lambdas[0]), lambda2=float(self.lambdas[1]))
+            if cfg.gate_logit_clamp:
+                hc.clamp_log_alpha_(self.log_alpha, cfg.gate_logit_clamp)
+            lam = self.lambdas.detach()
+            metrics.update(lambda1=float(lam[0]), lambda2=float(lam[1]))
         else:
             with torch.no_grad():
                 self.alpha.clamp_(0.0, 1.0)
-            metrics["alpha_mean"] = float(self.alpha.mean())
+            metrics["alpha_mean"] = float(self.alpha.detach().mean())
         if not math.isfinite(total):
             raise FloatingPointError(f"loss is {total} at step {self.step + 1}")
         self.step += 1
@@ -449,7 +481,8 @@ class Trainer:
                           "sparsity S streams the round(S N) lowest gates",
                 hard_concrete={"temperature": hc.TEMPERATURE, "limit_l": hc.LIMIT_L,
                                "limit_r": hc.LIMIT_R, "eps": hc.EPS},
-                init_log_alpha=cfg.init_log_alpha, lambda_lr=cfg.lambda_lr,
+                init_log_alpha=cfg.init_log_alpha, gate_logit_clamp=cfg.gate_logit_clamp,
+                lambda_lr=cfg.lambda_lr,
                 sparsity_warmup_steps=cfg.sparsity_warmup_steps,
                 final_expected_sparsity=float(hc.expected_sparsity(log_alpha)),
                 final_deterministic_zero_share=float(
