@@ -4,7 +4,10 @@ the same machine in the same invocation.
     python -m loadtest.bench_latency --input-len 7000 --output-len 64 --repeats 3 \\
         --policies stock full prulong:0.7 pyramidkv:0.7:patched --out-dir docs/results/latency
 
-`stock` is vLLM with our plugin not loaded (VLLM_PLUGINS names none of ours). Each policy gets
+`stock` is vLLM with our plugin not loaded (VLLM_PLUGINS names none of ours). Every server
+gets VLLM_CPU_NUM_OF_RESERVED_CPU (default 1): vLLM's CPU worker reserves one core more when a
+KV connector is configured (ours carries kv_stats), which on a 2-core machine silently changes
+the worker from 1 to 2 OpenMP threads; pinning the reservation keeps the comparison fair. Each policy gets
 its own server, one request at a time (after one warm-up request); prefill time is measured as
 time to first token of a streamed request (its prompt fits one request's chunked prefill), TPOT
 as (end - first token) / (tokens - 1). Median over --repeats.
@@ -56,6 +59,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30)
     ap.add_argument("--port", type=int, default=8124)
+    ap.add_argument("--reserved-cpus", default="1",
+                    help="VLLM_CPU_NUM_OF_RESERVED_CPU for every server ('' = vLLM's choice)")
     ap.add_argument("--out-dir", type=Path, default=Path("docs/results/latency"))
     args = ap.parse_args()
     from transformers import AutoTokenizer
@@ -77,7 +82,9 @@ def main() -> None:
                                     extra_args=SERVE_EXTRA)
         if stock:  # without our plugin the --kv-policy flag does not exist
             argv = [a for a in argv if a not in ("--kv-policy", "full")]
-        env = {"VLLM_PLUGINS": "no-such-plugin"} if stock else None
+        env = {"VLLM_PLUGINS": "no-such-plugin"} if stock else {}
+        if args.reserved_cpus:
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = args.reserved_cpus
         with ServerProcess(argv, args.out_dir / f"server_{text.replace(':', '-')}.log",
                            env=env) as server:
             server.wait_healthy(base_url)
@@ -89,7 +96,8 @@ def main() -> None:
         print(json.dumps(rows[-1]))
     base = next((r for r in rows if r["policy"] == "stock"), rows[0])
     lines = [f"`python -m loadtest.bench_latency --input-len {args.input_len} --output-len "
-             f"{args.output_len} --repeats {args.repeats} --chunk {args.chunk}`", "",
+             f"{args.output_len} --repeats {args.repeats} --chunk {args.chunk} "
+             f"--reserved-cpus '{args.reserved_cpus}'`", "",
              "| policy | prefill s (TTFT) | x stock | decode TPOT ms | x stock |",
              "|---|---|---|---|---|"]
     for r in rows:
