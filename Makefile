@@ -4,8 +4,10 @@ PORT ?= 8000
 POLICY ?= prulong
 SPARSITY ?= 0.7
 CHUNK ?= 1024
+KV_POOL_BYTES ?= 2147483648
 SERVE_FLAGS ?= --served-model-name smollm2 --dtype float32 --enforce-eager \
-	--host 127.0.0.1 --port $(PORT) --max-num-batched-tokens $(CHUNK)
+	--host 127.0.0.1 --port $(PORT) --max-num-batched-tokens $(CHUNK) \
+	--kv-cache-memory-bytes $(KV_POOL_BYTES)
 
 .PHONY: install model serve test test-all
 install:
