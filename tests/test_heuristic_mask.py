@@ -159,9 +159,8 @@ def test_file_round_trip_and_lookup(tiny, tmp_path):
     corpus = hm.Corpus(ids.tolist(), [{"name": "random", "kind": "test", "tokens_used": TOKENS}])
     gates = hm.build_head_gates(mass, "tiny-llama", SINK, WINDOW, corpus)
     (tmp_path / "tiny-llama").mkdir()
-    path = tmp_path / "tiny-llama" / "prulong.json"
+    path = tmp_path / "tiny-llama" / hm.FILE_NAME
     masks.save_head_gates(path, gates)
-    assert masks.default_mask_path("/models/tiny-llama", "prulong", root=tmp_path) == path
     back = masks.load_head_gates(path)
     assert torch.equal(back.gates, gates.gates)
     assert back.meta["objective"] == "heuristic" and back.meta["train_sparsity"] is None
@@ -171,13 +170,10 @@ def test_file_round_trip_and_lookup(tiny, tmp_path):
     assert json.loads(path.read_text())["log_alphas"] is None
 
 
-def test_shipped_masks_load():
-    for policy in hm.POLICIES:
-        path = masks.default_mask_path("SmolLM2-135M-Instruct", policy)
-        if path is None:
-            pytest.skip("no shipped mask yet (python -m vllm_kvevict.heuristic_mask)")
-        gates = masks.load_head_gates(path)
-        assert gates.shape == (30, 3) and gates.meta["objective"] == "heuristic"
-        assert gates.meta["notes"].startswith("NOT trained")
-        mass = torch.tensor(gates.meta["extra"]["long_range_mass"], dtype=torch.float64)
-        assert torch.equal(gates.gates, hm.rank_gates(mass))
+def test_shipped_heuristic_mask_loads():
+    path = masks.HEAD_MASKS_DIR / "SmolLM2-135M-Instruct" / hm.FILE_NAME
+    gates = masks.load_head_gates(path)
+    assert gates.shape == (30, 3) and gates.meta["objective"] == "heuristic"
+    assert gates.meta["notes"].startswith("NOT trained")
+    mass = torch.tensor(gates.meta["extra"]["long_range_mass"], dtype=torch.float64)
+    assert torch.equal(gates.gates, hm.rank_gates(mass))

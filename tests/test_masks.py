@@ -279,17 +279,34 @@ def test_default_mask_path(tmp_path):
     shipped = root / "SmolLM2-135M-Instruct" / "prulong.json"
     shipped.parent.mkdir(parents=True)
     shipped.write_text("{}")
-    assert default_mask_path("HuggingFaceTB/SmolLM2-135M-Instruct", "prulong", root) == shipped
-    assert default_mask_path("SmolLM2-135M-Instruct", "duo", root) is None
-    assert default_mask_path("OtherModel", "prulong", root) is None
+    assert default_mask_path("HuggingFaceTB/SmolLM2-135M-Instruct", "prulong", root=root) == shipped
+    assert default_mask_path("SmolLM2-135M-Instruct", "duo", root=root) is None
+    assert default_mask_path("OtherModel", "prulong", root=root) is None
     # a model directory under another name, whose config names the original model
     model_dir = tmp_path / "served-model"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(
         json.dumps({"_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct"}))
-    assert default_mask_path(str(model_dir), "prulong", root) == shipped
+    assert default_mask_path(str(model_dir), "prulong", root=root) == shipped
     with pytest.raises(MaskError):
-        default_mask_path("SmolLM2-135M-Instruct", "../prulong", root)
+        default_mask_path("SmolLM2-135M-Instruct", "../prulong", root=root)
+
+
+def test_default_mask_path_prefers_the_mask_trained_nearest_the_sparsity(tmp_path):
+    folder = tmp_path / "SmolLM2-135M-Instruct"
+    folder.mkdir()
+    for name in ("prulong.json", "prulong-s0.5.json", "prulong-s0.7.json", "prulong-sx.json",
+                 "prulong-s0.9.json.bak", "duo-s0.5.json"):
+        (folder / name).write_text("{}")
+    pick = lambda s: default_mask_path("SmolLM2-135M-Instruct", "prulong", s, tmp_path).name
+    assert pick(0.3) == pick(0.5) == pick(0.55) == "prulong-s0.5.json"
+    assert pick(0.6) == "prulong-s0.7.json"  # a tie goes to the higher target
+    assert pick(0.9) == pick(None) == "prulong-s0.7.json"
+    assert default_mask_path("SmolLM2-135M-Instruct", "duo", 0.9, tmp_path).name == \
+        "duo-s0.5.json"
+    (folder / "prulong-s0.5.json").unlink()
+    (folder / "prulong-s0.7.json").unlink()
+    assert pick(0.5) == "prulong.json"  # the untargeted file when no trained one exists
 
 
 def test_shipped_masks_live_in_repo_root():

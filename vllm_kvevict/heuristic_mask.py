@@ -9,8 +9,10 @@ the gates at any head sparsity gives exactly the heuristic ranking.
     python -m vllm_kvevict.heuristic_mask [--model DIR] [--out DIR] [--tokens 4096]
                                           [--sink 64] [--window 256]
 
-writes `<out>/prulong.json` and `<out>/duo.json` (same gates, objective "heuristic"); `--out`
-defaults to `head_masks/<model-key>/`, `--model` to the bundled model.
+writes `<out>/heuristic.json` (objective "heuristic"); `--out` defaults to
+`head_masks/<model-key>/`, `--model` to the bundled model. It is never a policy's default mask
+(the trained PruLong / DuoAttention masks are); serve it with `--kv-mask PATH`, and the held-out
+evaluation (`vllm_kvevict.train.evaluate`) compares it with the trained ones.
 
 The measure. A streaming head at query position q keeps the keys [0, sink) and
 [q - window, q] (the sink, the last `window` tokens before q and q itself: the project's decode
@@ -60,12 +62,12 @@ from typing import Any
 import torch
 
 from vllm_kvevict.config import DEFAULT_SINK, DEFAULT_WINDOW
-from vllm_kvevict.masks import (HEAD_MASKS_DIR, HeadGates, default_mask_path,
+from vllm_kvevict.masks import (HEAD_MASKS_DIR, HeadGates,
                                 duo_quantile_full_heads, full_heads_at_sparsity,
                                 load_head_gates, model_key, save_head_gates)
 
 OBJECTIVE = "heuristic"
-POLICIES = ("prulong", "duo")
+FILE_NAME = "heuristic.json"
 DEFAULT_TOKENS = 4096
 ATTN_IMPLEMENTATION = "kvevict_long_range_mass"
 REPORT_SPARSITIES = (0.5, 0.7)
@@ -368,17 +370,12 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.monotonic() - started
 
     out.mkdir(parents=True, exist_ok=True)
-    for policy in POLICIES:
-        path = out / f"{policy}.json"
-        save_head_gates(path, gates)
-        back = load_head_gates(path)
-        if not torch.equal(back.gates, gates.gates):
-            raise HeuristicMaskError(f"{path}: gates did not round-trip")
-        print(f"wrote {path}")
-        found = default_mask_path(str(args.model), policy)
-        if args.out is None and found != path:
-            raise HeuristicMaskError(f"default_mask_path({args.model}, {policy!r}) gives "
-                                     f"{found}, not {path}")
+    path = out / FILE_NAME
+    save_head_gates(path, gates)
+    back = load_head_gates(path)
+    if not torch.equal(back.gates, gates.gates):
+        raise HeuristicMaskError(f"{path}: gates did not round-trip")
+    print(f"wrote {path}")
 
     num_layers, num_heads = gates.shape
     print(f"{name}: {num_layers} layers x {num_heads} KV heads, {tokens} tokens, sink "

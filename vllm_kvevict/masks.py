@@ -38,6 +38,7 @@ Two ways to pick the full heads at head sparsity S (share of streaming heads) ov
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import re
@@ -346,10 +347,16 @@ def model_key(model_name_or_path: str) -> str:
     return name
 
 
-def default_mask_path(model_name_or_path: str, policy: str,
-                      root: Path | None = None) -> Path | None:
-    """The shipped mask `head_masks/<model-key>/<policy>.json`, or None if there is none.
+_TRAINED_AT = re.compile(r"-s(\d+(?:\.\d+)?)\.json$")
 
+
+def default_mask_path(model_name_or_path: str, policy: str, sparsity: float | None = None,
+                      root: Path | None = None) -> Path | None:
+    """The shipped mask for `policy` under `head_masks/<model-key>/`, or None if there is none.
+
+    Masks trained at a target sparsity t are named `<policy>-s<t>.json`; the one whose t is
+    nearest the requested `sparsity` is chosen (ties: the higher t; without `sparsity`: nearest
+    the default 0.7). A plain `<policy>.json` is used only when no such file exists.
     The key comes from the model name or directory; if that has no masks and the directory has
     a config.json naming the original model (`_name_or_path`), that name is tried too.
     """
@@ -364,9 +371,19 @@ def default_mask_path(model_name_or_path: str, policy: str,
             keys.append(model_key(original))
     except (OSError, ValueError, AttributeError):
         pass
+    want = 0.7 if sparsity is None else float(sparsity)
     for key in keys:
-        if key:
-            candidate = root / key / f"{policy}.json"
-            if candidate.is_file():
-                return candidate
+        if not key:
+            continue
+        trained = []
+        for candidate in (root / key).glob(f"{glob.escape(policy)}-s*.json"):
+            match = _TRAINED_AT.search(candidate.name)
+            if match and candidate.name == f"{policy}-s{match.group(1)}.json":
+                trained.append((abs(float(match.group(1)) - want), -float(match.group(1)),
+                                candidate))
+        if trained:
+            return min(trained)[2]
+        candidate = root / key / f"{policy}.json"
+        if candidate.is_file():
+            return candidate
     return None

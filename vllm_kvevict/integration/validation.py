@@ -28,7 +28,7 @@ def resolve_full_heads(cfg: KVPolicyConfig, model_path: str, num_layers: int, nu
     """(bool [L, H] full-head mask, source path) for duo/prulong; raises KVPolicyError."""
     from vllm_kvevict import masks
 
-    path = cfg.mask_path or masks.default_mask_path(model_path, cfg.policy)
+    path = cfg.mask_path or masks.default_mask_path(model_path, cfg.policy, cfg.sparsity)
     if path is None:
         raise KVPolicyError(
             f"no {cfg.policy} head mask is shipped for model {model_path!r}; pass one with "
