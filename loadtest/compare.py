@@ -55,8 +55,17 @@ def run_comparison(*, policies: list[PolicySpec], levels: list[int], model: str,
                    extra_server_args: tuple[str, ...] = (), executable: str = "vllm",
                    command_fn: Callable[..., list[str]] = build_server_command,
                    extra_config: dict[str, Any] | None = None,
+                   requests_per_level: list[int] | None = None,
+                   server_env: dict[str, str] | None = None,
+                   overlong_tokens: int | None = None,
+                   probes: dict[str, dict] | None = None,
                    ) -> tuple[dict[str, dict[int, dict]], dict[str, str]]:
-    """Run every policy at every level; returns (runs[label][level] = result, failures)."""
+    """Run every policy at every level; returns (runs[label][level] = result, failures).
+
+    `requests_per_level[i]` replaces `num_requests` at level i. With `overlong_tokens`, one
+    request of that many prompt tokens is sent after the levels (a prompt longer than the
+    context must come back as a clean 4xx: `rejected`, not `failed`); its result goes to
+    `probes[label]`."""
     base_url = f"http://{HOST}:{port}"
     runs: dict[str, dict[int, dict]] = {}
     failures: dict[str, str] = {}
@@ -67,7 +76,7 @@ def run_comparison(*, policies: list[PolicySpec], levels: list[int], model: str,
                           max_batched_tokens=max_batched_tokens, host=HOST, port=port,
                           extra_args=extra_server_args, executable=executable)
         print(f"== {spec.label}: {' '.join(argv)}", flush=True)
-        with ServerProcess(argv, out_dir / f"server_{spec.slug}.log") as server:
+        with ServerProcess(argv, out_dir / f"server_{spec.slug}.log", env=server_env) as server:
             try:
                 took = server.wait_healthy(base_url, health_timeout_s)
             except (RuntimeError, TimeoutError) as exc:
@@ -83,12 +92,26 @@ def run_comparison(*, policies: list[PolicySpec], levels: list[int], model: str,
                     max_duration_s=max_duration_s, request_timeout_s=request_timeout_s,
                     ignore_eos=ignore_eos, arrival_seed=seed + i, server_pid=server.pid,
                     scrape_metrics=scrape_metrics, progress=progress)
-                result = run_once(tokenizer, shapes, num_requests, seed + i, settings,
+                count = requests_per_level[i] if requests_per_level else num_requests
+                result = run_once(tokenizer, shapes, count, seed + i, settings,
                                   {**(extra_config or {}), "policy": spec.label,
                                    "server_argv": argv})
                 write_json(result, out_dir / f"{spec.slug}_c{level}.json")
                 print(format_table(result), flush=True)
                 runs[spec.label][level] = result
+            if overlong_tokens:
+                probe = [Shape("overlong", overlong_tokens, 4)]
+                settings = LoadSettings(base_url=base_url, model=model, concurrency=1,
+                                        max_duration_s=120.0, scrape_metrics=False,
+                                        progress=False)
+                result = run_once(tokenizer, probe, 1, seed, settings,
+                                  {**(extra_config or {}), "policy": spec.label,
+                                   "server_argv": argv})
+                write_json(result, out_dir / f"{spec.slug}_overlong.json")
+                print(f"   {overlong_tokens}-token prompt: {result['requests']} "
+                      f"{result['errors']}", flush=True)
+                if probes is not None:
+                    probes[spec.label] = result
             server.stop(stop_timeout_s)
     return runs, failures
 
@@ -130,6 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra `vllm serve` argument, repeatable "
                         "(e.g. --server-arg=--max-model-len --server-arg=8192)")
     p.add_argument("--vllm", default="vllm", help="vllm executable")
+    p.add_argument("--requests-per-level", help="comma-separated request counts, one per "
+                                                "concurrency level (replaces --num-requests)")
+    p.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment of every server (repeatable), e.g. "
+                        "VLLM_CPU_NUM_OF_RESERVED_CPU=1")
+    p.add_argument("--overlong-tokens", type=int,
+                   help="after the levels, send one prompt of this many tokens (longer than "
+                        "the context) and record its outcome")
     return p
 
 
@@ -139,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         policies = [parse_policy(p) for p in args.policies]
         levels = parse_levels(args.concurrency)
+        per_level = parse_levels(args.requests_per_level) if args.requests_per_level else None
+        if per_level and len(per_level) != len(levels):
+            raise ValueError("--requests-per-level needs one count per concurrency level")
+        server_env = dict(kv.split("=", 1) for kv in args.server_env)
         shapes = make_shapes(args.workload, args.input_len, args.output_len, args.rag_fraction)
     except ValueError as exc:
         parser.error(str(exc))
@@ -149,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"cannot load tokenizer from {tokenizer_path!r}: {exc}")
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    probes: dict[str, dict] = {}
     runs, failures = run_comparison(
         policies=policies, levels=levels, model=args.model, tokenizer=tokenizer, shapes=shapes,
         num_requests=args.num_requests, seed=args.seed, out_dir=out_dir,
@@ -158,16 +194,24 @@ def main(argv: list[str] | None = None) -> int:
         ignore_eos=args.ignore_eos, scrape_metrics=args.scrape_metrics, progress=args.progress,
         health_timeout_s=args.health_timeout, stop_timeout_s=args.stop_timeout,
         extra_server_args=tuple(args.server_arg), executable=args.vllm,
-        extra_config={"workload": args.workload, "tokenizer": tokenizer_path})
+        extra_config={"workload": args.workload, "tokenizer": tokenizer_path},
+        requests_per_level=per_level, server_env=server_env or None,
+        overlong_tokens=args.overlong_tokens, probes=probes)
     shape_text = ", ".join(f"{s.kind} {s.input_len} in / {s.output_len} out"
                            + (f" ({100 * s.weight:.0f} %)" if len(shapes) > 1 else "")
                            for s in shapes)
     notes = [f"- date: {dt.date.today().isoformat()}; model `{args.model}`",
-             f"- workload `{args.workload}`: {shape_text}; {args.num_requests} requests per "
+             f"- workload `{args.workload}`: {shape_text}; "
+             f"{args.requests_per_level or args.num_requests} requests per "
              f"level, max {args.max_duration:g} s, seed {args.seed} (+ level index)",
+             f"- command: `python -m loadtest.compare {' '.join(argv or sys.argv[1:])}`",
              f"- KV pool {args.kv_cache_memory_bytes} bytes, max batched tokens "
              f"{args.max_num_batched_tokens}, enforce-eager",
              "- failures = failed + cancelled; latency percentiles over successful requests"]
+    for label, result in probes.items():
+        notes.append(f"- {label}: one {args.overlong_tokens}-token prompt (longer than the "
+                     f"context): {result['requests']['rejected']} rejected (4xx), "
+                     f"{result['requests']['failed']} failed; errors {result['errors']}")
     for path in write_outputs(runs, failures, out_dir, notes):
         print(f"wrote {path}")
     return 1 if failures else 0

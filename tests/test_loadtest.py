@@ -567,21 +567,28 @@ def test_compare_starts_runs_and_stops_servers(tmp_path):
                 f"import test_loadtest; test_loadtest.serve_forever({kw['port']})")
         return [sys.executable, "-c", code]
 
+    probes = {}
     runs, failures = compare.run_comparison(
         policies=[parse_policy("full"), parse_policy("snapkv:0.7:patched")], levels=[1, 2],
         model="fake", tokenizer=WordTokenizer(), shapes=make_shapes("rag", 12, 3),
         num_requests=3, seed=0, out_dir=tmp_path, kv_cache_bytes=12345,
         max_batched_tokens=64, port=port, max_duration_s=20, progress=False,
-        health_timeout_s=20, stop_timeout_s=5, command_fn=fake_command)
+        health_timeout_s=20, stop_timeout_s=5, command_fn=fake_command,
+        requests_per_level=[2, 3], overlong_tokens=PROMPT_LIMIT + 1, probes=probes)
     assert failures == {}
     assert started == ["full", "snapkv:0.7:patched"]
     assert set(runs) == {"full", "snapkv:0.7:patched"}
     for per in runs.values():
         assert set(per) == {1, 2}
+        assert per[1]["requests"]["ok"] == 2 and per[2]["requests"]["ok"] == 3
         for result in per.values():
-            assert result["requests"]["ok"] == 3
             assert result["server"]["peak_rss_bytes"] > 0
             assert result["server"]["metrics_timeline"]
+    # A prompt longer than the context is a clean 4xx, counted as rejected, never as failed.
+    assert set(probes) == {"full", "snapkv:0.7:patched"}
+    for probe in probes.values():
+        assert probe["requests"]["rejected"] == 1 and probe["requests"]["failed"] == 0
+        assert probe["errors"] == {"HTTP 400": 1}
     # Level i uses seed + i: a level never repeats the previous level's prompts.
     assert runs["full"][1]["config"]["seed"] == 0 and runs["full"][2]["config"]["seed"] == 1
     from loadtest.server import port_in_use
