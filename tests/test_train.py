@@ -148,6 +148,10 @@ def test_schedules():
     assert target_sparsity_at(0, 0.7, 800) == 0.0
     assert target_sparsity_at(400, 0.7, 800) == pytest.approx(0.35)
     assert target_sparsity_at(900, 0.7, 800) == 0.7
+    # the trainer warms up from the gates' initial expected sparsity, never below it
+    assert target_sparsity_at(0, 0.7, 10, start=0.1) == pytest.approx(0.1)
+    assert target_sparsity_at(5, 0.7, 10, start=0.1) == pytest.approx(0.4)
+    assert target_sparsity_at(10, 0.7, 10, start=0.1) == pytest.approx(0.7)
 
 
 # -- hybrid attention = the reference's semantics ------------------------------------------------
@@ -200,6 +204,11 @@ def test_three_steps_checkpoint_and_resume(model, tmp_path, objective):
     assert len((tmp_path / f"ckpt-{objective}" / "train_log.jsonl").read_text().splitlines()) == 3
     if objective == "prulong":
         assert results[-1].metrics["lambda2"] > 0  # ascent on lambda2 = (s - t)^2 >= 0
+        # the target warms up from the initial expected sparsity (never asks for less)
+        start = float(hc.expected_sparsity(torch.full((1,), trainer.cfg.init_log_alpha)))
+        assert trainer.start_sparsity == pytest.approx(start)
+        assert results[0].metrics["target_sparsity"] == pytest.approx(start)
+        assert all(r.metrics["target_sparsity"] >= start - 1e-9 for r in results)
         assert not torch.equal(trainer.log_alpha.detach(),
                                torch.full((LAYERS, KV_HEADS), trainer.cfg.init_log_alpha))
     else:

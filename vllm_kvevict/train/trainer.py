@@ -2,7 +2,8 @@
 
 PruLong (`objective="prulong"`), one step (batch of B sequences, each of exactly seq_len):
 
-    t      = t_final * min(1, step / sparsity_warmup_steps)          target sparsity warm-up
+    t      = s0 + (t_final - s0) min(1, step / sparsity_warmup_steps) target warm-up from s0,
+                                                                     the initial expected sparsity
     z_b    = hard-concrete sample of log_alpha, one per sequence b   (hard_concrete.py)
     L_lm   = 1/B sum_b mean_n -log p(x_{n+1} | x_{<=n}; z_b)        hybrid model, frozen weights
     s      = 1 - mean sigmoid(log_alpha - tau log(-l / r))           expected L0 sparsity
@@ -172,11 +173,15 @@ def lr_factor(step: int, total: int, warmup_frac: float = 0.1, final_frac: float
     return 1.0 - (1.0 - final_frac) * min(1.0, progress)
 
 
-def target_sparsity_at(step: int, final: float, warmup_steps: int) -> float:
-    """t = final * min(1, step / warmup_steps): 0 at step 0, `final` from warmup_steps on."""
+def target_sparsity_at(step: int, final: float, warmup_steps: int, start: float = 0.0) -> float:
+    """t = start + (final - start) * min(1, step / warmup_steps): `start` at step 0, `final`
+    from warmup_steps on. The trainer starts at the gates' initial expected sparsity (0 in the
+    paper; 0.076 with our clamp): a target below it would first push the multipliers the wrong
+    way, and in a run of tens of steps they never recover (measured: s stuck at 0.076 after
+    17 of 45 steps at seq-len 4096)."""
     if warmup_steps <= 0:
         return final
-    return final * min(1.0, step / warmup_steps)
+    return start + (final - start) * min(1.0, step / warmup_steps)
 
 
 def lagrangian(s: torch.Tensor, t: float, lambdas: torch.Tensor) -> torch.Tensor:
@@ -238,6 +243,9 @@ class Trainer:
         shape = (self.num_layers, self.num_kv_heads)
         if cfg.objective == "prulong":
             self.log_alpha = torch.nn.Parameter(torch.full(shape, float(cfg.init_log_alpha)))
+            with torch.no_grad():
+                self.start_sparsity = min(float(hc.expected_sparsity(self.log_alpha)),
+                                          cfg.target_sparsity)
             self.lambdas = torch.nn.Parameter(torch.zeros(2))
             groups = [{"params": [self.log_alpha], "lr": cfg.lr, "name": "log_alpha"},
                       {"params": [self.lambdas], "lr": cfg.lambda_lr, "name": "lambdas"}]
@@ -335,7 +343,8 @@ class Trainer:
 
         metrics: dict[str, float] = {"lr_factor": factor}
         if cfg.objective == "prulong":
-            t = target_sparsity_at(self.step, cfg.target_sparsity, cfg.sparsity_warmup_steps)
+            t = target_sparsity_at(self.step, cfg.target_sparsity, cfg.sparsity_warmup_steps,
+                                   self.start_sparsity)
             s = hc.expected_sparsity(self.log_alpha)
             penalty = lagrangian(s, t, self.lambdas)
             penalty.backward()
