@@ -132,6 +132,31 @@ def write_outputs(runs: dict[str, dict[int, dict]], failures: dict[str, str], ou
     return paths
 
 
+def load_runs(out_dir: Path, policies: list[PolicySpec], levels: list[int]):
+    """(runs, probes) from the JSON files a comparison wrote; missing files are skipped."""
+    runs: dict[str, dict[int, dict]] = {}
+    probes: dict[str, dict] = {}
+    for spec in policies:
+        for level in levels:
+            path = out_dir / f"{spec.slug}_c{level}.json"
+            if path.exists():
+                runs.setdefault(spec.label, {})[level] = json.loads(path.read_text())
+        path = out_dir / f"{spec.slug}_overlong.json"
+        if path.exists():
+            probes[spec.label] = json.loads(path.read_text())
+    return runs, probes
+
+
+def probe_notes(probes: dict[str, dict]) -> list[str]:
+    notes = []
+    for label, result in probes.items():
+        tokens = result["config"]["shapes"][0]["input_len"]
+        notes.append(f"- {label}: one {tokens}-token prompt (longer than the context): "
+                     f"{result['requests']['rejected']} rejected (4xx), "
+                     f"{result['requests']['failed']} failed; errors {result['errors']}")
+    return notes
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m loadtest.compare", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -158,6 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment of every server (repeatable), e.g. "
                         "VLLM_CPU_NUM_OF_RESERVED_CPU=1")
+    p.add_argument("--report-only", action="store_true",
+                   help="start nothing: rebuild summary.md, summary.json and the plots from the "
+                        "<policy>_c<level>.json files already in --out-dir (e.g. after "
+                        "re-running one policy)")
     p.add_argument("--overlong-tokens", type=int,
                    help="after the levels, send one prompt of this many tokens (longer than "
                         "the context) and record its outcome")
@@ -184,6 +213,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"cannot load tokenizer from {tokenizer_path!r}: {exc}")
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.report_only:
+        runs, probes = load_runs(out_dir, policies, levels)
+        notes = [f"- rebuilt from the run files in `{out_dir}`; commands and settings: each "
+                 "file's `config` (`server_argv`, lengths, counts)"]
+        notes += probe_notes(probes)
+        for path in write_outputs(runs, {}, out_dir, notes):
+            print(f"wrote {path}")
+        return 0
     probes: dict[str, dict] = {}
     runs, failures = run_comparison(
         policies=policies, levels=levels, model=args.model, tokenizer=tokenizer, shapes=shapes,
@@ -208,10 +245,7 @@ def main(argv: list[str] | None = None) -> int:
              f"- KV pool {args.kv_cache_memory_bytes} bytes, max batched tokens "
              f"{args.max_num_batched_tokens}, enforce-eager",
              "- failures = failed + cancelled; latency percentiles over successful requests"]
-    for label, result in probes.items():
-        notes.append(f"- {label}: one {args.overlong_tokens}-token prompt (longer than the "
-                     f"context): {result['requests']['rejected']} rejected (4xx), "
-                     f"{result['requests']['failed']} failed; errors {result['errors']}")
+    notes += probe_notes(probes)
     for path in write_outputs(runs, failures, out_dir, notes):
         print(f"wrote {path}")
     return 1 if failures else 0

@@ -589,6 +589,14 @@ def test_compare_starts_runs_and_stops_servers(tmp_path):
     for probe in probes.values():
         assert probe["requests"]["rejected"] == 1 and probe["requests"]["failed"] == 0
         assert probe["errors"] == {"HTTP 400": 1}
+    # --report-only rebuilds the same runs from the files written
+    loaded, loaded_probes = compare.load_runs(
+        tmp_path, [parse_policy("full"), parse_policy("snapkv:0.7:patched")], [1, 2, 3])
+    assert {p: set(per) for p, per in loaded.items()} == {p: {1, 2} for p in runs}
+    assert loaded["full"][2]["requests"] == runs["full"][2]["requests"]
+    assert set(loaded_probes) == set(probes)
+    assert "12-token prompt" not in " ".join(compare.probe_notes(loaded_probes))
+    assert f"{PROMPT_LIMIT + 1}-token prompt" in compare.probe_notes(loaded_probes)[0]
     # Level i uses seed + i: a level never repeats the previous level's prompts.
     assert runs["full"][1]["config"]["seed"] == 0 and runs["full"][2]["config"]["seed"] == 1
     from loadtest.server import port_in_use
