@@ -1,0 +1,81 @@
+"""One greedy /v1/completions request with token-id prompts, and the record it yields.
+
+Non-streaming, no stop strings: a stop string makes vLLM abort the engine request, and an
+aborted request carries no kv_stats (server/README.md, known limits); EOS and max_tokens are
+fine. The record keeps the kv_stats fields the report uses plus the chunk boundaries, so a
+reader can check the chunking the footprint was computed for.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from vllm_kvevict.evaluation.grid import Setting
+from vllm_kvevict.evaluation.tasks import Example
+
+SERVED_NAME = "smollm2"
+KV_FIELDS = ("footprint", "peak_kv", "kv_bytes_peak", "measured_footprint", "chunk_boundaries",
+             "prompt_tokens", "completion_tokens", "decode_steps", "ttft_s", "e2e_s",
+             "preemptions", "streaming_store_bytes", "overrides", "params")
+
+
+class RequestError(RuntimeError):
+    pass
+
+
+def complete(client: httpx.Client, base_url: str, example: Example, setting: Setting,
+             retries: int = 1) -> dict:
+    body = {"model": SERVED_NAME, "prompt": list(example.prompt_ids),
+            "max_tokens": example.max_tokens, "temperature": 0.0}
+    if example.allowed_token_ids is not None:
+        body["allowed_token_ids"] = list(example.allowed_token_ids)
+    if setting.vllm_xargs:
+        body["vllm_xargs"] = setting.vllm_xargs
+    for attempt in range(retries + 1):
+        try:
+            resp = client.post(f"{base_url}/v1/completions", json=body)
+        except httpx.HTTPError as exc:
+            if attempt == retries:
+                raise RequestError(f"{example.key} on {setting.key}: {exc!r}") from exc
+            time.sleep(2.0)
+            continue
+        if resp.status_code == 200:
+            return resp.json()
+        if resp.status_code < 500 or attempt == retries:
+            raise RequestError(f"{example.key} on {setting.key}: HTTP {resp.status_code} "
+                               f"{resp.text[:500]}")
+        time.sleep(2.0)
+    raise AssertionError("unreachable")
+
+
+def to_record(example: Example, setting: Setting, response: dict, run_id: str) -> dict:
+    choice = response["choices"][0]
+    kv = response.get("kv_stats")
+    if not kv:
+        raise RequestError(f"{example.key} on {setting.key}: response without kv_stats")
+    if kv["prompt_tokens"] != len(example.prompt_ids):
+        raise RequestError(f"{example.key}: server saw {kv['prompt_tokens']} prompt tokens, "
+                           f"sent {len(example.prompt_ids)}")
+    prediction = choice["text"]
+    server = setting.server
+    return {
+        "setting": setting.key, "method": server.policy, "eviction": server.eviction,
+        "sparsity": setting.sparsity, "chunk": server.chunk,
+        "mask": server.mask, "mask_digest": setting.mask_digest,
+        "example": example_id(example), "task": example.task, "category": example.category,
+        "length": example.length, "index": example.index,
+        "answers": list(example.answers), "prediction": prediction,
+        "finish_reason": choice.get("finish_reason"), "score": example.score(prediction),
+        **{k: kv.get(k) for k in KV_FIELDS}, "run": run_id,
+    }
+
+
+def example_id(example: Example) -> str:
+    """Task, length and index plus a digest of the prompt: if task generation changes, old
+    records no longer match and are re-run instead of silently reused."""
+    import hashlib
+
+    digest = hashlib.sha256(repr(example.prompt_ids).encode()).hexdigest()[:10]
+    return f"{example.key}/{digest}"

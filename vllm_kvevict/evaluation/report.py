@@ -1,0 +1,278 @@
+"""The paper's critical-KV-footprint table (Markdown) and its Figure-3-style plot (PNG), from a
+results JSONL written by the runner.
+
+    python -m vllm_kvevict.evaluation report --results R.jsonl --out-dir docs/results/evaluation
+
+table.md: per chunk size, one row per method (the paper's order: DuoAttention -> PruLong,
+PyramidKV naive -> patched, SnapKV naive -> patched), one column per task category, each cell
+the critical footprint in % with its bootstrap 95 % interval; then the same for the measured
+footprint (real KV bytes), full attention's scores, and every curve point.
+pareto.png: score vs KV footprint per category (columns) and chunk size (rows), full
+attention's score (gray) and 90 % of it (red) as horizontal dashed lines.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from vllm_kvevict.evaluation.critical import FRACTION
+from vllm_kvevict.evaluation.curves import Curve, build_curves
+
+ROW_ORDER = ("duo", "prulong", "pyramidkv-naive", "pyramidkv-patched", "snapkv-naive",
+             "snapkv-patched")
+DISPLAY = {"duo": "DuoAttention", "prulong": "→ PruLong",
+           "pyramidkv-naive": "PyramidKV (naive)", "pyramidkv-patched": "→ PyramidKV (patched)",
+           "snapkv-naive": "SnapKV (naive)", "snapkv-patched": "→ SnapKV (patched)"}
+COLORS = {"duo": "tab:blue", "prulong": "tab:green", "pyramidkv-naive": "tab:orange",
+          "pyramidkv-patched": "tab:red", "snapkv-naive": "tab:purple",
+          "snapkv-patched": "tab:brown"}
+CATEGORY_ORDER = ("recall", "tracing", "aggregation", "icl")
+CATEGORY_TITLES = {"recall": "Recall", "tracing": "Tracing", "aggregation": "Aggregation",
+                   "icl": "ICL"}
+METRIC_TITLES = {"footprint": "KV footprint", "measured_footprint": "measured footprint "
+                 "(real KV bytes)", "peak_kv": "peak KV"}
+
+
+def load_records(path: Path) -> list[dict]:
+    records = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut by a killed run; the runner redoes that request
+    return records
+
+
+def categories_of(curves: Sequence[Curve]) -> list[str]:
+    """The paper's column order: recall first."""
+    present = {c.category for c in curves}
+    return [c for c in CATEGORY_ORDER if c in present] + sorted(present - set(CATEGORY_ORDER))
+
+
+def _order(curves: Sequence[Curve]) -> list[str]:
+    present = {c.method for c in curves}
+    return [m for m in ROW_ORDER if m in present] + sorted(present - set(ROW_ORDER))
+
+
+def critical_table(curves: Sequence[Curve], metric: str, replicates: int, seed: int) -> str:
+    lines = []
+    chunks = sorted({c.chunk for c in curves})
+    categories = categories_of(curves)
+    by_key = {(c.method, c.chunk, c.category): c for c in curves}
+    for chunk in chunks:
+        lines += [f"**Prefill chunk {chunk}** — critical {METRIC_TITLES[metric]} (%) ↓, "
+                  f"bootstrap 95 % interval in brackets", "",
+                  "| Method | " + " | ".join(CATEGORY_TITLES.get(c, c) for c in categories)
+                  + " |",
+                  "|---|" + "---:|" * len(categories)]
+        for method in _order([c for c in curves if c.chunk == chunk]):
+            cells = []
+            for category in categories:
+                curve = by_key.get((method, chunk, category))
+                if curve is None:
+                    cells.append("–")
+                    continue
+                point = curve.critical(metric)
+                lo, hi = curve.interval(replicates, seed, metric)
+                cells.append(f"{point.format()} [{lo.format()}, {hi.format()}]")
+            lines.append(f"| {DISPLAY.get(method, method)} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def full_scores_table(records: Sequence[dict]) -> str:
+    per: dict[tuple[int, str, str], list[float]] = defaultdict(list)
+    for r in records:
+        if r["method"] == "full":
+            per[(r["chunk"], r["category"], r["task"])].append(r["score"])
+    lines = ["| chunk | category | task | examples | full-attention score (%) |",
+             "|---:|---|---|---:|---:|"]
+    for (chunk, category, task), scores in sorted(per.items()):
+        lines.append(f"| {chunk} | {category} | {task} | {len(scores)} | "
+                     f"{100 * np.mean(scores):.1f} |")
+    return "\n".join(lines)
+
+
+def points_table(curves: Sequence[Curve]) -> str:
+    lines = ["| chunk | method | category | sparsity | examples | footprint % | measured % | "
+             "peak KV % | score % | % of full |", "|---:|---|---|---:|---:|---:|---:|---:|---:|"
+             "---:|"]
+    for c in sorted(curves, key=lambda c: (c.chunk, _order(curves).index(c.method),
+                                           c.category)):
+        full = c.full_score()
+        foot, meas, peak = (c.point_footprints(m) for m in
+                            ("footprint", "measured_footprint", "peak_kv"))
+        for i, s in enumerate(c.sparsities):
+            score = c.point_scores()[i]
+            rel = f"{100 * score / full:.0f}" if full > 0 else "n/a"
+            lines.append(f"| {c.chunk} | {c.method} | {c.category} | {s:g} | "
+                         f"{len(c.examples)} | {100 * foot[i]:.1f} | {100 * meas[i]:.1f} | "
+                         f"{100 * peak[i]:.1f} | {100 * score:.1f} | {rel} |")
+    return "\n".join(lines)
+
+
+# The paper's comparisons: (candidate, baseline).
+PAIRS = (("prulong", "duo"), ("pyramidkv-patched", "pyramidkv-naive"),
+         ("snapkv-patched", "snapkv-naive"))
+
+
+def probability_lower(a: Curve, b: Curve, replicates: int, seed: int,
+                      metric: str = "footprint") -> float | None:
+    """Share of paired bootstrap replicates in which `a` has the lower critical footprint
+    (ties, e.g. both censored at the same end, count one half). Same seed and same example
+    columns give both curves the same draws. None if the curves answered different examples."""
+    if a.examples != b.examples:
+        return None
+    xs = [c.sort_value for c in a.bootstrap(replicates, seed, metric)]
+    ys = [c.sort_value for c in b.bootstrap(replicates, seed, metric)]
+    wins = sum(1.0 if x < y else 0.5 if x == y else 0.0 for x, y in zip(xs, ys))
+    return wins / len(xs)
+
+
+def comparisons_table(curves: Sequence[Curve], replicates: int, seed: int) -> str:
+    by_key = {(c.method, c.chunk, c.category): c for c in curves}
+    lines = ["| chunk | category | candidate | baseline | critical % (candidate / baseline) "
+             "| P(candidate lower) |", "|---:|---|---|---|---|---:|"]
+    for chunk in sorted({c.chunk for c in curves}):
+        for category in categories_of(curves):
+            for cand, base in PAIRS:
+                a, b = by_key.get((cand, chunk, category)), by_key.get((base, chunk, category))
+                if a is None or b is None:
+                    continue
+                p = probability_lower(a, b, replicates, seed)
+                lines.append(f"| {chunk} | {category} | {cand} | {base} | "
+                             f"{a.critical().format()} / {b.critical().format()} | "
+                             f"{'n/a' if p is None else f'{p:.2f}'} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def chunk_sensitivity_table(curves: Sequence[Curve]) -> str:
+    """Score at the smallest chunk minus the score at the largest, at the sparsities both ran
+    (the paper's Figure 4, left: smaller chunks lose score at equal settings)."""
+    chunks = sorted({c.chunk for c in curves})
+    if len(chunks) < 2:
+        return ""
+    small, large = chunks[0], chunks[-1]
+    by_key = {(c.method, c.chunk, c.category): c for c in curves}
+    lines = [f"| method | category | sparsities | score at chunk {small} - at {large} "
+             f"(points) | footprint at {small} - at {large} (points) |",
+             "|---|---|---|---:|---:|"]
+    for method in _order(curves):
+        for category in categories_of(curves):
+            a, b = by_key.get((method, small, category)), by_key.get((method, large, category))
+            if a is None or b is None:
+                continue
+            shared = sorted(set(a.sparsities) & set(b.sparsities))
+            if not shared:
+                continue
+            ia = [a.sparsities.index(s) for s in shared]
+            ib = [b.sparsities.index(s) for s in shared]
+            d_score = np.mean(a.point_scores()[ia] - b.point_scores()[ib])
+            d_foot = np.mean(a.point_footprints()[ia] - b.point_footprints()[ib])
+            lines.append(f"| {DISPLAY.get(method, method)} | {category} | "
+                         f"{', '.join(f'{s:g}' for s in shared)} | {100 * d_score:+.1f} | "
+                         f"{100 * d_foot:+.1f} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def write_table(records: Sequence[dict], curves: Sequence[Curve], notes: Sequence[str],
+                path: Path, replicates: int, seed: int, command: str | None) -> str:
+    n_examples = len({r["example"] for r in records})
+    text = [
+        "# Critical KV footprint on the bundled model (SmolLM2-135M-Instruct)", "",
+        f"Smallest KV footprint at which a method keeps {100 * FRACTION:.0f} % of full "
+        "attention's score (the paper's Table 2), by linear interpolation between measured "
+        "points; `<x`: reached at every measured point (the true value lies below the grid), "
+        "`>x`: not reached even at the largest measured footprint. Intervals: "
+        f"{replicates} bootstrap replicates over examples (seed {seed}), paired across "
+        "settings. Head-mask curves end at the streaming point (head sparsity 1.0).", "",
+        f"Records: {len(records)}; distinct examples: {n_examples}.", ""]
+    if command:
+        text += [f"Produced by: `{command}`", ""]
+    text += [critical_table(curves, "footprint", replicates, seed), ""]
+    pairs = comparisons_table(curves, replicates, seed)
+    if pairs:
+        text += ["## The paper's comparisons", "",
+                 "P(candidate lower): share of paired bootstrap replicates in which the "
+                 "candidate's critical footprint is below the baseline's.", "", pairs, ""]
+    sensitivity = chunk_sensitivity_table(curves)
+    if sensitivity:
+        text += ["## Chunk-size sensitivity", "", sensitivity, ""]
+    text += ["## The same with the measured footprint (real KV bytes held)", "",
+             critical_table(curves, "measured_footprint", replicates, seed), "",
+             "## Full attention", "", full_scores_table(records), "",
+             "## Every curve point", "", points_table(curves), ""]
+    if notes:
+        text += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    out = "\n".join(text)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(out)
+    return out
+
+
+def plot_pareto(curves: Sequence[Curve], path: Path, metric: str = "footprint") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    chunks = sorted({c.chunk for c in curves})
+    categories = categories_of(curves)
+    fig, axes = plt.subplots(len(chunks), len(categories), squeeze=False,
+                             figsize=(4.2 * len(categories), 3.4 * len(chunks)))
+    for row, chunk in enumerate(chunks):
+        for col, category in enumerate(categories):
+            ax = axes[row][col]
+            here = [c for c in curves if c.chunk == chunk and c.category == category]
+            full = None
+            for c in sorted(here, key=lambda c: _order(curves).index(c.method)):
+                x = 100 * c.point_footprints(metric)
+                y = 100 * c.point_scores()
+                order = np.argsort(x)
+                ax.plot(x[order], y[order], marker="o", ms=3.5, lw=1.4,
+                        color=COLORS.get(c.method), label=DISPLAY.get(c.method, c.method))
+                full = 100 * c.full_score()
+            if full is not None:
+                ax.axhline(full, color="gray", ls="--", lw=1.0)
+                ax.axhline(FRACTION * full, color="red", ls="--", lw=1.0)
+            ax.set_title(f"{CATEGORY_TITLES.get(category, category)} — chunk {chunk}",
+                         fontsize=10)
+            ax.set_xlim(0, 102)
+            ax.set_ylim(0, 105)
+            ax.grid(alpha=0.3)
+            if row == len(chunks) - 1:
+                ax.set_xlabel(f"{METRIC_TITLES[metric]} (%)")
+            if col == 0:
+                ax.set_ylabel("score (%)")
+    seen: dict[str, object] = {}  # one legend entry per method over all panels
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(label, handle)
+    fig.legend(list(seen.values()), list(seen.keys()), loc="lower center",
+               ncol=min(6, len(seen)), fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def report(results: Path, out_dir: Path, replicates: int = 1000, seed: int = 0,
+           command: str | None = None) -> tuple[Path, Path]:
+    records = load_records(results)
+    if not records:
+        raise ValueError(f"{results} holds no records")
+    curves, notes = build_curves(records)
+    if not curves:
+        raise ValueError(f"{results}: no curve has both its points and a full-attention run "
+                         f"at the same chunk size" + ("; " + "; ".join(notes) if notes else ""))
+    table = out_dir / "table.md"
+    plot = out_dir / "pareto.png"
+    write_table(records, curves, notes, table, replicates, seed, command)
+    plot_pareto(curves, plot)
+    return table, plot
