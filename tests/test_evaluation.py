@@ -84,8 +84,8 @@ def test_multikey_needles_are_all_present_and_distinct(tokenizer, builder):
     ex = make_example(builder, "niah_multikey", 4096, 2)
     text = tokenizer.decode(list(ex.prompt_ids))
     needles = re.findall(r"The special magic number for (\w+) is: (\d+)\.", text)
-    assert len(needles) == 3
-    assert len({k for k, _ in needles}) == 3 and len({v for _, v in needles}) == 3
+    assert len(needles) == 2
+    assert len({k for k, _ in needles}) == 2 and len({v for _, v in needles}) == 2
     asked = re.search(r"number for (\w+) mentioned in the provided text is$", text).group(1)
     assert dict(needles)[asked] == ex.answers[0]
 

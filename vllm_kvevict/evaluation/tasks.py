@@ -160,7 +160,7 @@ def draft_niah_single(rng: random.Random, items: int) -> Draft:
                  (value,))
 
 
-def draft_niah_multikey(rng: random.Random, items: int, needles: int = 3) -> Draft:
+def draft_niah_multikey(rng: random.Random, items: int, needles: int = 2) -> Draft:
     keys = distinct(rng, vocab.KEY_WORDS, needles)
     values = numbers(rng, 4, needles)
     texts = [f" The special magic number for {k} is: {v}." for k, v in zip(keys, values)]
@@ -289,7 +289,7 @@ TASKS: dict[str, Task] = {t.name: t for t in (
     Task("niah_single", "recall", "recall", 12, draft_niah_single,
          "one 4-digit number under a word key in RULER's noise"),
     Task("niah_multikey", "recall", "recall", 12, draft_niah_multikey,
-         "4 word-keyed numbers, one asked; the other 3 are distractors"),
+         "2 word-keyed numbers, one asked; the other is a distractor"),
     Task("niah_uuid", "recall", "recall", 16, draft_niah_uuid,
          "2 word-keyed 8-hex-digit ids, one asked"),
     Task("niah_multivalue", "recall", "recall", 32, draft_niah_multivalue,
