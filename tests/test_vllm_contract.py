@@ -119,6 +119,11 @@ def test_scheduler_and_runner_fields():
     from vllm.v1.worker.block_table import MultiGroupBlockTable
 
     assert "block_tables" in inspect.getsource(MultiGroupBlockTable.__init__)
+    # token eviction computes vLLM's (unused) logical slot mappings for group 0 only
+    assert list(inspect.signature(MultiGroupBlockTable.compute_slot_mapping).parameters) == [
+        "self", "num_reqs", "query_start_loc", "positions"]
+    assert "block_table.compute_slot_mapping" in inspect.getsource(
+        MultiGroupBlockTable.compute_slot_mapping)
     assert "num_blocks_per_row" in inspect.getsource(BlockTable.__init__)
     assert "num_prompt_tokens" in inspect.getsource(InputBatch.__init__)
     assert {"input_ids", "positions"} <= params(GPUModelRunner._model_forward)
