@@ -25,15 +25,19 @@ class PolicySpec:
     policy: str
     sparsity: float | None = None
     eviction: str | None = None
+    tiers: int | None = None  # --kv-tiers (token eviction: KV-cache groups of layers)
 
     @property
     def label(self) -> str:
-        """As written on the command line, e.g. `pyramidkv:0.7:patched`."""
+        """As written on the command line, e.g. `pyramidkv:0.7:patched` or
+        `pyramidkv:0.7:patched:t6`."""
         parts = [self.policy]
         if self.sparsity is not None:
             parts.append(f"{self.sparsity:g}")
         if self.eviction is not None:
             parts.append(self.eviction)
+        if self.tiers is not None:
+            parts.append(f"t{self.tiers}")
         return ":".join(parts)
 
     @property
@@ -43,11 +47,18 @@ class PolicySpec:
 
 
 def parse_policy(text: str) -> PolicySpec:
-    """`POLICY[:SPARSITY[:EVICTION]]`, e.g. `full`, `prulong:0.7`, `snapkv:0.7:patched`."""
+    """`POLICY[:SPARSITY[:EVICTION[:tTIERS]]]`, e.g. `full`, `prulong:0.7`,
+    `snapkv:0.7:patched`, `pyramidkv:0.7:patched:t6` (6 KV-cache groups of layers)."""
     parts = text.split(":")
-    if not parts[0] or len(parts) > 3:
-        raise ValueError(f"policy must look like NAME[:SPARSITY[:EVICTION]], got {text!r}")
-    sparsity = eviction = None
+    if not parts[0] or len(parts) > 4:
+        raise ValueError(f"policy must look like NAME[:SPARSITY[:EVICTION[:tTIERS]]], "
+                         f"got {text!r}")
+    sparsity = eviction = tiers = None
+    if len(parts) == 4:
+        if not (parts[3].startswith("t") and parts[3][1:].isdigit() and int(parts[3][1:]) > 0):
+            raise ValueError(f"tiers in {text!r} must look like t6 (a positive integer)")
+        tiers = int(parts[3][1:])
+        parts = parts[:3]
     if len(parts) >= 2:
         try:
             sparsity = float(parts[1])
@@ -59,7 +70,7 @@ def parse_policy(text: str) -> PolicySpec:
         eviction = parts[2]
         if eviction not in EVICTION_MODES:
             raise ValueError(f"eviction in {text!r} must be one of {', '.join(EVICTION_MODES)}")
-    return PolicySpec(parts[0], sparsity, eviction)
+    return PolicySpec(parts[0], sparsity, eviction, tiers)
 
 
 def build_server_command(model: str, spec: PolicySpec, *, kv_cache_bytes: int,
@@ -72,6 +83,8 @@ def build_server_command(model: str, spec: PolicySpec, *, kv_cache_bytes: int,
         argv += ["--kv-sparsity", f"{spec.sparsity:g}"]
     if spec.eviction is not None:
         argv += ["--kv-eviction", spec.eviction]
+    if spec.tiers is not None:
+        argv += ["--kv-tiers", str(spec.tiers)]
     argv += ["--kv-cache-memory-bytes", str(kv_cache_bytes),
              "--max-num-batched-tokens", str(max_batched_tokens),
              "--enforce-eager", "--host", host, "--port", str(port)]

@@ -50,6 +50,8 @@ def test_no_policy_given_means_none():
     ({"policy": "snapkv", "pool_kernel": 4}, "pool_kernel must be odd"),
     ({"policy": "snapkv", "mask_path": "x.json"}, "mask_path only applies to duo, prulong"),
     ({"policy": "full", "windw": 3}, "unknown kv_policy key(s) ['windw']"),
+    ({"policy": "prulong", "tiers": 2}, "tiers only applies to snapkv, pyramidkv"),
+    ({"policy": "pyramidkv", "tiers": 0}, "tiers must be an integer >= 1"),
 ])
 def test_invalid_config_names_the_problem(raw, fragment):
     with pytest.raises(KVPolicyError) as exc:
@@ -92,3 +94,26 @@ def test_vllm_serve_help_documents_every_flag():
     assert proc.returncode == 0, proc.stderr
     for flag in cli.FLAGS:
         assert flag in proc.stdout
+
+
+def test_tiers_default_and_divisibility():
+    """pyramidkv: one KV-cache group per layer unless told; snapkv one; head masks never; a tier
+    count that does not divide the layers is refused before any model loads."""
+    from types import SimpleNamespace
+
+    from vllm_kvevict.integration.validation import validate_against_model
+
+    assert KVPolicyConfig(policy="pyramidkv").num_tiers(30) == 30
+    assert KVPolicyConfig(policy="pyramidkv", tiers=6).num_tiers(30) == 6
+    assert KVPolicyConfig(policy="snapkv").num_tiers(30) == 1
+    assert KVPolicyConfig(policy="prulong").num_tiers(30) == 1
+
+    def config(**policy):
+        hf = SimpleNamespace(num_hidden_layers=30, num_key_value_heads=3, num_attention_heads=9)
+        return SimpleNamespace(additional_config={"kv_policy": policy},
+                               model_config=SimpleNamespace(hf_config=hf, model="m"),
+                               cache_config=SimpleNamespace(enable_prefix_caching=True))
+
+    validate_against_model(config(policy="pyramidkv", tiers=5))
+    with pytest.raises(KVPolicyError, match="tiers=4 does not divide the model's 30 layers"):
+        validate_against_model(config(policy="pyramidkv", tiers=4))

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from vllm_kvevict.config import KVPolicyConfig
 from vllm_kvevict.integration.streaming_store import StreamingStore, build_step_plan
-from vllm_kvevict.integration.token_eviction import (TokenEvictionWorker, allocation_eviction,
-                                                     chunk_kept_per_layer)
+from vllm_kvevict.integration.token_eviction import (LayerGroups, TokenEvictionWorker,
+                                                     allocation_eviction, chunk_kept_per_layer,
+                                                     group_evictions)
 from vllm_kvevict.policies import build_policy
 
 
@@ -53,44 +55,84 @@ def test_scratch_slots_are_distinct_and_within_rows():
     assert int(plan.seq_lens[0]) == 8 + 16 + 1 and int(plan.seq_lens[1]) == 3 + 70
 
 
-def simulate_scheduler(policy, prompt_len, chunks, decode, bs):
-    """The scheduler's view: blocks held after every step (allocate, run, free the tail)."""
-    evicted, computed, held = 0, 0, []
+def simulate_scheduler(policy, prompt_len, chunks, decode, bs, groups=None):
+    """The scheduler's view, per KV-cache group: blocks held after every step (allocate, run,
+    free the tail)."""
+    groups = groups or LayerGroups.single(policy.num_layers)
+    G = groups.num_groups
+    evicted, computed, held = [0] * G, 0, []
     for c in chunks + [1] * decode:
-        need = -(-(computed + c - evicted) // bs)
-        held.append(need)
-        is_prefill = computed + c <= prompt_len
-        if is_prefill:
-            evicted += allocation_eviction(policy, c, computed + c == prompt_len)
+        held.append([-(-(computed + c - e) // bs) for e in evicted])
+        if computed + c <= prompt_len:
+            freed = group_evictions(policy, c, computed + c == prompt_len, groups)
+            evicted = [e + f for e, f in zip(evicted, freed)]
         computed += c
-        held.append(-(-(computed - evicted) // bs))
+        held.append([-(-(computed - e) // bs) for e in evicted])
     return held
 
 
-def test_worker_and_scheduler_keep_the_same_blocks():
-    for name, p in [("snapkv", 0.7), ("pyramidkv", 0.5), ("snapkv", 0.0)]:
-        policy = build_policy(KVPolicyConfig(policy=name, sparsity=p, eviction="naive"), 30, 3)
-        bs, n = 32, 1000
-        chunks = [256, 256, 100, 256, 132]
-        expected = simulate_scheduler(policy, n, chunks, 5, bs)
-        worker = TokenEvictionWorker(policy, bs)
-        blocks: list[int] = []
-        next_id, computed, seen = 1, 0, []
-        for c in chunks + [1] * 5:
-            need = expected[len(seen)]
-            while len(blocks) < need:  # vLLM appends the scheduler's new blocks
-                blocks.append(next_id)
+@pytest.mark.parametrize("name, p, num_tiers", [
+    ("snapkv", 0.7, 1), ("pyramidkv", 0.5, 1), ("snapkv", 0.0, 1),
+    ("pyramidkv", 0.7, 30), ("pyramidkv", 0.5, 5), ("snapkv", 0.7, 3)])
+@pytest.mark.parametrize("eviction", ["naive", "patched"])
+def test_worker_and_scheduler_keep_the_same_blocks(name, p, num_tiers, eviction):
+    """Per KV-cache group, the worker drops exactly the blocks the scheduler frees, and every
+    layer writes only into blocks its own group holds, below the group's physical length."""
+    policy = build_policy(KVPolicyConfig(policy=name, sparsity=p, eviction=eviction), 30, 3)
+    groups = LayerGroups.tiers(30, num_tiers)
+    G = groups.num_groups
+    bs, n = 32, 1000
+    chunks = [256, 256, 100, 256, 132]
+    expected = simulate_scheduler(policy, n, chunks, 5, bs, groups)
+    worker = TokenEvictionWorker(policy, bs, groups)
+    blocks: list[list[int]] = [[] for _ in range(G)]
+    next_id, computed, seen = 1, 0, []
+    prompt = list(range(n))
+    for c in chunks + [1] * 5:
+        need = expected[len(seen)]
+        for g in range(G):
+            while len(blocks[g]) < need[g]:  # vLLM appends the scheduler's new blocks
+                blocks[g].append(next_id)
                 next_id += 1
-            seen.append(len(blocks))
-            plan = worker.plan(["r"], [computed], [c], [n], [list(blocks)])
-            # every new token's slot lies inside a block the request owns this step
-            assert set((plan.slots // bs).flatten().tolist()) <= set(blocks)
-            counts = [len(blocks)]
-            worker.finish_step(plan, lambda r: blocks, counts)
-            assert counts == [len(blocks)]
-            seen.append(len(blocks))
-            computed += c
-        assert seen == expected, name
+        seen.append([len(b) for b in blocks])
+        # patched non-final chunks also get k lookahead slots (the question's KVs)
+        q = min(64, n) if eviction == "patched" and computed + c < n else 0
+        for g in range(G):
+            while len(blocks[g]) * bs < computed + c + q - worker_alloc(worker, g):
+                blocks[g].append(next_id)
+                next_id += 1
+        plan = worker.plan(["r"], [computed], [c], [n], [[list(b) for b in blocks]],
+                           prompt_ids=lambda row: prompt)
+        for layer in range(30):
+            own = blocks[groups.of_layer[layer]]
+            assert set((plan.slots[layer] // bs).tolist()) <= set(own), (layer, c)
+        counts = [[len(b)] for b in blocks]
+        worker.finish_step(plan, lambda r: blocks, counts)
+        assert counts == [[len(b)] for b in blocks]
+        seen.append([len(b) for b in blocks])
+        computed += c
+    assert [s[:] for s in seen[1::2]] == expected[1::2], name
+
+
+def worker_alloc(worker, group):
+    led = worker.ledgers.get("r")
+    return led.allocation_evicted[group] if led else 0
+
+
+def test_tiers_hold_fewer_blocks_than_one_group():
+    """PyramidKV at p = 0.7 over 8 chunks of 1024: with one group per layer the request holds
+    about the mean budget (in layer-blocks), with one group the largest layer's in every layer."""
+    policy = build_policy(KVPolicyConfig(policy="pyramidkv", sparsity=0.7), 30, 3)
+    bs, chunks = 128, [1024] * 7 + [832]
+    held = {}
+    for tiers in (1, 2, 3, 5, 6, 30):
+        groups = LayerGroups.tiers(30, tiers)
+        final = simulate_scheduler(policy, 8000, chunks, 0, bs, groups)[-1]
+        held[tiers] = sum(final[g] * len(groups.layers(g)) for g in range(groups.num_groups))
+    assert held[1] > held[2] > held[3] > held[5] > held[6] > held[30]
+    snap = build_policy(KVPolicyConfig(policy="snapkv", sparsity=0.7), 30, 3)
+    snap_final = simulate_scheduler(snap, 8000, chunks, 0, bs)[-1][0] * 30
+    assert held[30] <= 1.1 * snap_final  # pyramid's mean budget is snapkv's budget
 
 
 def test_kept_counts_follow_the_policy():

@@ -548,6 +548,13 @@ def test_policy_parsing_and_server_command():
                     "--enforce-eager", "--host", "127.0.0.1", "--port", "8123"]
     assert "--kv-sparsity" not in build_server_command(
         "m", specs[0], kv_cache_bytes=1, max_batched_tokens=1)
+    tiered = parse_policy("pyramidkv:0.7:patched:t6")
+    assert tiered.tiers == 6 and tiered.slug == "pyramidkv-0.7-patched-t6"
+    argv = build_server_command("m", tiered, kv_cache_bytes=1, max_batched_tokens=1)
+    assert argv[argv.index("--kv-tiers") + 1] == "6"
+    for bad in ("pyramidkv:0.7:patched:6", "pyramidkv:0.7:patched:t0"):
+        with pytest.raises(ValueError):
+            parse_policy(bad)
     assert compare.parse_levels("1,4, 8,16") == [1, 4, 8, 16]
 
 

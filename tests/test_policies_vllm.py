@@ -38,6 +38,9 @@ CASES = {
     "snapkv-patched-0.5": ({"policy": "snapkv", "sparsity": 0.5, "eviction": "patched"}, 256),
     "pyramidkv-patched-0.7": ({"policy": "pyramidkv", "sparsity": 0.7, "eviction": "patched"},
                               256),
+    # 3 tiers of 10 layers (the default is one KV-cache group per layer)
+    "pyramidkv-naive-0.5-tiers3": ({"policy": "pyramidkv", "sparsity": 0.5, "eviction": "naive",
+                                    "tiers": 3}, 256),
     "snapkv-postfill-0.7": ({"policy": "snapkv", "sparsity": 0.7, "eviction": "naive"}, 4096),
 }
 PROMPT_LENGTHS = (700, 1600)
@@ -45,7 +48,7 @@ PROMPT_LENGTHS = (700, 1600)
 
 def flags(policy: dict, chunk: int) -> list[str]:
     names = {"policy": "--kv-policy", "sparsity": "--kv-sparsity", "sink": "--kv-sink",
-             "window": "--kv-window", "eviction": "--kv-eviction"}
+             "window": "--kv-window", "eviction": "--kv-eviction", "tiers": "--kv-tiers"}
     out = ["--max-num-batched-tokens", str(chunk)]
     for key, value in policy.items():
         out += [names[key], str(value)]
@@ -106,12 +109,14 @@ def test_policy_matches_reference(case, bundled_model_dir, tokenizer, hf_model):
         assert abs(logprob - float(ref.first_token_logprobs.max())) < LOGPROB_TOL
 
 
-def test_chunked_mixed_batch_matches_reference_at_served_boundaries(bundled_model_dir, tokenizer,
-                                                                     hf_model):
+@pytest.mark.parametrize("case", ["snapkv-patched-0.5", "pyramidkv-patched-0.7"])
+def test_chunked_mixed_batch_matches_reference_at_served_boundaries(case, bundled_model_dir,
+                                                                     tokenizer, hf_model):
     """Four requests at once with a 256-token budget: vLLM splits the budget between them, so
     each request's chunks differ from a lone run. The reference, given the chunk boundaries the
-    server reports in kv_stats, must still produce the same tokens."""
-    policy, chunk = CASES["snapkv-patched-0.5"]
+    server reports in kv_stats, must still produce the same tokens. (pyramidkv: one KV-cache
+    group per layer, so every layer's block row is truncated on its own.)"""
+    policy, chunk = CASES[case]
     server = start_server(bundled_model_dir, flags(policy, chunk))
     prompts = source_prompts(tokenizer, (400, 700, 1000, 1300))
     with cf.ThreadPoolExecutor(len(prompts)) as pool:
@@ -125,7 +130,7 @@ def test_chunked_mixed_batch_matches_reference_at_served_boundaries(bundled_mode
     assert irregular, "the batch never split a chunk: this test checked nothing new"
 
 
-@pytest.mark.parametrize("case", ["prulong-0.7", "snapkv-naive-0.5"])
+@pytest.mark.parametrize("case", ["prulong-0.7", "snapkv-naive-0.5", "pyramidkv-patched-0.7"])
 def test_mixed_batch_equals_each_alone(case, bundled_model_dir, tokenizer, hf_model):
     policy, _ = CASES[case]
     server = start_server(bundled_model_dir, flags(policy, 8192))

@@ -72,6 +72,9 @@ def wait_for_idle_pool(base_url: str, timeout: float = 60) -> float:
      [{}, {"kv_sparsity": 0.3}, {"kv_sparsity": 0.9, "kv_obs_window": 16}]),
     (["--kv-policy", "prulong", "--kv-sparsity", "0.7", "--kv-sink", "16", "--kv-window", "64",
       "--max-num-batched-tokens", "256"], 80, [{}]),
+    # one KV-cache group per layer: every group's blocks must come back
+    (["--kv-policy", "pyramidkv", "--kv-sparsity", "0.7", "--kv-eviction", "patched",
+      "--max-num-batched-tokens", "256"], 60, [{}, {"kv_sparsity": 0.5}]),
 ])
 def test_pool_is_whole_again_after_burst(bundled_model_dir, flags, num_requests, overrides):
     server = start_server(bundled_model_dir, flags)

@@ -43,13 +43,64 @@ def params(fn) -> set[str]:
 def test_kv_manager_signatures():
     from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
     from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.single_type_kv_cache_manager import (FullAttentionManager,
+                                                           SingleTypeKVCacheManager)
 
     assert {"request", "num_new_tokens", "num_lookahead_tokens"} <= params(
         KVCacheManager.allocate_slots)
     assert {"request_id", "num_tokens", "num_tokens_main_model", "apply_admission_cap"} <= params(
+        SingleTypeKVCacheManager.get_num_blocks_to_allocate)
+    assert list(inspect.signature(SingleTypeKVCacheManager.allocate_new_blocks).parameters)[:4] \
+        == ["self", "request_id", "num_tokens", "num_tokens_main_model"]
+    # our wrappers sit on the base class: the full-attention manager must not override them
+    assert "get_num_blocks_to_allocate" not in vars(FullAttentionManager)
+    assert "allocate_new_blocks" not in vars(FullAttentionManager)
+    # and the coordinator asks each group's manager, which knows its group id
+    assert "kv_cache_group_id" in inspect.getsource(SingleTypeKVCacheManager.__init__)
+    assert "manager.get_num_blocks_to_allocate" in inspect.getsource(
         KVCacheCoordinator.get_num_blocks_to_allocate)
-    assert list(inspect.signature(KVCacheCoordinator.allocate_new_blocks).parameters)[:4] == [
-        "self", "request_id", "num_tokens", "num_tokens_main_model"]
+
+
+def test_tier_specs_make_one_kv_cache_group_per_tier():
+    """integration/tiers.py: layers tagged with different tiers form separate KV-cache groups of
+    equal size, in layer order, over one aliased backing buffer, each with vLLM's full-attention
+    manager; without prefix caching the coordinator takes any number of groups."""
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.core.kv_cache_coordinator import (KVCacheCoordinatorNoPrefixCache,
+                                                   get_kv_cache_coordinator)
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_kvevict.integration.tiers import layer_groups, tier_specs
+    from vllm_kvevict.integration.token_eviction import LayerGroups
+
+    specs = {f"model.layers.{i}.self_attn.attn": FullAttentionSpec(
+        block_size=128, num_kv_heads=3, head_size=64, dtype=torch.float32) for i in range(30)}
+    index = {name: i for i, name in enumerate(specs)}
+    vllm_config = VllmConfig()
+    vllm_config.cache_config.kv_cache_layout = "LBHNC"  # the CPU backend's only layout
+    pool = 800 << 20
+    one = kv_cache_utils.get_kv_cache_config_from_groups(
+        vllm_config, kv_cache_utils.get_kv_cache_groups(vllm_config, dict(specs)), pool)
+    for tiers in (5, 30):
+        tagged = tier_specs(specs, index, 30, tiers)
+        groups = kv_cache_utils.get_kv_cache_groups(vllm_config, dict(tagged))
+        assert [len(g.layer_names) for g in groups] == [30 // tiers] * tiers
+        config = kv_cache_utils.get_kv_cache_config_from_groups(vllm_config, groups, pool)
+        assert layer_groups(config, 30) == LayerGroups.tiers(30, tiers)
+        # one backing buffer, groups aliased: a block holds 1/tiers of the layers' bytes
+        one_block = one.kv_cache_tensors[0].size // one.num_blocks
+        assert len({t.size for t in config.kv_cache_tensors}) == 1
+        assert {t.offset for t in config.kv_cache_tensors} == {0}
+        assert config.num_blocks == pool // (one_block // tiers)
+        coordinator = get_kv_cache_coordinator(config, 8192, 1024, False, False, False, 1, 1,
+                                               128, 128)
+        assert isinstance(coordinator, KVCacheCoordinatorNoPrefixCache)
+        assert all(type(m) is FullAttentionManager for m in coordinator.single_type_managers)
+        assert [m.kv_cache_group_id for m in coordinator.single_type_managers] == list(
+            range(tiers))
 
 
 def test_scheduler_and_runner_fields():
@@ -62,6 +113,17 @@ def test_scheduler_and_runner_fields():
     assert {"num_scheduled_tokens", "finished_req_ids", "preempted_req_ids"} <= fields
     assert {"block_ids", "prompt_token_ids", "sampling_params"} <= {
         f.name for f in dataclasses.fields(CachedRequestState)}
+    # one block-id list per KV-cache group, one BlockTable per group
+    assert "tuple[list[int], ...]" in str(
+        {f.name: f.type for f in dataclasses.fields(CachedRequestState)}["block_ids"])
+    from vllm.v1.worker.block_table import MultiGroupBlockTable
+
+    assert "block_tables" in inspect.getsource(MultiGroupBlockTable.__init__)
+    # token eviction computes vLLM's (unused) logical slot mappings for group 0 only
+    assert list(inspect.signature(MultiGroupBlockTable.compute_slot_mapping).parameters) == [
+        "self", "num_reqs", "query_start_loc", "positions"]
+    assert "block_table.compute_slot_mapping" in inspect.getsource(
+        MultiGroupBlockTable.compute_slot_mapping)
     assert "num_blocks_per_row" in inspect.getsource(BlockTable.__init__)
     assert "num_prompt_tokens" in inspect.getsource(InputBatch.__init__)
     assert {"input_ids", "positions"} <= params(GPUModelRunner._model_forward)

@@ -47,6 +47,12 @@ class KVPolicyConfig:
     eviction: str = "patched"
     # Head-mask file for duo/prulong; None means the mask shipped for the served model.
     mask_path: str | None = None
+    # snapkv/pyramidkv inside vLLM: the layers are split into this many tiers of consecutive
+    # layers, each with its own vLLM KV-cache group (block table), so a tier holds blocks for
+    # its own largest per-layer budget only. None: one tier per layer for pyramidkv (whose
+    # budget differs per layer), one tier for snapkv (same budget everywhere). Must divide
+    # the model's layer count. Memory only: the attention computed is the same for any value.
+    tiers: int | None = None
 
     def __post_init__(self) -> None:
         validate(self)
@@ -62,6 +68,14 @@ class KVPolicyConfig:
     @property
     def patched(self) -> bool:
         return self.evicts_tokens and self.eviction == "patched"
+
+    def num_tiers(self, num_layers: int) -> int:
+        """KV-cache groups (block tables) the layers are split into (see `tiers`)."""
+        if not self.evicts_tokens:
+            return 1
+        if self.tiers is not None:
+            return self.tiers
+        return num_layers if self.policy == "pyramidkv" else 1
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -115,6 +129,11 @@ def validate(cfg: KVPolicyConfig) -> None:
             f"unknown eviction mode {cfg.eviction!r}; valid modes: {', '.join(EVICTION_MODES)}")
     if cfg.mask_path is not None and not isinstance(cfg.mask_path, str):
         raise KVPolicyError(f"mask_path must be a path string, got {cfg.mask_path!r}")
+    if cfg.tiers is not None:
+        _check_int("tiers", cfg.tiers, 1)
+        if cfg.policy not in TOKEN_EVICTION_POLICIES:
+            raise KVPolicyError(
+                f"tiers only applies to {', '.join(TOKEN_EVICTION_POLICIES)}, not {cfg.policy!r}")
     if cfg.mask_path is not None and cfg.policy not in HEAD_MASK_POLICIES:
         raise KVPolicyError(
             f"mask_path only applies to {', '.join(HEAD_MASK_POLICIES)}, not {cfg.policy!r}")

@@ -133,16 +133,17 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
                 enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None,
                 kv_cache_dtype=self.kv_cache_dtype)
             plan.kernel_schedules[sched_key] = sched
+        table = plan.table(l)  # the block rows of this layer's KV-cache group
         if plan.num_questions:
             out = torch.empty(n + plan.num_questions, *output.shape[1:], dtype=output.dtype)
             self._kernel(layer, _with_questions(plan, query), kv_cache, out,
-                         plan.query_start_loc, seq_lens, plan.block_table, sched)
+                         plan.query_start_loc, seq_lens, table, sched)
             output[:n] = out[:n]
             off = plan.question_offset
             output[off:off + plan.num_questions] = out[n:]
         else:
             self._kernel(layer, query[:n], kv_cache, output[:n], plan.query_start_loc,
-                         seq_lens, plan.block_table, sched)
+                         seq_lens, table, sched)
         if plan.valid and plan.jobs:
             self._compress_chunks(layer, l, plan, query, key, value, kv_cache)
         return output
@@ -172,7 +173,7 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
             kept_k.append(chunk_k[idx.T, heads])                        # [kept, H, d]
             kept_v.append(chunk_v[idx.T, heads])
             positions = job.phys_before[l] + torch.arange(idx.shape[1])
-            kept_slots.append(plan.physical_slots(job.row, positions))
+            kept_slots.append(plan.physical_slots(l, job.row, positions))
         key_cache, value_cache = self._split(kv_cache)
         ops.cpu_attn_reshape_and_cache(torch.cat(kept_k), torch.cat(kept_v), key_cache,
                                        value_cache, torch.cat(kept_slots), layer.isa,

@@ -35,6 +35,11 @@ FLAGS = {
                                              f"scores (odd; default {DEFAULT_POOL_KERNEL})."),
     "--kv-eviction": ("eviction", str, "Chunked eviction mode of snapkv/pyramidkv: "
                                        f"{' or '.join(EVICTION_MODES)} (default patched, as in the paper)."),
+    "--kv-tiers": ("tiers", int, "snapkv/pyramidkv: split the layers into this many tiers of "
+                                 "consecutive layers, each with its own vLLM KV-cache group "
+                                 "(block table), so a tier holds only its own largest per-layer "
+                                 "budget. Must divide the layer count. Default: one per layer "
+                                 "for pyramidkv, 1 for snapkv."),
     "--kv-mask": ("mask_path", str, "Head-mask file for duo/prulong (our JSON format, PruLong "
                                     "0/1 TSV or DuoAttention gate TSV). Default: the mask shipped "
                                     "in head_masks/ for the served model."),

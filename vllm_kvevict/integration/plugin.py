@@ -23,10 +23,17 @@ PATCHED = (
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner._model_forward",
     "vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots",
     "vllm.v1.worker.gpu_model_runner.add_kv_sharing_layers_to_kv_cache_groups",
+    "vllm.v1.worker.block_table.MultiGroupBlockTable.compute_slot_mapping",
     "vllm.v1.core.sched.scheduler.Scheduler.__init__",
     "vllm.v1.core.sched.scheduler.Scheduler.schedule",
-    "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator.get_num_blocks_to_allocate",
-    "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator.allocate_new_blocks",
+    "vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager"
+    ".get_num_blocks_to_allocate",
+    "vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager.allocate_new_blocks",
+    # relied on, not patched: per-tier KV-cache groups (integration/tiers.py)
+    "vllm.v1.kv_cache_interface.FullAttentionSpec.merge",
+    "vllm.v1.kv_cache_interface.KVCacheSpec.is_uniform_with_collection",
+    "vllm.v1.core.kv_cache_utils._get_kv_cache_groups_uniform_page_size",
+    "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinatorNoPrefixCache",
     # kv_stats (_install_stats; the Scheduler hook is set by integration/connector.py when the
     # engine core creates our stats connector)
     "vllm.v1.core.sched.scheduler.Scheduler.update_from_output",
@@ -100,6 +107,7 @@ def _patch_runner() -> None:
     from vllm.config import get_layers_from_vllm_config
 
     from vllm_kvevict.integration.head_split import paged_spec
+    from vllm_kvevict.integration.tiers import tier_specs
     from vllm_kvevict.integration.worker_state import get_state, init_state
 
     original_spec = GPUModelRunner.get_kv_cache_spec
@@ -125,6 +133,10 @@ def _patch_runner() -> None:
         for name, spec in list(specs.items()):
             heads = state.heads[index[name]]
             specs[name] = paged_spec(spec, heads) or dataclasses.replace(spec, num_kv_heads=1)
+        if state.token is not None:
+            # Token eviction: one KV-cache group (block table) per tier of layers.
+            num_layers = state.policy.num_layers
+            specs = tier_specs(specs, index, num_layers, state.config.num_tiers(num_layers))
         return specs
 
     @functools.wraps(original_share)
@@ -168,6 +180,21 @@ def _patch_runner() -> None:
         out = original_forward(self, input_ids, positions, *args, **kwargs)
         return out[: plan.question_offset] if isinstance(out, torch.Tensor) else out
 
+    from vllm.v1.worker.block_table import MultiGroupBlockTable
+
+    original_slot_mapping = MultiGroupBlockTable.compute_slot_mapping
+
+    @functools.wraps(original_slot_mapping)
+    def compute_slot_mapping(self, num_reqs, query_start_loc, positions):
+        # Token eviction writes each layer's KV at its own physical slots (the step plan) and
+        # never reads vLLM's logical slot mappings; with one KV-cache group per tier, computing
+        # them costs one OpenMP kernel call per group and step. Group 0's is kept.
+        state = get_state()
+        if state is None or state.token is None or len(self.block_tables) == 1:
+            return original_slot_mapping(self, num_reqs, query_start_loc, positions)
+        self.block_tables[0].compute_slot_mapping(num_reqs, query_start_loc, positions)
+
+    MultiGroupBlockTable.compute_slot_mapping = compute_slot_mapping
     GPUModelRunner._model_forward = model_forward
     GPUModelRunner.get_kv_cache_spec = get_kv_cache_spec
     GPUModelRunner.execute_model = execute_model
@@ -176,15 +203,18 @@ def _patch_runner() -> None:
 
 def _patch_scheduler() -> None:
     """Engine-core side of token eviction: physical block accounting and tail-block freeing."""
-    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+    import inspect
+
     from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 
     from vllm_kvevict.integration import scheduler_side
 
     original_init = Scheduler.__init__
     original_schedule = Scheduler.schedule
-    original_count = KVCacheCoordinator.get_num_blocks_to_allocate
-    original_allocate = KVCacheCoordinator.allocate_new_blocks
+    original_count = SingleTypeKVCacheManager.get_num_blocks_to_allocate
+    original_allocate = SingleTypeKVCacheManager.allocate_new_blocks
+    count_signature = inspect.signature(original_count)
 
     @functools.wraps(original_init)
     def init(self, *args, **kwargs):
@@ -201,26 +231,34 @@ def _patch_scheduler() -> None:
         ledger.after_schedule(output)
         return output
 
+    # Per KV-cache group (one manager each): vLLM's logical token counts -> the group's
+    # physical slots (the coordinator asks every group's manager with the same counts).
     @functools.wraps(original_count)
-    def get_num_blocks_to_allocate(self, request_id, num_tokens, *args, **kwargs):
+    def get_num_blocks_to_allocate(self, *args, **kwargs):
         ledger = scheduler_side.current()
-        if ledger is not None:
-            if kwargs.get("apply_admission_cap"):
-                num_tokens = ledger.admission_tokens(request_id, num_tokens)
-            else:
-                num_tokens = ledger.physical(request_id, num_tokens)
-            if "num_tokens_main_model" in kwargs:
-                kwargs["num_tokens_main_model"] = min(kwargs["num_tokens_main_model"],
-                                                      num_tokens)
-        return original_count(self, request_id, num_tokens, *args, **kwargs)
+        if ledger is None:
+            return original_count(self, *args, **kwargs)
+        bound = count_signature.bind(self, *args, **kwargs)
+        arguments, group = bound.arguments, self.kv_cache_group_id
+        request_id, num_tokens = arguments["request_id"], arguments["num_tokens"]
+        if arguments.get("apply_admission_cap"):
+            num_tokens = ledger.admission_tokens(request_id, num_tokens, group)
+        else:
+            num_tokens = ledger.physical(request_id, num_tokens, group)
+        arguments["num_tokens"] = num_tokens
+        if "num_tokens_main_model" in arguments:
+            arguments["num_tokens_main_model"] = min(arguments["num_tokens_main_model"],
+                                                     num_tokens)
+        return original_count(*bound.args, **bound.kwargs)
 
     @functools.wraps(original_allocate)
     def allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model, *args,
                             **kwargs):
         ledger = scheduler_side.current()
         if ledger is not None:
-            num_tokens = ledger.physical(request_id, num_tokens)
-            num_tokens_main_model = ledger.physical(request_id, num_tokens_main_model)
+            group = self.kv_cache_group_id
+            num_tokens = ledger.physical(request_id, num_tokens, group)
+            num_tokens_main_model = ledger.physical(request_id, num_tokens_main_model, group)
         return original_allocate(self, request_id, num_tokens, num_tokens_main_model, *args,
                                  **kwargs)
 
@@ -244,8 +282,8 @@ def _patch_scheduler() -> None:
     KVCacheManager.allocate_slots = allocate_slots
     Scheduler.__init__ = init
     Scheduler.schedule = schedule
-    KVCacheCoordinator.get_num_blocks_to_allocate = get_num_blocks_to_allocate
-    KVCacheCoordinator.allocate_new_blocks = allocate_new_blocks
+    SingleTypeKVCacheManager.get_num_blocks_to_allocate = get_num_blocks_to_allocate
+    SingleTypeKVCacheManager.allocate_new_blocks = allocate_new_blocks
 
 
 def _install_stats() -> None:

@@ -218,7 +218,7 @@ VLLM_OWN_XARGS = frozenset({"kv_transfer_params", "ec_transfer_params", "kv_cach
 PATH_KEYS = frozenset({"mask_path", "kv_mask", "kv_mask_path", "mask", "kv_mask_file"})
 SERVER_KEYS = frozenset({"policy", "kv_policy", "sparsity", "sink", "kv_sink", "window",
                          "kv_window", "obs_window", "pool_kernel", "kv_pool_kernel", "eviction",
-                         "kv_eviction"}) | PATH_KEYS
+                         "kv_eviction", "tiers", "kv_tiers"}) | PATH_KEYS
 TOKEN_EVICTION = ("snapkv", "pyramidkv")
 
 

@@ -20,8 +20,17 @@ def attach(scheduler) -> None:
         return
     num_layers, num_kv_heads = model_shape(vllm_config.model_config.hf_config)
     policy = build_policy(cfg, num_layers, num_kv_heads)
-    _ledger = TokenEvictionScheduler(policy, vllm_config.scheduler_config.max_num_batched_tokens)
+    from vllm_kvevict.integration.tiers import layer_groups
+
+    groups = layer_groups(scheduler.kv_cache_config, num_layers)
+    _ledger = TokenEvictionScheduler(policy, vllm_config.scheduler_config.max_num_batched_tokens,
+                                     groups)
     _ledger.scheduler = scheduler
+    import logging
+
+    logging.getLogger("vllm_kvevict").info(
+        "vllm-kvevict: token eviction ledger over %d KV-cache group(s) of %s layers",
+        groups.num_groups, sorted({len(groups.layers(g)) for g in range(groups.num_groups)}))
     scheduler._kvevict_ledger = _ledger
 
 

@@ -1,21 +1,23 @@
 """Chunked token eviction (snapkv, pyramidkv) with real memory: kept KVs are compacted forward
 and the freed tail blocks go back to vLLM's block pool during the request.
 
-Two sides agree on one deterministic ledger (`allocation_evicted`):
-- scheduler (engine core): a request holds blocks for `computed - allocation_evicted` tokens
-  (+ the chunk it runs); when a prefill chunk of length c has run, allocation_evicted grows by
-  c - max_l kept_l and the tail blocks past the new physical length are freed.
+The layers are split into KV-cache groups (`LayerGroups`; one block table per request and
+group, see tiers.py): one group for snapkv, one per tier of layers for pyramidkv. Two sides agree
+on one deterministic ledger per group (`allocation_evicted[g]`):
+- scheduler (engine core): in group g a request holds blocks for `computed -
+  allocation_evicted[g]` tokens (+ the chunk it runs); when a prefill chunk of length c has run,
+  allocation_evicted[g] grows by c - max kept_l over the group's layers l, and the group's tail
+  blocks past its new physical length are freed.
 - worker: per layer the physical length (kept tokens). New tokens are written at physical
-  positions, the kernel sees physical seq_lens, and after each prefill chunk a layer rewrites
-  its kept tokens (per KV head, gathered from the forward's own K/V tensors, RoPE already
-  applied) at [phys_before, phys_before + kept). At the end of the step the worker drops the
-  same tail blocks from vLLM's (append-only) worker-side block lists, so both sides keep
-  identical block lists and vLLM appends the next step's blocks after the kept ones.
-Logical positions (RoPE of new tokens) are vLLM's own and never change.
-
-PyramidKV's layers keep different counts; they share one block row sized for the largest layer
-(layer 0), each layer using its own physical length. Per-layer-tier block tables would return
-the difference too; that is not done yet.
+  positions in the layer's group's block row, the kernel sees physical seq_lens, and after each
+  prefill chunk a layer rewrites its kept tokens (per KV head, gathered from the forward's own
+  K/V tensors, RoPE already applied) at [phys_before, phys_before + kept). At the end of the step
+  the worker drops the same tail blocks from vLLM's (append-only) worker-side block lists of
+  every group, so both sides keep identical block lists and vLLM appends the next step's blocks
+  after the kept ones.
+Logical positions (RoPE of new tokens) are vLLM's own and never change. Within a group the
+layers share the block row sized for the group's largest layer, each using its own physical
+length.
 """
 
 from __future__ import annotations
@@ -48,13 +50,54 @@ class RequestPolicies:
         return self._cache[key]
 
 
+@dataclass(frozen=True)
+class LayerGroups:
+    """Which vLLM KV-cache group (one block table per request) holds each layer's KV."""
+
+    of_layer: tuple[int, ...]
+
+    @classmethod
+    def single(cls, num_layers: int) -> "LayerGroups":
+        return cls((0,) * num_layers)
+
+    @classmethod
+    def tiers(cls, num_layers: int, num_tiers: int) -> "LayerGroups":
+        """Runs of num_layers / num_tiers consecutive layers (as tiers.py declares them)."""
+        size = num_layers // num_tiers
+        return cls(tuple(layer // size for layer in range(num_layers)))
+
+    @property
+    def num_groups(self) -> int:
+        return max(self.of_layer, default=0) + 1
+
+    def layers(self, group: int) -> list[int]:
+        return [l for l, g in enumerate(self.of_layer) if g == group]
+
+
 def chunk_kept_per_layer(policy: KVPolicy, chunk_len: int, is_final: bool) -> list[int]:
     return [policy.chunk_keep(layer, chunk_len, is_final).kept
             for layer in range(policy.num_layers)]
 
 
+def group_evictions_of(kept: list[int], chunk_len: int, groups: LayerGroups) -> list[int]:
+    """Per group: slots a chunk gives back = chunk length - the most any of its layers keeps."""
+    most = [0] * groups.num_groups
+    for layer, k in enumerate(kept):
+        g = groups.of_layer[layer]
+        most[g] = max(most[g], k)
+    return [chunk_len - m for m in most]
+
+
+def group_evictions(policy: KVPolicy, chunk_len: int, is_final: bool,
+                    groups: LayerGroups) -> list[int]:
+    """Tokens of a prefill chunk whose slots the request gives back, per KV-cache group (the
+    same in both processes)."""
+    return group_evictions_of(chunk_kept_per_layer(policy, chunk_len, is_final), chunk_len,
+                              groups)
+
+
 def allocation_eviction(policy: KVPolicy, chunk_len: int, is_final: bool) -> int:
-    """Tokens of a prefill chunk whose slots the request gives back (same in both processes)."""
+    """group_evictions with all layers in one group."""
     return chunk_len - max(chunk_kept_per_layer(policy, chunk_len, is_final))
 
 
@@ -65,8 +108,8 @@ def allocation_eviction(policy: KVPolicy, chunk_len: int, is_final: bool) -> int
 class RequestLedger:
     """Worker-side record of one request."""
 
-    evicted: list[int]            # per layer: logical - physical tokens
-    allocation_evicted: int = 0   # the scheduler's count (slots given back)
+    evicted: list[int]              # per layer: logical - physical tokens
+    allocation_evicted: list[int]   # per KV-cache group: the scheduler's count (slots given back)
 
 
 @dataclass
@@ -90,11 +133,12 @@ class EvictionJob:
 class TokenStepPlan:
     num_reqs: int
     query_start_loc: torch.Tensor    # int32 [num_reqs + 1]
-    block_table: torch.Tensor        # int32 [num_reqs, width]: the request's blocks
+    block_table: torch.Tensor        # int32 [G, num_reqs, width]: the request's blocks per group
     seq_lens: torch.Tensor           # int32 [L, num_reqs]: physical length incl. this step
     slots: torch.Tensor              # int64 [L, T]: physical slot of each new token
     jobs: list[EvictionJob]
     block_size: int
+    layer_group: tuple[int, ...] = ()  # KV-cache group (block table) of each layer
     valid: bool = True
     kernel_schedules: dict = field(default_factory=dict)
     # Patched scoring: the question tokens run as extra rows after the batch's T tokens.
@@ -107,16 +151,21 @@ class TokenStepPlan:
     def num_questions(self) -> int:
         return 0 if self.question_ids is None else int(self.question_ids.shape[0])
 
-    def physical_slots(self, row: int, positions: torch.Tensor) -> torch.Tensor:
+    def table(self, layer: int) -> torch.Tensor:
+        """[num_reqs, width]: the block rows of the layer's group."""
+        return self.block_table[self.layer_group[layer]]
+
+    def physical_slots(self, layer: int, row: int, positions: torch.Tensor) -> torch.Tensor:
         bs = self.block_size
-        return self.block_table[row, positions // bs].long() * bs + positions % bs
+        return self.table(layer)[row, positions // bs].long() * bs + positions % bs
 
 
 class TokenEvictionWorker:
-    def __init__(self, policy: KVPolicy, block_size: int):
+    def __init__(self, policy: KVPolicy, block_size: int, groups: LayerGroups | None = None):
         self.policy = policy
         self.policy_for = RequestPolicies(policy)
         self.block_size = block_size
+        self.groups = groups or LayerGroups.single(policy.num_layers)
         self.ledgers: dict[str, RequestLedger] = {}
 
     def release(self, req_ids) -> None:
@@ -124,18 +173,20 @@ class TokenEvictionWorker:
             self.ledgers.pop(req_id, None)
 
     def plan(self, req_ids: list[str], computed: list[int], query_lens: list[int],
-             prompt_lens: list[int], block_ids: list[list[int]],
+             prompt_lens: list[int], block_ids: list[list[list[int]]],
              prompt_ids=None, extra_args=None) -> TokenStepPlan:
-        """prompt_ids(row) -> the row's prompt token ids (needed by patched scoring only);
+        """block_ids[row][group]: the row's block ids in each KV-cache group;
+        prompt_ids(row) -> the row's prompt token ids (needed by patched scoring only);
         extra_args(row) -> the request's sampling extra_args (per-request overrides)."""
-        L, bs = self.policy.num_layers, self.block_size
+        L, bs, G = self.policy.num_layers, self.block_size, self.groups.num_groups
         rows, jobs = len(req_ids), []
         seq_lens = torch.zeros(L, rows, dtype=torch.int32)
         phys_before = torch.zeros(L, rows, dtype=torch.long)
         for r, (req_id, a, c, n) in enumerate(zip(req_ids, computed, query_lens, prompt_lens)):
             led = self.ledgers.get(req_id)
             if led is None or a == 0:  # new, or restarted after preemption
-                led = self.ledgers[req_id] = RequestLedger(evicted=[0] * L)
+                led = self.ledgers[req_id] = RequestLedger(evicted=[0] * L,
+                                                           allocation_evicted=[0] * G)
             before = torch.tensor([a - e for e in led.evicted])
             phys_before[:, r] = before
             seq_lens[:, r] = (before + c).int()
@@ -149,10 +200,11 @@ class TokenEvictionWorker:
                     req_id=req_id, row=r, computed=a, start=0, end=0, is_final=is_final,
                     phys_before=before.tolist(), question=question, policy=policy,
                     keep=[policy.chunk_keep(l, c, is_final) for l in range(L)]))
-        width = max((len(b) for b in block_ids), default=1) or 1
-        table = torch.zeros(rows, width, dtype=torch.int32)
-        for r, b in enumerate(block_ids):
-            table[r, : len(b)] = torch.tensor(b, dtype=torch.int32)
+        width = max((len(b) for row in block_ids for b in row), default=1) or 1
+        table = torch.zeros(G, rows, width, dtype=torch.int32)
+        for r, row in enumerate(block_ids):
+            for g, b in enumerate(row[:G]):
+                table[g, r, : len(b)] = torch.tensor(b, dtype=torch.int32)
         q_start = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(),
                                dtype=torch.int32)
         for job in jobs:
@@ -162,20 +214,26 @@ class TokenEvictionWorker:
         pos = phys_before[:, token_row] + token_off            # [L, T]
         plan = TokenStepPlan(num_reqs=rows, query_start_loc=q_start, block_table=table,
                              seq_lens=seq_lens, slots=None, jobs=jobs, block_size=bs,
-                             num_tokens=len(token_row))
+                             layer_group=self.groups.of_layer, num_tokens=len(token_row))
         patched = [j for j in jobs if j.question]
         if patched:
             self._add_questions(plan, patched, token_row, pos, phys_before)
         else:
-            plan.slots = table[token_row.expand(L, -1), pos // bs].long() * bs + pos % bs
+            plan.slots = self._slots(table, token_row, pos)
         return plan
+
+    def _slots(self, table: torch.Tensor, token_row: torch.Tensor, pos: torch.Tensor):
+        """[L, T] physical slots: token t of layer l at pos[l, t] in its row of l's group."""
+        bs = self.block_size
+        group = torch.tensor(self.groups.of_layer, dtype=torch.long).unsqueeze(1)   # [L, 1]
+        blocks = table[group, token_row.unsqueeze(0), pos // bs]                    # [L, T]
+        return blocks.long() * bs + pos % bs
 
     def _add_questions(self, plan, patched, token_row, pos, phys_before) -> None:
         """Patched scoring: each non-final chunk's question (the prompt's last k tokens) runs as
         extra rows at logical positions right after the chunk and physical slots right after
         it (the scheduler reserved them); the kernel sees them as extra sequences that share
-        their request's block row. Their KVs end up past the kept length: dropped."""
-        L, bs = self.policy.num_layers, self.block_size
+        their request's block rows. Their KVs end up past the kept length: dropped."""
         ids, positions, rows, offs = [], [], [], []
         q_lens, seq_extra = [], []
         start = plan.num_tokens
@@ -193,35 +251,38 @@ class TokenEvictionWorker:
         q_pos = phys_before[:, rows_t] + torch.cat(offs)                    # [L, Q]
         all_rows = torch.cat([token_row, rows_t])
         all_pos = torch.cat([pos, q_pos], dim=1)
-        plan.slots = (plan.block_table[all_rows.expand(L, -1), all_pos // bs].long() * bs
-                      + all_pos % bs)
+        plan.slots = self._slots(plan.block_table, all_rows, all_pos)
         plan.question_ids = torch.tensor(ids, dtype=torch.long)
         plan.question_positions = torch.tensor(positions, dtype=torch.long)
         ends = plan.query_start_loc[-1].item() + torch.tensor(q_lens).cumsum(0)
         plan.query_start_loc = torch.cat([plan.query_start_loc, ends.int()])
         plan.seq_lens = torch.cat([plan.seq_lens, torch.stack(seq_extra, 1).int()], dim=1)
         plan.block_table = torch.cat([plan.block_table,
-                                      plan.block_table[[j.row for j in patched]]])
+                                      plan.block_table[:, [j.row for j in patched]]], dim=1)
         plan.num_reqs += len(patched)
 
     def finish_step(self, plan: TokenStepPlan, request_block_ids, row_block_counts) -> None:
         """After the forward: book the compressed chunks and drop the tail blocks from vLLM's
         worker-side block lists, exactly as the scheduler frees them before its next step.
 
-        request_block_ids(req_id) -> the request's block-id list (mutable);
-        row_block_counts: the persistent batch's per-row block counts (mutable)."""
+        request_block_ids(req_id) -> the request's block-id lists, one per group (mutable);
+        row_block_counts[g]: the persistent batch's per-row block counts of group g (mutable)."""
         bs = self.block_size
         for job in plan.jobs:
             led = self.ledgers[job.req_id]
             c = job.end - job.start
             kept = [k.kept for k in job.keep]
             led.evicted = [e + c - k for e, k in zip(led.evicted, kept)]
-            led.allocation_evicted += c - max(kept)
-            own = -(-(job.computed + c - led.allocation_evicted) // bs)
-            ids = request_block_ids(job.req_id)
-            if ids is not None and len(ids) > own:
-                del ids[own:]
-                row_block_counts[job.row] = own
+            freed = group_evictions_of(kept, c, self.groups)
+            led.allocation_evicted = [a + f for a, f in zip(led.allocation_evicted, freed)]
+            per_group = request_block_ids(job.req_id)
+            if per_group is None:
+                continue
+            for g, ids in enumerate(per_group):
+                own = -(-(job.computed + c - led.allocation_evicted[g]) // bs)
+                if len(ids) > own:
+                    del ids[own:]
+                    row_block_counts[g][job.row] = own
 
 
 # ------------------------------------------------------------------------------------------
@@ -229,89 +290,114 @@ class TokenEvictionWorker:
 # ------------------------------------------------------------------------------------------
 class TokenEvictionScheduler:
     """Engine-core side of the ledger: translates vLLM's logical token counts to physical ones
-    for block allocation, frees tail blocks after each compressed chunk, caps admission."""
+    per KV-cache group for block allocation, frees each group's tail blocks after each
+    compressed chunk, caps admission."""
 
-    def __init__(self, policy: KVPolicy, chunk_size: int):
+    def __init__(self, policy: KVPolicy, chunk_size: int, groups: LayerGroups | None = None):
         self.policy = policy
         self.policy_for = RequestPolicies(policy)
         self.chunk_size = chunk_size
-        self.allocation_evicted: dict[str, int] = {}
+        self.groups = groups or LayerGroups.single(policy.num_layers)
+        self.allocation_evicted: dict[str, list[int]] = {}
         self.pending: dict[str, tuple[int, bool, KVPolicy]] = {}
         self.scheduler = None
+        self._evictions: dict[tuple, list[int]] = {}
+        self._final_need: dict[str, list[int]] = {}
 
-    def physical(self, req_id: str, num_tokens: int) -> int:
-        return num_tokens - self.allocation_evicted.get(req_id, 0)
+    def evictions(self, policy: KVPolicy, chunk_len: int, is_final: bool) -> list[int]:
+        """group_evictions, memoised (policies are cached objects, one per setting)."""
+        key = (id(policy), chunk_len, is_final)
+        out = self._evictions.get(key)
+        if out is None:
+            if len(self._evictions) > 4096:
+                self._evictions.clear()
+            out = self._evictions[key] = group_evictions(policy, chunk_len, is_final,
+                                                         self.groups)
+        return out
 
-    def peak_tokens(self, request, num_tokens: int) -> int:
-        """Peak slots a request of `num_tokens` tokens needs: the compressed prompt before a
-        chunk, that chunk and its patched question, and every token after the prompt (decode
-        tokens are never evicted)."""
+    def physical(self, req_id: str, num_tokens: int, group: int = 0) -> int:
+        evicted = self.allocation_evicted.get(req_id)
+        return num_tokens - (evicted[group] if evicted else 0)
+
+    def peak_tokens(self, request, num_tokens: int) -> list[int]:
+        """Per group, the peak slots a request of `num_tokens` tokens needs: the compressed
+        prompt before a chunk, that chunk and its patched question, and every token after the
+        prompt (decode tokens are never evicted)."""
         n, c = request.num_prompt_tokens, self.chunk_size
         policy = self.request_policy(request)
         question = min(policy.config.obs_window, n) if policy.config.patched else 0
-        done, kept, peak = 0, 0, 0
+        G = self.groups.num_groups
+        done, kept, peak = 0, [0] * G, [0] * G
         while done < n:
             step = min(c, n - done)
             final = done + step == n
-            peak = max(peak, kept + step + (0 if final else question))
-            kept += step - allocation_eviction(policy, step, final)
+            freed = self.evictions(policy, step, final)
+            for g in range(G):
+                peak[g] = max(peak[g], kept[g] + step + (0 if final else question))
+                kept[g] += step - freed[g]
             done += step
-        return min(num_tokens, max(peak, kept + num_tokens - n))
+        return [min(num_tokens, max(p, k + num_tokens - n)) for p, k in zip(peak, kept)]
 
-    def final_need(self, request) -> int:
-        """Slots a request needs at its largest: its peak including all max_tokens outputs."""
-        params = getattr(request, "sampling_params", None)
-        max_new = getattr(params, "max_tokens", None) or 0
-        return self.peak_tokens(request, request.num_prompt_tokens + max_new)
+    def final_need(self, request) -> list[int]:
+        """Per group, the slots a request needs at its largest: its peak including all
+        max_tokens outputs (fixed for a request: memoised until it finishes)."""
+        need = self._final_need.get(request.request_id)
+        if need is None:
+            params = getattr(request, "sampling_params", None)
+            max_new = getattr(params, "max_tokens", None) or 0
+            need = self.peak_tokens(request, request.num_prompt_tokens + max_new)
+            self._final_need[request.request_id] = need
+        return need
 
-    def admission_tokens(self, req_id: str, num_tokens: int) -> int:
-        """What admitting a request must find free: its own final need, plus the blocks the
-        running evicting requests still have to grow by to reach theirs (vLLM reserves nothing
-        for in-flight requests, and with eviction a request's need is not its length). This
+    def admission_tokens(self, req_id: str, num_tokens: int, group: int = 0) -> int:
+        """What admitting a request must find free in a group: its own final need, plus the
+        blocks the running evicting requests still have to grow by to reach theirs (vLLM
+        reserves nothing for in-flight requests, and with eviction a request's need is not its
+        length). vLLM sums this over the groups and compares it with the free blocks. This
         keeps admitted requests from being preempted, whose recompute would not be exact."""
         request = self.scheduler.requests.get(req_id) if self.scheduler else None
         if request is None:
             return num_tokens
-        manager = self.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+        manager = self.scheduler.kv_cache_manager.coordinator.single_type_managers[group]
         bs = manager.block_size
         growth_blocks = 0
         for other in self.scheduler.running:
             if other.request_id == req_id:
                 continue
             held = len(manager.req_to_blocks.get(other.request_id, ()))
-            growth_blocks += max(-(-self.final_need(other) // bs) - held, 0)
-        return self.final_need(request) + growth_blocks * bs
+            growth_blocks += max(-(-self.final_need(other)[group] // bs) - held, 0)
+        return self.final_need(request)[group] + growth_blocks * bs
 
     def before_schedule(self) -> None:
         """Apply the evictions of the chunks scheduled last step (their forward precedes any
         forward of this step, so the freed blocks are safe to hand out now)."""
         if self.scheduler is None:
             return
-        manager = self.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
-        bs = manager.block_size
+        managers = self.scheduler.kv_cache_manager.coordinator.single_type_managers
         for req_id, (chunk_len, is_final, policy) in list(self.pending.items()):
             del self.pending[req_id]
             request = self.scheduler.requests.get(req_id)
-            blocks = manager.req_to_blocks.get(req_id)
-            if request is None or not blocks:
+            held = [m.req_to_blocks.get(req_id) for m in managers]
+            if request is None or not any(held):
                 self.allocation_evicted.pop(req_id, None)
                 continue
-            self.allocation_evicted[req_id] = (self.allocation_evicted.get(req_id, 0)
-                                               + allocation_eviction(policy, chunk_len,
-                                                                     is_final))
-            keep = -(-self.physical(req_id, request.num_computed_tokens) // bs)
-            if len(blocks) > keep:
-                tail = blocks[keep:]
-                del blocks[keep:]
-                manager.block_pool.free_blocks(reversed(tail))
+            freed = self.evictions(policy, chunk_len, is_final)
+            evicted = self.allocation_evicted.setdefault(req_id, [0] * len(managers))
+            for g, (manager, blocks) in enumerate(zip(managers, held)):
+                evicted[g] += freed[g]
+                keep = -(-self.physical(req_id, request.num_computed_tokens, g)
+                         // manager.block_size)
+                if blocks and len(blocks) > keep:
+                    tail = blocks[keep:]
+                    del blocks[keep:]
+                    manager.block_pool.free_blocks(reversed(tail))
 
     def after_schedule(self, scheduler_output) -> None:
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
-            self.allocation_evicted.pop(req_id, None)
-            self.pending.pop(req_id, None)
+            self.forget(req_id)
         for req_id in scheduler_output.finished_req_ids:
-            self.allocation_evicted.pop(req_id, None)
-            self.pending.pop(req_id, None)
+            self.forget(req_id)
+            self._final_need.pop(req_id, None)
         for req_id, c in scheduler_output.num_scheduled_tokens.items():
             request = self.scheduler.requests.get(req_id)
             if request is None:
@@ -322,6 +408,10 @@ class TokenEvictionScheduler:
             if before + c <= request.num_prompt_tokens:
                 self.pending[req_id] = (c, before + c == request.num_prompt_tokens,
                                         self.request_policy(request))
+
+    def forget(self, req_id: str) -> None:
+        self.allocation_evicted.pop(req_id, None)
+        self.pending.pop(req_id, None)
 
     def request_policy(self, request) -> KVPolicy:
         params = getattr(request, "sampling_params", None)

@@ -54,6 +54,13 @@ def validate_against_model(vllm_config) -> None:
         num_layers, num_kv_heads = model_shape(vllm_config.model_config.hf_config)
         # Per-request eviction state starts at token 0: a prefix-cache hit would skip it.
         vllm_config.cache_config.enable_prefix_caching = False
+        tiers = cfg.num_tiers(num_layers)
+        if num_layers % tiers:
+            # vLLM's hybrid allocator makes groups of equal layer counts: it would pad the
+            # smaller tiers with phantom layers, and those cost pool memory.
+            divisors = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
+            raise KVPolicyError(f"tiers={tiers} does not divide the model's {num_layers} layers; "
+                                f"valid: {', '.join(map(str, divisors))}")
         if cfg.policy in ("duo", "prulong"):
             _, source = resolve_full_heads(cfg, vllm_config.model_config.model, num_layers,
                                            num_kv_heads)

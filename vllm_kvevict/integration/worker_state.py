@@ -34,6 +34,8 @@ class WorkerState:
     _plan_key: tuple | None = None
     plan: StepPlan | TokenStepPlan | None = None
     _finished_key: tuple | None = None
+    _groups_of: object = None
+    _plan_anchor: object = None
 
     # -- requests ------------------------------------------------------------------------
     def slot_for(self, req_id: str) -> int:
@@ -54,10 +56,13 @@ class WorkerState:
 
     # -- per step ------------------------------------------------------------------------
     def step_plan(self, common) -> StepPlan:
-        """The plan of the step whose common attention metadata is `common` (built once)."""
-        key = (self.step, id(common))
+        """The plan of the step whose common attention metadata is `common` (built once: every
+        KV-cache group's builder gets a shallow copy of one common metadata, sharing its
+        query_start_loc tensor, which identifies the step; the key keeps it alive)."""
+        key = (self.step, id(common.query_start_loc))
         if key == self._plan_key and self.plan is not None:
             return self.plan
+        self._plan_anchor = common.query_start_loc  # alive while its id is the key
         num_reqs = common.num_reqs
         q_start = common.query_start_loc_cpu[: num_reqs + 1].tolist()
         q_lens = [q_start[i + 1] - q_start[i] for i in range(num_reqs)]
@@ -77,14 +82,16 @@ class WorkerState:
         return plan
 
     def _token_plan(self, req_ids, computed, q_lens, valid) -> TokenStepPlan:
+        self._ensure_groups()
         if not valid:  # profiling / warm-up: nothing to keep, nothing to evict
             n = len(q_lens)
             req_ids = [f"__dummy{i}" for i in range(n)]
-            prompt_lens, block_ids = [0] * n, [[0]] * n
+            prompt_lens = [0] * n
+            block_ids = [[[0]] * self.token.groups.num_groups] * n
         else:
             batch = self.runner.input_batch
             prompt_lens = [int(x) for x in batch.num_prompt_tokens[: len(req_ids)]]
-            block_ids = [self.runner.requests[r].block_ids[0] for r in req_ids]
+            block_ids = [self.runner.requests[r].block_ids for r in req_ids]
         requests = getattr(self.runner, "requests", {})
         plan = self.token.plan(req_ids, computed, q_lens, prompt_lens, block_ids,
                                prompt_ids=lambda row: requests[req_ids[row]].prompt_token_ids,
@@ -94,6 +101,23 @@ class WorkerState:
             self.token.release(req_ids)
         return plan
 
+    def _ensure_groups(self) -> None:
+        """The token ledger's layer -> KV-cache group map, from the runner's KV cache config
+        (known once vLLM has initialised the KV cache; the same map the scheduler uses)."""
+        config = getattr(self.runner, "kv_cache_config", None)
+        if config is None or self._groups_of is config:
+            return
+        from vllm_kvevict.integration.tiers import layer_groups
+
+        groups = layer_groups(config, self.policy.num_layers)
+        if groups != self.token.groups:
+            if self.token.ledgers:
+                raise RuntimeError("vllm-kvevict: KV-cache groups changed with requests running")
+            self.token.groups = groups
+            logger.info("vllm-kvevict: token eviction over %d KV-cache group(s)",
+                        groups.num_groups)
+        self._groups_of = config
+
     def finish_step(self) -> None:
         """End of an engine step (worker): book token evictions once per plan."""
         plan = self.plan
@@ -102,9 +126,9 @@ class WorkerState:
             return
         self._finished_key = self._plan_key
         requests = self.runner.requests
-        counts = self.runner.input_batch.block_table.block_tables[0].num_blocks_per_row
+        counts = [t.num_blocks_per_row for t in self.runner.input_batch.block_table.block_tables]
         self.token.finish_step(
-            plan, lambda r: requests[r].block_ids[0] if r in requests else None, counts)
+            plan, lambda r: requests[r].block_ids if r in requests else None, counts)
 
     def store(self, layer: int) -> StreamingStore:
         if layer not in self.stores:
