@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -72,6 +73,8 @@ def summarize(label: str, result: dict) -> dict:
     usage = [p.get("kv_cache_usage", 0) for p in tl]
     stats = [s for s in result["kv_stats"] if s]
     ratio = [s["measured_footprint"] / s["footprint"] for s in stats if s.get("footprint")]
+    held = [s["measured_footprint"] / s["footprint_chunk_held"] for s in stats
+            if s.get("footprint_chunk_held")]
     mean = lambda xs: statistics.fmean(xs) if xs else float("nan")
     return {
         "policy": label,
@@ -82,24 +85,41 @@ def summarize(label: str, result: dict) -> dict:
         "footprint": mean([s["footprint"] for s in stats]),
         "measured_footprint": mean([s["measured_footprint"] for s in stats]),
         "measured_over_idealized": mean(ratio),
+        "footprint_chunk_held": mean([s["footprint_chunk_held"] for s in stats
+                                      if s.get("footprint_chunk_held")]),
+        "measured_over_chunk_held": mean(held),
         "kv_bytes_peak_per_request": mean([s["kv_bytes_peak"] for s in stats]),
         "full_kv_bytes_peak_per_request": mean([s["full_kv_bytes_peak"] for s in stats]),
         "elapsed_s": result["elapsed_s"],
     }
 
 
-def write_report(rows: list[dict], results: dict[str, dict], out_dir: Path, argv: str) -> None:
+def load_results(out_dir: Path) -> dict[str, dict]:
+    """Every policy JSON in `out_dir`, full first, then in file name order."""
+    results = {}
+    for path in sorted(out_dir.glob("*.json"), key=lambda p: (p.stem != "full", p.stem)):
+        result = json.loads(path.read_text())
+        if "kv_stats" in result and "timeline" in result:
+            results[result.get("label", path.stem)] = result
+    return results
+
+
+def write_report(results: dict[str, dict], out_dir: Path) -> None:
+    rows = [summarize(label, res) for label, res in results.items()]
     base = next((r for r in rows if r["policy"] == "full"), None)
-    lines = [f"Command: `{argv}`", "",
-             "| policy | ok | failed | max running | x full | preemptions | peak pool use | "
-             "footprint (paper) | measured footprint | measured / paper | KV bytes peak/req | "
-             "wall s |", "|" + "---|" * 12]
+    lines = ["Commands (one per run, as recorded in its JSON):", ""]
+    for label, res in results.items():
+        lines.append(f"- {label}: `{res.get('command', 'not recorded')}`")
+    lines += ["", "| policy | ok | failed | max running | x full | preemptions | peak pool use | "
+              "footprint (paper) | footprint, chunk held | measured footprint | measured / "
+              "paper | measured / chunk held | KV bytes peak/req | wall s |", "|" + "---|" * 14]
     for r in rows:
         ratio = (r["max_running"] / base["max_running"]) if base and base["max_running"] else 0
         lines.append(
-            f"| {r['policy']} | {r['ok']} | {r['failed']} | {r['max_running']} | {ratio:.2f} | "
+            f"| {r['policy']} | {r['ok']} | {r['failed']} | {r['max_running']:.0f} | {ratio:.2f} | "
             f"{r['preemptions']:.0f} | {r['peak_pool_usage'] * 100:.0f}% | {r['footprint']:.3f} | "
-            f"{r['measured_footprint']:.3f} | {r['measured_over_idealized']:.3f} | "
+            f"{r['footprint_chunk_held']:.3f} | {r['measured_footprint']:.3f} | "
+            f"{r['measured_over_idealized']:.3f} | {r['measured_over_chunk_held']:.3f} | "
             f"{r['kv_bytes_peak_per_request'] / 2**20:.0f} MiB | {r['elapsed_s']:.0f} |")
     (out_dir / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -134,7 +154,12 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", type=Path, default=Path("docs/results/memory"))
+    ap.add_argument("--report-only", action="store_true",
+                    help="rebuild summary.md and running.png from the JSONs in --out-dir")
     args = ap.parse_args()
+    if args.report_only:
+        write_report(load_results(args.out_dir), args.out_dir)
+        return
     from transformers import AutoTokenizer
 
     from vllm_kvevict.model import ensure_bundled_model
@@ -145,7 +170,7 @@ def main() -> None:
     prompts = [exact_length_ids(tokenizer, args.input_len, rng) for _ in range(args.num_requests)]
     args.out_dir.mkdir(parents=True, exist_ok=True)
     base_url = f"http://127.0.0.1:{args.port}"
-    rows, results = [], {}
+    command = "python -m loadtest.bench_memory " + " ".join(sys.argv[1:])
     for text in args.policies:
         spec = parse_policy(text)
         argv = build_server_command(model, spec, kv_cache_bytes=args.kv_cache_memory_bytes,
@@ -154,12 +179,10 @@ def main() -> None:
         with ServerProcess(argv, args.out_dir / f"server_{spec.slug}.log") as server:
             server.wait_healthy(base_url)
             result = asyncio.run(run_policy(base_url, prompts, args.output_len))
+        result = {"label": spec.label, "command": command, **result}
         (args.out_dir / f"{spec.slug}.json").write_text(json.dumps(result, indent=1))
-        results[spec.label] = result
-        rows.append(summarize(spec.label, result))
-        print(json.dumps(rows[-1]))
-    write_report(rows, results, args.out_dir, "python -m loadtest.bench_memory " +
-                 " ".join(f"{k}={v}" for k, v in vars(args).items()))
+        print(json.dumps(summarize(spec.label, result)))
+    write_report(load_results(args.out_dir), args.out_dir)
 
 
 if __name__ == "__main__":

@@ -21,16 +21,18 @@ BOUNDS = [16, 32, 40]
 
 # -- the explicit matrices (rows: query steps, columns: key positions) ---------------------------
 
-def streaming_matrix(n: int, m: int, bounds: list[int], sink: int, window: int) -> np.ndarray:
+def streaming_matrix(n: int, m: int, bounds: list[int], sink: int, window: int,
+                     chunk_held: bool = False) -> np.ndarray:
     """Un-evicted entries of a streaming head, from the definition: during chunk [a, b) the cache
-    is the sink and the last `window` positions before a, plus the chunk so far; a decode step
-    at q holds the sink, the last `window` positions before q, and q."""
+    is the sink and the last `window` positions before a, plus the chunk so far (the whole
+    chunk with `chunk_held`); a decode step at q holds the sink, the last `window` positions
+    before q, and q."""
     total = n + m
     un_evicted = np.zeros((total, total), dtype=bool)
     a = 0
     for b in bounds:
         for q in range(a, b):
-            for p in range(q + 1):
+            for p in range(b if chunk_held else q + 1):
                 un_evicted[q, p] = p >= a or p < sink or p >= a - window
         a = b
     for q in range(n, total):
@@ -39,7 +41,8 @@ def streaming_matrix(n: int, m: int, bounds: list[int], sink: int, window: int) 
     return un_evicted
 
 
-def kept_matrix(n: int, m: int, bounds: list[int], kept: list[int], seed: int) -> np.ndarray:
+def kept_matrix(n: int, m: int, bounds: list[int], kept: list[int], seed: int,
+                chunk_held: bool = False) -> np.ndarray:
     """Un-evicted entries of a head that keeps kept[i] tokens of chunk i (which ones is random:
     the count must not depend on it). The running chunk is whole; decode tokens all stay."""
     rng = np.random.default_rng(seed)
@@ -50,7 +53,7 @@ def kept_matrix(n: int, m: int, bounds: list[int], kept: list[int], seed: int) -
     for b, k in zip(bounds, kept):
         for q in range(a, b):
             un_evicted[q, past] = True
-            un_evicted[q, a:q + 1] = True
+            un_evicted[q, a:b if chunk_held else q + 1] = True
         past += rng.choice(np.arange(a, b), size=k, replace=False).tolist()
         a = b
     for q in range(n, total):
@@ -60,21 +63,23 @@ def kept_matrix(n: int, m: int, bounds: list[int], kept: list[int], seed: int) -
 
 
 def brute_force(n: int, m: int, bounds: list[int], streaming: torch.Tensor, sink: int,
-                window: int, kept_per_layer: list[list[int]] | None) -> FootprintResult:
-    """Sum the per-head matrices; footprint and peak straight from the counts."""
+                window: int, kept_per_layer: list[list[int]] | None,
+                chunk_held: bool = False) -> FootprintResult:
+    """Sum the per-head matrices; footprint and peak straight from the counts. With
+    `chunk_held` full attention's count (the normaliser) also holds each chunk whole."""
     num_layers, num_heads = streaming.shape
     lengths = [b - a for a, b in zip([0] + bounds[:-1], bounds)]
     per_step = np.zeros(n + m, dtype=np.int64)
     for layer in range(num_layers):
         for head in range(num_heads):
             if streaming[layer, head]:
-                mat = streaming_matrix(n, m, bounds, sink, window)
+                mat = streaming_matrix(n, m, bounds, sink, window, chunk_held)
             else:
                 kept = lengths if kept_per_layer is None else kept_per_layer[layer]
-                mat = kept_matrix(n, m, bounds, kept, seed=layer * 100 + head)
+                mat = kept_matrix(n, m, bounds, kept, layer * 100 + head, chunk_held)
             per_step += mat.sum(axis=1)
     heads = num_layers * num_heads
-    causal = int(np.tril(np.ones((n + m, n + m), dtype=bool)).sum())
+    causal = int(kept_matrix(n, m, bounds, lengths, 0, chunk_held).sum())
     total = int(per_step.sum())
     return FootprintResult(footprint=total / (heads * causal),
                            peak_kv=int(per_step.max()) / (heads * (n + m)),
@@ -203,6 +208,29 @@ def test_brute_force_pyramidkv_hand_schedule():
                 for c, final in ((16, False), (16, False), (8, True))] == schedule[layer]
     res = kv_footprint(pol, N, BOUNDS, M)
     assert res == brute_force(N, M, BOUNDS, pol.streaming_heads(), 0, 1, schedule)
+
+
+@pytest.mark.parametrize("name", ["full", "streaming", "snapkv", "pyramidkv"])
+def test_brute_force_chunk_held(name):
+    """Charging every query of a chunk the whole chunk (what an engine holds) matches the
+    matrices with whole chunks, normalised by full attention counted the same way."""
+    cfg = dict(sink=SINK, window=WINDOW) if name in ("full", "streaming") else dict(
+        sparsity=0.5, obs_window=4, eviction="patched")
+    pol = policy(name, **cfg)
+    lengths = [16, 16, 8]
+    kept = None
+    if pol.evicts_tokens:
+        kept = [[pol.chunk_keep(layer, c, i == 2).kept for i, c in enumerate(lengths)]
+                for layer in range(3)]
+    res = kv_footprint(pol, N, BOUNDS, M, chunk_held=True)
+    want = brute_force(N, M, BOUNDS, pol.streaming_heads(), SINK, WINDOW, kept, chunk_held=True)
+    assert (res.footprint, res.entries, res.full_entries) == (
+        want.footprint, want.entries, want.full_entries)
+    causal = kv_footprint(pol, N, BOUNDS, M)
+    if name == "full":
+        assert res.footprint == 1.0
+    else:  # holding the chunk whole costs a policy relatively more than full attention
+        assert causal.footprint < res.footprint < 1.0
 
 
 @dataclass

@@ -22,7 +22,8 @@ MAX_TOKENS = 8
 LAYERS, KV_HEADS, HEAD_DIM, DTYPE_BYTES, BLOCK = 30, 3, 64, 4, 128
 
 FIELDS = ("request_id", "policy", "params", "prompt_tokens", "completion_tokens",
-          "chunk_boundaries", "decode_steps", "footprint", "peak_kv", "kv_bytes_peak",
+          "chunk_boundaries", "decode_steps", "footprint", "peak_kv", "footprint_chunk_held",
+          "kv_bytes_peak",
           "kv_bytes_integral", "full_kv_bytes_peak", "full_kv_bytes_integral",
           "measured_footprint", "kv_bytes_saved", "blocks_freed", "ttft_s",
           "prefill_tokens_per_s", "decode_tokens_per_s", "server_peak_rss_bytes")

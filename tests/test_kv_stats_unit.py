@@ -106,6 +106,8 @@ def test_footprint_is_reported_for_the_scheduled_chunks():
     stats = rec.finish(2, 2.0, "streaming", {}, footprint_function(policy))
     expected = kv_footprint(policy, 40, [16, 32, 40], 1)
     assert stats["footprint"] == expected.footprint and stats["peak_kv"] == expected.peak_kv
+    held = kv_footprint(policy, 40, [16, 32, 40], 1, chunk_held=True)
+    assert stats["footprint_chunk_held"] == held.footprint > expected.footprint
 
 
 # -- vllm_xargs ---------------------------------------------------------------------------------

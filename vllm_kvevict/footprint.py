@@ -16,6 +16,12 @@ Per head, for a prefill chunk [a, b) of length c = b - a (K = sink + window):
   runs; decode tokens are never evicted. Tokens appended for patched scoring are not counted
   (they are not part of the n + m sequence and their KVs are dropped at once).
 
+`chunk_held=True` counts instead what a real engine holds: a prefill chunk's KVs are all
+written before its attention runs, so each of its c queries is charged the whole chunk (c * c
+instead of T(c)), for the policy and for full attention alike. The ratio of real memory to
+this figure isolates an implementation's own overhead (blocks, patched scoring rows) from the
+structural cost of chunked prefill, which no engine that computes a chunk at once avoids.
+
 Peak KV: the largest per-step count of un-evicted entries, averaged over heads, as a fraction of
 n + m (so full attention gives 1.0). Inside a chunk every head's count rises by one per query,
 and in decode it never falls, so the maximum over all n + m steps is attained at a chunk's last
@@ -82,14 +88,19 @@ def _sum_min(lo: int, hi: int, cap: int) -> int:
     return below + (hi - mid) * cap
 
 
-def _streaming_head(bounds: list[int], decode_len: int, sink: int,
-                    window: int) -> tuple[int, list[int]]:
+def _chunk_term(c: int, chunk_held: bool) -> int:
+    """A chunk's entries over itself: causal (the paper), or whole (what an engine holds)."""
+    return c * c if chunk_held else tri(c)
+
+
+def _streaming_head(bounds: list[int], decode_len: int, sink: int, window: int,
+                    chunk_held: bool = False) -> tuple[int, list[int]]:
     """Entries and per-step peak candidates of one streaming head."""
     cap = sink + window
     entries, points, a = 0, [], 0
     for b in bounds:
         c, held = b - a, min(a, cap)
-        entries += tri(c) + c * held
+        entries += _chunk_term(c, chunk_held) + c * held
         points.append(held + c)
         a = b
     n = bounds[-1]
@@ -99,12 +110,13 @@ def _streaming_head(bounds: list[int], decode_len: int, sink: int,
     return entries, points
 
 
-def _kept_head(bounds: list[int], decode_len: int, kept: list[int]) -> tuple[int, list[int]]:
+def _kept_head(bounds: list[int], decode_len: int, kept: list[int],
+               chunk_held: bool = False) -> tuple[int, list[int]]:
     """Entries and peak candidates of a head that keeps `kept[i]` tokens of chunk i."""
     entries, points, past, a = 0, [], 0, 0
     for b, k in zip(bounds, kept):
         c = b - a
-        entries += tri(c) + past * c
+        entries += _chunk_term(c, chunk_held) + past * c
         points.append(past + c)
         past += k
         a = b
@@ -119,10 +131,11 @@ def _chunk_lengths(bounds: list[int]) -> list[int]:
 
 
 def kv_footprint(policy: KVPolicy, prompt_len: int, chunk_boundaries: list[int],
-                 decode_len: int) -> FootprintResult:
+                 decode_len: int, chunk_held: bool = False) -> FootprintResult:
     """Footprint and peak KV of one request under `policy`, averaged over (layer, KV head).
 
     chunk_boundaries: chunk end positions, e.g. [1024, 2048, 2500] for a 2500-token prompt.
+    chunk_held: charge every query of a chunk the whole chunk (see the module docstring).
     """
     bounds = _check(prompt_len, chunk_boundaries, decode_len)
     lengths = _chunk_lengths(bounds)
@@ -130,8 +143,8 @@ def kv_footprint(policy: KVPolicy, prompt_len: int, chunk_boundaries: list[int],
     streaming_per_layer = policy.streaming_heads().sum(dim=1).tolist()
 
     stream_entries, stream_points = _streaming_head(
-        bounds, decode_len, policy.config.sink, policy.config.window)
-    full_entries, full_points = _kept_head(bounds, decode_len, lengths)
+        bounds, decode_len, policy.config.sink, policy.config.window, chunk_held)
+    full_entries, full_points = _kept_head(bounds, decode_len, lengths, chunk_held)
 
     keep_cache: dict[tuple[int, int, bool], int] = {}
 
@@ -152,7 +165,7 @@ def kv_footprint(policy: KVPolicy, prompt_len: int, chunk_boundaries: list[int],
         n_other = num_heads - n_stream
         if policy.evicts_tokens and n_other:
             kept = [kept_of(layer, c, i == last) for i, c in enumerate(lengths)]
-            other_entries, other_points = _kept_head(bounds, decode_len, kept)
+            other_entries, other_points = _kept_head(bounds, decode_len, kept, chunk_held)
         else:
             other_entries, other_points = full_entries, full_points
         total += n_stream * stream_entries + n_other * other_entries
@@ -161,10 +174,12 @@ def kv_footprint(policy: KVPolicy, prompt_len: int, chunk_boundaries: list[int],
 
     heads = num_layers * num_heads
     seq = prompt_len + decode_len
-    return FootprintResult(footprint=total / (heads * tri(seq)),
+    # full attention's own count under the same convention (T(n + m) when causal)
+    full_count = full_entries if chunk_held else tri(seq)
+    return FootprintResult(footprint=total / (heads * full_count),
                            peak_kv=max(step_totals) / (heads * seq),
                            entries=total / heads,
-                           full_entries=float(tri(seq)))
+                           full_entries=float(full_count))
 
 
 def head_mask_footprint(n: int, m: int, chunk: int, h: float, sink: int,

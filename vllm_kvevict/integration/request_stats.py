@@ -18,6 +18,8 @@ runs). From those it keeps:
   step's newly allocated blocks (vLLM 0.32 reuses freed blocks LIFO, so the request's next
   allocation often gets the very blocks it just gave back). A block swapped for vLLM's null
   block counts; a preemption (which frees all blocks and recomputes) does not;
+- `footprint_chunk_held`: the paper's count with each prefill chunk charged whole while it runs
+  (what any engine holds; `footprint.py`), so measured / this isolates our own overhead;
 - timestamps for TTFT, prefill and decode throughput.
 
 `finish` turns a record into the `kv_stats` dict (JSON-safe: ints, floats, strings, lists).
@@ -142,10 +144,12 @@ class RequestRecord:
         # The paper's query positions that vLLM really ran: n prompt positions and one decode
         # forward per generated token after the first (the last token is never fed back).
         decode_steps = max(completion_tokens - 1, 0)
-        footprint = peak_kv = None
+        footprint = peak_kv = footprint_chunk_held = None
         if footprint_of is not None and self.boundaries and self.boundaries[-1] == n:
             result = footprint_of(n, list(self.boundaries), decode_steps)
             footprint, peak_kv = result.footprint, result.peak_kv
+            footprint_chunk_held = footprint_of(n, list(self.boundaries), decode_steps,
+                                                chunk_held=True).footprint
         t_first_token = self.t_first_token if self.t_first_token is not None else (
             now if self.boundaries and self.boundaries[-1] == n else None)
         arrival = self.arrival_time
@@ -161,6 +165,7 @@ class RequestRecord:
             "decode_steps": decode_steps,
             "footprint": footprint,
             "peak_kv": peak_kv,
+            "footprint_chunk_held": footprint_chunk_held,
             "kv_bytes_peak": self.bytes_peak,
             "kv_bytes_integral": self.bytes_integral,
             "full_kv_bytes_peak": self.full_bytes_peak,
@@ -198,9 +203,10 @@ def finite_or_none(value: Any) -> Any:
 
 
 def footprint_function(policy) -> Callable:
-    """footprint_of(prompt_len, boundaries, decode_len) for a KVPolicy."""
-    def footprint_of(prompt_len: int, boundaries: list[int], decode_len: int):
-        return kv_footprint(policy, prompt_len, boundaries, decode_len)
+    """footprint_of(prompt_len, boundaries, decode_len, chunk_held=False) for a KVPolicy."""
+    def footprint_of(prompt_len: int, boundaries: list[int], decode_len: int,
+                     chunk_held: bool = False):
+        return kv_footprint(policy, prompt_len, boundaries, decode_len, chunk_held)
     return footprint_of
 
 
