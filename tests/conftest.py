@@ -88,6 +88,22 @@ def bundled_model_dir() -> Path:
 _current: list[VLLMServer] = []
 
 
+@pytest.fixture(scope="session")
+def tokenizer(bundled_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(bundled_model_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_model(bundled_model_dir):
+    """The bundled model in plain transformers, for the reference oracle."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(bundled_model_dir, dtype=torch.float32).eval()
+
+
 def start_server(model_dir: Path, extra_args: list[str], env: dict | None = None) -> VLLMServer:
     """Start a server after stopping any other (two cores: one server at a time)."""
     while _current:

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import openai
 import pytest
-import torch
 
 from conftest import SERVED_NAME, start_server
 from vllm_kvevict.config import KVPolicyConfig
@@ -55,20 +54,6 @@ def flags(policy: dict, chunk: int) -> list[str]:
     return out
 
 
-@pytest.fixture(scope="session")
-def tokenizer(bundled_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(bundled_model_dir)
-
-
-@pytest.fixture(scope="session")
-def hf_model(bundled_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(bundled_model_dir, dtype=torch.float32).eval()
-
-
 def source_prompts(tokenizer, lengths) -> list[list[int]]:
     """Real text (this Python's standard library sources), cut to exact token counts."""
     files = sorted(glob.glob(str(Path(sys.base_prefix) / "lib" / "python3.11" / "*.py")))[10:]
@@ -81,13 +66,13 @@ def source_prompts(tokenizer, lengths) -> list[list[int]]:
     return prompts
 
 
-def reference(hf_model, bundled_model_dir, policy: dict, prompt, chunk):
+def reference(hf_model, bundled_model_dir, policy: dict, prompt, chunk, new_tokens=NEW_TOKENS):
     cfg = KVPolicyConfig.from_dict(policy)
     full_heads = None
     if cfg.policy in ("duo", "prulong"):
         full_heads, _ = resolve_full_heads(cfg, str(bundled_model_dir), 30, 3)
     runner = ReferenceRunner(hf_model, build_policy(cfg, 30, 3, full_heads=full_heads))
-    return runner.generate(prompt, NEW_TOKENS, chunk)
+    return runner.generate(prompt, new_tokens, chunk)
 
 
 def served(base_url: str, prompt, with_stats: bool = False):

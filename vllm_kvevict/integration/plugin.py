@@ -225,7 +225,11 @@ def _patch_scheduler() -> None:
     def schedule(self, *args, **kwargs):
         ledger = scheduler_side.ledger_of(self)
         if ledger is None:
-            return original_schedule(self, *args, **kwargs)
+            output = original_schedule(self, *args, **kwargs)
+            reserve = scheduler_side.reserve_of(self)
+            if reserve is not None:
+                reserve.forget_finished(output)
+            return output
         ledger.before_schedule()
         output = original_schedule(self, *args, **kwargs)
         ledger.after_schedule(output)
@@ -233,18 +237,22 @@ def _patch_scheduler() -> None:
 
     # Per KV-cache group (one manager each): vLLM's logical token counts -> the group's
     # physical slots (the coordinator asks every group's manager with the same counts).
+    # Admission (apply_admission_cap: vLLM's full-sequence gate) of every evicting policy:
+    # the growth reserve (`admission.py`), so no admitted request is ever preempted.
     @functools.wraps(original_count)
     def get_num_blocks_to_allocate(self, *args, **kwargs):
-        ledger = scheduler_side.current()
-        if ledger is None:
+        ledger, reserve = scheduler_side.current(), scheduler_side.reserve()
+        if reserve is None:
             return original_count(self, *args, **kwargs)
         bound = count_signature.bind(self, *args, **kwargs)
         arguments, group = bound.arguments, self.kv_cache_group_id
         request_id, num_tokens = arguments["request_id"], arguments["num_tokens"]
         if arguments.get("apply_admission_cap"):
-            num_tokens = ledger.admission_tokens(request_id, num_tokens, group)
-        else:
+            num_tokens = reserve.admission_tokens(request_id, num_tokens, group)
+        elif ledger is not None:
             num_tokens = ledger.physical(request_id, num_tokens, group)
+        else:
+            return original_count(self, *args, **kwargs)
         arguments["num_tokens"] = num_tokens
         if "num_tokens_main_model" in arguments:
             arguments["num_tokens_main_model"] = min(arguments["num_tokens_main_model"],

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vllm_kvevict.integration.admission import GrowthReserve
 from vllm_kvevict.policies import KVPolicy
 
 
@@ -288,21 +289,20 @@ class TokenEvictionWorker:
 # ------------------------------------------------------------------------------------------
 # scheduler side
 # ------------------------------------------------------------------------------------------
-class TokenEvictionScheduler:
+class TokenEvictionScheduler(GrowthReserve):
     """Engine-core side of the ledger: translates vLLM's logical token counts to physical ones
     per KV-cache group for block allocation, frees each group's tail blocks after each
-    compressed chunk, caps admission."""
+    compressed chunk, caps admission (`GrowthReserve` with compressed peak sizes)."""
 
     def __init__(self, policy: KVPolicy, chunk_size: int, groups: LayerGroups | None = None):
+        super().__init__()
         self.policy = policy
         self.policy_for = RequestPolicies(policy)
         self.chunk_size = chunk_size
         self.groups = groups or LayerGroups.single(policy.num_layers)
         self.allocation_evicted: dict[str, list[int]] = {}
         self.pending: dict[str, tuple[int, bool, KVPolicy]] = {}
-        self.scheduler = None
         self._evictions: dict[tuple, list[int]] = {}
-        self._final_need: dict[str, list[int]] = {}
 
     def evictions(self, policy: KVPolicy, chunk_len: int, is_final: bool) -> list[int]:
         """group_evictions, memoised (policies are cached objects, one per setting)."""
@@ -338,36 +338,6 @@ class TokenEvictionScheduler:
             done += step
         return [min(num_tokens, max(p, k + num_tokens - n)) for p, k in zip(peak, kept)]
 
-    def final_need(self, request) -> list[int]:
-        """Per group, the slots a request needs at its largest: its peak including all
-        max_tokens outputs (fixed for a request: memoised until it finishes)."""
-        need = self._final_need.get(request.request_id)
-        if need is None:
-            params = getattr(request, "sampling_params", None)
-            max_new = getattr(params, "max_tokens", None) or 0
-            need = self.peak_tokens(request, request.num_prompt_tokens + max_new)
-            self._final_need[request.request_id] = need
-        return need
-
-    def admission_tokens(self, req_id: str, num_tokens: int, group: int = 0) -> int:
-        """What admitting a request must find free in a group: its own final need, plus the
-        blocks the running evicting requests still have to grow by to reach theirs (vLLM
-        reserves nothing for in-flight requests, and with eviction a request's need is not its
-        length). vLLM sums this over the groups and compares it with the free blocks. This
-        keeps admitted requests from being preempted, whose recompute would not be exact."""
-        request = self.scheduler.requests.get(req_id) if self.scheduler else None
-        if request is None:
-            return num_tokens
-        manager = self.scheduler.kv_cache_manager.coordinator.single_type_managers[group]
-        bs = manager.block_size
-        growth_blocks = 0
-        for other in self.scheduler.running:
-            if other.request_id == req_id:
-                continue
-            held = len(manager.req_to_blocks.get(other.request_id, ()))
-            growth_blocks += max(-(-self.final_need(other)[group] // bs) - held, 0)
-        return self.final_need(request)[group] + growth_blocks * bs
-
     def before_schedule(self) -> None:
         """Apply the evictions of the chunks scheduled last step (their forward precedes any
         forward of this step, so the freed blocks are safe to hand out now)."""
@@ -397,7 +367,7 @@ class TokenEvictionScheduler:
             self.forget(req_id)
         for req_id in scheduler_output.finished_req_ids:
             self.forget(req_id)
-            self._final_need.pop(req_id, None)
+        self.forget_finished(scheduler_output)
         for req_id, c in scheduler_output.num_scheduled_tokens.items():
             request = self.scheduler.requests.get(req_id)
             if request is None:

@@ -1,0 +1,70 @@
+"""Admission under memory pressure: a pool too small for every request's decode growth.
+
+Stock vLLM admits a request when its prompt fits and later preempts (and recomputes) when decode
+growth runs the pool dry; for an evicting policy that recompute is not exact (new chunk
+boundaries). The plugin admits an evicting request only when its whole growth fits next to the
+running requests' (`integration/admission.py`), so: no preemption, and every output is the
+reference oracle's at the chunk boundaries the server reports (several prefills share the token
+budget, so the boundaries are not those of a lone run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from conftest import SERVED_NAME, start_server
+from test_policies_vllm import flags, reference
+
+pytestmark = pytest.mark.server
+
+PROMPT_LEN, MAX_TOKENS, NUM_REQUESTS = 500, 200, 6
+CHECKED = 2  # requests compared with the reference (plain PyTorch decode is slow)
+
+
+def preemptions(base_url: str) -> float:
+    for line in httpx.get(base_url + "/metrics").text.splitlines():
+        if line.startswith("vllm:num_preemptions_total"):
+            return float(line.split()[-1])
+    raise AssertionError("vllm:num_preemptions_total missing from /metrics")
+
+
+async def complete_all(base_url: str, prompts: list[list[int]]) -> list[dict]:
+    async with httpx.AsyncClient(timeout=600) as client:
+        async def one(ids):
+            body = {"model": SERVED_NAME, "prompt": ids, "max_tokens": MAX_TOKENS,
+                    "temperature": 0, "ignore_eos": True}
+            r = await client.post(base_url + "/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()
+        return await asyncio.gather(*(one(ids) for ids in prompts))
+
+
+@pytest.mark.parametrize("policy, pool_mib", [
+    # 48 MiB of full-head KV = 28 blocks of 128 tokens with the shipped 0.7 mask (27 full KV
+    # heads): all 6 prompts (4 blocks each) would be admitted, their growth (6 blocks each)
+    # does not fit
+    ({"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64}, 48),
+    # token eviction: 100 MiB = 17 blocks of all 30 layers x 3 KV heads (vLLM's minimum for
+    # the 2048-token model length); a request needs 4 blocks at its largest
+    ({"policy": "snapkv", "sparsity": 0.7, "eviction": "patched"}, 100),
+])
+def test_no_preemption_and_exact_outputs_under_pressure(bundled_model_dir, tokenizer, hf_model,
+                                                        policy, pool_mib):
+    server = start_server(bundled_model_dir, [*flags(policy, 256), "--max-model-len", "2048",
+                                              "--kv-cache-memory-bytes", str(pool_mib << 20)])
+    prompts = [[100 + (37 * i + 11 * j) % 20000 for j in range(PROMPT_LEN)]
+               for i in range(NUM_REQUESTS)]
+    before = preemptions(server.base_url)
+    together = asyncio.run(complete_all(server.base_url, prompts))
+    assert preemptions(server.base_url) == before
+    assert all(c["kv_stats"]["preemptions"] == 0 for c in together)
+    # they really competed for the pool: not all of them ran at once
+    starts = sorted(c["kv_stats"]["queue_s"] for c in together)
+    assert starts[-1] > 1.0, starts
+    for ids, served in list(zip(prompts, together))[:CHECKED]:
+        ends = served["kv_stats"]["chunk_boundaries"]
+        ref = reference(hf_model, bundled_model_dir, policy, ids, ends, MAX_TOKENS)
+        assert served["choices"][0]["text"] == tokenizer.decode(ref.token_ids), ends

@@ -1,0 +1,68 @@
+"""Admission that leaves room for what running requests will still grow by.
+
+vLLM admits a request when its prompt fits (`full_sequence_must_fit`) and reserves nothing for
+the decode tokens of requests already running; when the pool runs dry it preempts one and later
+recomputes it. For an evicting policy that recompute is not exact: vLLM re-prefills prompt and
+generated tokens with new chunk boundaries, and the boundaries decide what token eviction keeps
+and what a streaming head sees (decode step t sees sink + last W; a recomputed chunk sees the
+window before the chunk). So evicting policies admit a request only when its own largest need
+(all `max_tokens` outputs) plus the growth every running request still has ahead fits: a
+request once admitted runs to the end without preemption.
+
+`GrowthReserve` is that rule for head-mask policies (a request's paged KV is its logical length:
+paged blocks hold the full heads only); the token-eviction ledger subclasses it with physical
+(compressed) sizes per KV-cache group.
+"""
+
+from __future__ import annotations
+
+
+class GrowthReserve:
+    """Scheduler-side admission rule; `scheduler` is vLLM's Scheduler (set by `attach`)."""
+
+    def __init__(self) -> None:
+        self.scheduler = None
+        self._final_need: dict[str, list[int]] = {}
+
+    def num_groups(self) -> int:
+        return len(self.scheduler.kv_cache_manager.coordinator.single_type_managers)
+
+    def peak_tokens(self, request, num_tokens: int) -> list[int]:
+        """Per KV-cache group, the slots a request of `num_tokens` tokens needs at its peak."""
+        return [num_tokens] * self.num_groups()
+
+    def final_need(self, request) -> list[int]:
+        """Per group, the slots a request needs at its largest: prompt and every one of its
+        max_tokens outputs, capped at the model length (memoised until it finishes)."""
+        need = self._final_need.get(request.request_id)
+        if need is None:
+            params = getattr(request, "sampling_params", None)
+            max_new = getattr(params, "max_tokens", None) or 0
+            total = request.num_prompt_tokens + max_new
+            max_len = getattr(self.scheduler, "max_model_len", None)
+            if max_len:
+                total = min(total, max_len)
+            need = self.peak_tokens(request, total)
+            self._final_need[request.request_id] = need
+        return need
+
+    def admission_tokens(self, req_id: str, num_tokens: int, group: int = 0) -> int:
+        """What admitting a request must find free in a group, in slots: its own final need
+        plus the blocks the running requests still have to grow by to reach theirs. vLLM sums
+        this over the groups (and its watermark) and compares with the free blocks."""
+        request = self.scheduler.requests.get(req_id) if self.scheduler else None
+        if request is None:
+            return num_tokens
+        manager = self.scheduler.kv_cache_manager.coordinator.single_type_managers[group]
+        bs = manager.block_size
+        growth_blocks = 0
+        for other in self.scheduler.running:
+            if other.request_id == req_id:
+                continue
+            held = len(manager.req_to_blocks.get(other.request_id, ()))
+            growth_blocks += max(-(-self.final_need(other)[group] // bs) - held, 0)
+        return self.final_need(request)[group] + growth_blocks * bs
+
+    def forget_finished(self, scheduler_output) -> None:
+        for req_id in scheduler_output.finished_req_ids:
+            self._final_need.pop(req_id, None)
