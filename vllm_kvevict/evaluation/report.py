@@ -255,8 +255,8 @@ def plot_pareto(curves: Sequence[Curve], path: Path, metric: str = "footprint") 
         for handle, label in zip(*ax.get_legend_handles_labels()):
             seen.setdefault(label, handle)
     fig.legend(list(seen.values()), list(seen.keys()), loc="lower center",
-               ncol=min(6, len(seen)), fontsize=9, frameon=False)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
+               ncol=min(3, len(seen)), fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=130)
     plt.close(fig)
