@@ -291,7 +291,7 @@ TASKS: dict[str, Task] = {t.name: t for t in (
     Task("niah_multikey", "recall", "recall", 12, draft_niah_multikey,
          "2 word-keyed numbers, one asked; the other is a distractor"),
     Task("niah_uuid", "recall", "recall", 16, draft_niah_uuid,
-         "2 word-keyed 8-hex-digit ids, one asked"),
+         "2 word-keyed 6-hex-digit ids, one asked"),
     Task("niah_multivalue", "recall", "recall", 32, draft_niah_multivalue,
          "3 numbers under the same key, all asked (score: share recalled)"),
     Task("json_kv", "recall", "recall", 12, draft_json_kv,
