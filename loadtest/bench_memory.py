@@ -151,6 +151,8 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=1536 << 20)
     ap.add_argument("--chunk", type=int, default=1024)
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="vLLM KV block size in tokens (CPU: a multiple of 32; default vLLM's 128)")
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", type=Path, default=Path("docs/results/memory"))
@@ -175,7 +177,9 @@ def main() -> None:
         spec = parse_policy(text)
         argv = build_server_command(model, spec, kv_cache_bytes=args.kv_cache_memory_bytes,
                                     max_batched_tokens=args.chunk, port=args.port,
-                                    extra_args=SERVE_EXTRA)
+                                    extra_args=SERVE_EXTRA + (
+                                        ["--block-size", str(args.block_size)]
+                                        if args.block_size else []))
         with ServerProcess(argv, args.out_dir / f"server_{spec.slug}.log") as server:
             server.wait_healthy(base_url)
             result = asyncio.run(run_policy(base_url, prompts, args.output_len))

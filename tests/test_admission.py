@@ -1,11 +1,14 @@
 """Admission under memory pressure: a pool too small for every request's decode growth.
 
 Stock vLLM admits a request when its prompt fits and later preempts (and recomputes) when decode
-growth runs the pool dry; for an evicting policy that recompute is not exact (new chunk
-boundaries). The plugin admits an evicting request only when its whole growth fits next to the
-running requests' (`integration/admission.py`), so: no preemption, and every output is the
-reference oracle's at the chunk boundaries the server reports (several prefills share the token
-budget, so the boundaries are not those of a lone run).
+growth runs the pool dry; a plain recompute of an evicting request is not exact (new chunk
+boundaries, generated tokens prefilled as a chunk). Two modes (`integration/admission.py`):
+- reserve (default): an evicting request is admitted only when its whole growth fits next to
+  the running requests': no preemption;
+- vllm: stock admission, so vLLM preempts, and the plugin replays each preempted request with
+  its first run's prompt chunks and one generated token per step.
+Either way every output is the reference oracle's at the chunk boundaries the server reports
+(several prefills share the token budget, so the boundaries are not those of a lone run).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import httpx
 import pytest
 
 from conftest import SERVED_NAME, start_server
-from test_policies_vllm import flags, reference
+from test_policies_vllm import flags, reference, source_prompts
 
 pytestmark = pytest.mark.server
 
@@ -65,6 +68,33 @@ def test_no_preemption_and_exact_outputs_under_pressure(bundled_model_dir, token
     starts = sorted(c["kv_stats"]["queue_s"] for c in together)
     assert starts[-1] > 1.0, starts
     for ids, served in list(zip(prompts, together))[:CHECKED]:
+        ends = served["kv_stats"]["chunk_boundaries"]
+        ref = reference(hf_model, bundled_model_dir, policy, ids, ends, MAX_TOKENS)
+        assert served["choices"][0]["text"] == tokenizer.decode(ref.token_ids), ends
+
+
+@pytest.mark.parametrize("policy, pool_mib, max_len", [
+    ({"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64}, 48, 2048),
+    # 11 blocks (vLLM's minimum for 1024 tokens is 8): several requests preempted, in
+    # prefill and in decode
+    ({"policy": "snapkv", "sparsity": 0.9, "eviction": "patched"}, 64, 1024),
+])
+def test_forced_preemption_replays_exactly(bundled_model_dir, tokenizer, hf_model, policy,
+                                           pool_mib, max_len):
+    """Stock admission in the same pools: vLLM preempts, and a preempted request's output is
+    still the reference oracle's (its recompute follows its first run's chunks)."""
+    server = start_server(bundled_model_dir, [*flags(policy, 256), "--kv-admission", "vllm",
+                                              "--max-model-len", str(max_len),
+                                              "--kv-cache-memory-bytes", str(pool_mib << 20)])
+    # real text: a plain recompute (new chunk boundaries, generated tokens as one chunk)
+    # changes these outputs; synthetic id runs are continued the same way whatever the KV
+    prompts = source_prompts(tokenizer, [PROMPT_LEN] * NUM_REQUESTS)
+    before = preemptions(server.base_url)
+    together = asyncio.run(complete_all(server.base_url, prompts))
+    assert preemptions(server.base_url) > before
+    preempted = [(ids, c) for ids, c in zip(prompts, together) if c["kv_stats"]["preemptions"]]
+    assert preempted, [c["kv_stats"]["preemptions"] for c in together]
+    for ids, served in preempted:
         ends = served["kv_stats"]["chunk_boundaries"]
         ref = reference(hf_model, bundled_model_dir, policy, ids, ends, MAX_TOKENS)
         assert served["choices"][0]["text"] == tokenizer.decode(ref.token_ids), ends

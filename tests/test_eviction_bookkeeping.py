@@ -142,3 +142,44 @@ def test_kept_counts_follow_the_policy():
     assert allocation_eviction(policy, 1024, False) == 1024 - kept[0]
     # the mean over layers stays the chunk's capacity (patched, non-final: no window inside)
     assert abs(sum(kept) / len(kept) - round(0.3 * 1024)) <= 16
+
+
+def test_replay_follows_the_recorded_chunks():
+    """Exact recompute after preemption (admission.py): the prompt chunks a request was first
+    prefilled in are recorded; its recompute runs exactly those chunks (or waits), then one
+    generated token per step; a first run is never capped."""
+    from types import SimpleNamespace
+
+    from vllm_kvevict.integration.admission import GrowthReserve
+
+    request = SimpleNamespace(request_id="r", num_prompt_tokens=700, num_computed_tokens=0,
+                              num_preemptions=0)
+    reserve = GrowthReserve(reserve_growth=False)
+    reserve.scheduler = SimpleNamespace(requests={"r": request})
+
+    def run(chunk):  # what the scheduler does after scheduling `chunk` tokens of r
+        request.num_computed_tokens += chunk
+        reserve.record_chunks(SimpleNamespace(num_scheduled_tokens={"r": chunk}))
+
+    for budget in (256, 100, 256):       # first run: whatever the budget allowed
+        assert reserve.replay_cap(request, request.num_computed_tokens, budget) == budget
+        run(budget)
+    assert reserve.replay_cap(request, 612, 256) == 88      # never past the prompt
+    run(88)
+    run(1), run(1)                                           # two decode steps
+    assert reserve._chunks["r"] == [256, 100, 256, 88]
+
+    request.num_computed_tokens, request.num_preemptions = 0, 1   # vLLM preempts
+    assert reserve.replay_cap(request, 0, 200) == 0          # chunk 256 does not fit: wait
+    assert reserve.replay_cap(request, 0, 702) == 256
+    run(256)
+    assert reserve.replay_cap(request, 256, 446) == 100
+    run(100)
+    assert reserve.replay_cap(request, 356, 346) == 256
+    run(256)
+    assert reserve.replay_cap(request, 612, 90) == 88
+    run(88)
+    assert reserve.replay_cap(request, 700, 2) == 1           # generated tokens: one per step
+    assert reserve._chunks["r"] == [256, 100, 256, 88]      # replays are not recorded again
+    reserve.forget_finished(SimpleNamespace(finished_req_ids={"r"}))
+    assert "r" not in reserve._chunks

@@ -103,6 +103,25 @@ def test_tier_specs_make_one_kv_cache_group_per_tier():
             range(tiers))
 
 
+def test_replay_hook():
+    """Exact recompute after preemption (admission.py) caps the token count both scheduling
+    branches compute, through the call each makes right before skipping a 0-token request;
+    vLLM's preemption restarts a request from token 0 and counts it."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import Request
+
+    assert list(inspect.signature(Scheduler._reserve_prefill_lookahead).parameters) == [
+        "self", "request", "num_computed_tokens", "num_new_tokens"]
+    source = inspect.getsource(Scheduler.schedule)
+    assert source.count("num_new_tokens = self._reserve_prefill_lookahead(") == 2
+    for call in source.split("num_new_tokens = self._reserve_prefill_lookahead(")[1:]:
+        assert "if num_new_tokens == 0:" in call[:300]
+    preempt = inspect.getsource(Scheduler._preempt_request)
+    assert "request.num_computed_tokens = 0" in preempt
+    assert "request.num_preemptions += 1" in preempt
+    assert "num_preemptions" in inspect.getsource(Request.__init__)
+
+
 def test_scheduler_and_runner_fields():
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.worker.block_table import BlockTable

@@ -22,6 +22,10 @@ POLICIES = ("full", "streaming", "duo", "prulong", "snapkv", "pyramidkv")
 HEAD_MASK_POLICIES = ("duo", "prulong")
 TOKEN_EVICTION_POLICIES = ("snapkv", "pyramidkv")
 EVICTION_MODES = ("patched", "naive")
+# reserve: admit a request only when its whole growth fits next to the running requests' (no
+# preemption); vllm: stock admission (the prompt must fit), preempting under pressure, the
+# preempted request then replayed exactly (integration/admission.py).
+ADMISSION_MODES = ("reserve", "vllm")
 
 DEFAULT_SINK = 64
 DEFAULT_WINDOW = 256
@@ -53,6 +57,8 @@ class KVPolicyConfig:
     # budget differs per layer), one tier for snapkv (same budget everywhere). Must divide
     # the model's layer count. Memory only: the attention computed is the same for any value.
     tiers: int | None = None
+    # Admission of evicting policies, one of ADMISSION_MODES. Ignored by full (stock vLLM).
+    admission: str = "reserve"
 
     def __post_init__(self) -> None:
         validate(self)
@@ -127,6 +133,9 @@ def validate(cfg: KVPolicyConfig) -> None:
     if cfg.eviction not in EVICTION_MODES:
         raise KVPolicyError(
             f"unknown eviction mode {cfg.eviction!r}; valid modes: {', '.join(EVICTION_MODES)}")
+    if cfg.admission not in ADMISSION_MODES:
+        raise KVPolicyError(f"unknown admission mode {cfg.admission!r}; valid modes: "
+                            f"{', '.join(ADMISSION_MODES)}")
     if cfg.mask_path is not None and not isinstance(cfg.mask_path, str):
         raise KVPolicyError(f"mask_path must be a path string, got {cfg.mask_path!r}")
     if cfg.tiers is not None:

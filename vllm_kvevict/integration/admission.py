@@ -12,6 +12,13 @@ request once admitted runs to the end without preemption.
 `GrowthReserve` is that rule for head-mask policies (a request's paged KV is its logical length:
 paged blocks hold the full heads only); the token-eviction ledger subclasses it with physical
 (compressed) sizes per KV-cache group.
+
+With `--kv-admission vllm` the reserve is off (stock admission, more requests admitted, vLLM
+preempts under pressure) and preempted requests are replayed exactly instead: vLLM recomputes a
+preempted request from token 0, and `replay_cap` makes that recompute follow the request's own
+history: its prompt in the chunks it was first prefilled in (recorded by `record_chunks`; a chunk
+waits for a step whose token budget holds it whole), then its generated tokens one per step, as
+they were decoded. Eviction and streaming heads then see what they saw the first time.
 """
 
 from __future__ import annotations
@@ -20,9 +27,11 @@ from __future__ import annotations
 class GrowthReserve:
     """Scheduler-side admission rule; `scheduler` is vLLM's Scheduler (set by `attach`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, reserve_growth: bool = True) -> None:
         self.scheduler = None
+        self.reserve_growth = reserve_growth
         self._final_need: dict[str, list[int]] = {}
+        self._chunks: dict[str, list[int]] = {}  # prompt chunk lengths, in order
 
     def num_groups(self) -> int:
         return len(self.scheduler.kv_cache_manager.coordinator.single_type_managers)
@@ -51,7 +60,7 @@ class GrowthReserve:
         plus the blocks the running requests still have to grow by to reach theirs. vLLM sums
         this over the groups (and its watermark) and compares with the free blocks."""
         request = self.scheduler.requests.get(req_id) if self.scheduler else None
-        if request is None:
+        if request is None or not self.reserve_growth:
             return num_tokens
         manager = self.scheduler.kv_cache_manager.coordinator.single_type_managers[group]
         bs = manager.block_size
@@ -66,3 +75,37 @@ class GrowthReserve:
     def forget_finished(self, scheduler_output) -> None:
         for req_id in scheduler_output.finished_req_ids:
             self._final_need.pop(req_id, None)
+            self._chunks.pop(req_id, None)
+
+    # -- exact recompute after preemption ----------------------------------------------------
+    def record_chunks(self, scheduler_output) -> None:
+        """After vLLM's schedule (num_computed_tokens already advanced): append each prompt
+        chunk that extends the request's recorded prefill (a replayed chunk does not)."""
+        for req_id, c in scheduler_output.num_scheduled_tokens.items():
+            request = self.scheduler.requests.get(req_id)
+            if request is None:
+                continue
+            before, n = request.num_computed_tokens - c, request.num_prompt_tokens
+            if before >= n:
+                continue
+            chunks = self._chunks.setdefault(req_id, [])
+            if before == sum(chunks):
+                chunks.append(min(c, n - before))
+
+    def replay_cap(self, request, num_computed: int, num_new: int) -> int:
+        """The tokens a request may run this step, given the `num_new` vLLM would schedule:
+        while a preempted request recomputes its recorded prompt chunks, exactly the next
+        chunk (0 = wait for a step with budget for it whole); past its prompt, one token per
+        step (its outputs were decoded one at a time). Prompt chunks never reach past the
+        prompt, as in a first run."""
+        n = request.num_prompt_tokens
+        if num_new <= 0:
+            return num_new
+        if num_computed >= n:
+            return min(num_new, 1) if request.num_preemptions else num_new
+        start = 0
+        for c in self._chunks.get(request.request_id, ()):
+            if start == num_computed:
+                return c if num_new >= c else 0
+            start += c
+        return min(num_new, n - num_computed)

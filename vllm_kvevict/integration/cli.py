@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vllm_kvevict.config import (DEFAULT_OBS_WINDOW, DEFAULT_POOL_KERNEL, DEFAULT_SINK,
+from vllm_kvevict.config import (ADMISSION_MODES, DEFAULT_OBS_WINDOW, DEFAULT_POOL_KERNEL, DEFAULT_SINK,
                                  DEFAULT_SPARSITY, DEFAULT_WINDOW, EVICTION_MODES, POLICIES,
                                  KVPolicyConfig, KVPolicyError)
 
@@ -40,6 +40,13 @@ FLAGS = {
                                  "(block table), so a tier holds only its own largest per-layer "
                                  "budget. Must divide the layer count. Default: one per layer "
                                  "for pyramidkv, 1 for snapkv."),
+    "--kv-admission": ("admission", str,
+                       "Admission of evicting policies: reserve (default: admit a request only "
+                       "when its whole growth fits next to the running requests', so none is "
+                       "ever preempted) or vllm (stock: admit when the prompt fits; under "
+                       "pressure vLLM preempts, and the preempted request is recomputed with "
+                       f"its original chunk boundaries, exactly). One of "
+                       f"{', '.join(ADMISSION_MODES)}."),
     "--kv-mask": ("mask_path", str, "Head-mask file for duo/prulong (our JSON format, PruLong "
                                     "0/1 TSV or DuoAttention gate TSV). Default: the mask shipped "
                                     "in head_masks/ for the served model."),

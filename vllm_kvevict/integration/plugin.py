@@ -26,6 +26,7 @@ PATCHED = (
     "vllm.v1.worker.block_table.MultiGroupBlockTable.compute_slot_mapping",
     "vllm.v1.core.sched.scheduler.Scheduler.__init__",
     "vllm.v1.core.sched.scheduler.Scheduler.schedule",
+    "vllm.v1.core.sched.scheduler.Scheduler._reserve_prefill_lookahead",
     "vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager"
     ".get_num_blocks_to_allocate",
     "vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager.allocate_new_blocks",
@@ -212,6 +213,7 @@ def _patch_scheduler() -> None:
 
     original_init = Scheduler.__init__
     original_schedule = Scheduler.schedule
+    original_lookahead = Scheduler._reserve_prefill_lookahead
     original_count = SingleTypeKVCacheManager.get_num_blocks_to_allocate
     original_allocate = SingleTypeKVCacheManager.allocate_new_blocks
     count_signature = inspect.signature(original_count)
@@ -228,12 +230,25 @@ def _patch_scheduler() -> None:
             output = original_schedule(self, *args, **kwargs)
             reserve = scheduler_side.reserve_of(self)
             if reserve is not None:
+                reserve.record_chunks(output)
                 reserve.forget_finished(output)
             return output
         ledger.before_schedule()
         output = original_schedule(self, *args, **kwargs)
+        ledger.record_chunks(output)
         ledger.after_schedule(output)
         return output
+
+    # Both of vLLM's scheduling branches (running and waiting) end their token count with
+    # this call, right before "0 tokens: skip the request": the one place to make a preempted
+    # request's recompute follow its first run's chunks (admission.py, replay_cap).
+    @functools.wraps(original_lookahead)
+    def reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
+        num_new_tokens = original_lookahead(self, request, num_computed_tokens, num_new_tokens)
+        reserve = scheduler_side.reserve_of(self)
+        if reserve is None:
+            return num_new_tokens
+        return reserve.replay_cap(request, num_computed_tokens, num_new_tokens)
 
     # Per KV-cache group (one manager each): vLLM's logical token counts -> the group's
     # physical slots (the coordinator asks every group's manager with the same counts).
@@ -290,6 +305,7 @@ def _patch_scheduler() -> None:
     KVCacheManager.allocate_slots = allocate_slots
     Scheduler.__init__ = init
     Scheduler.schedule = schedule
+    Scheduler._reserve_prefill_lookahead = reserve_prefill_lookahead
     SingleTypeKVCacheManager.get_num_blocks_to_allocate = get_num_blocks_to_allocate
     SingleTypeKVCacheManager.allocate_new_blocks = allocate_new_blocks
 

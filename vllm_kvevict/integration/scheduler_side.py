@@ -1,5 +1,5 @@
 """Engine-core process: the token-eviction ledger, or for head-mask policies the admission
-reserve, attached to vLLM's scheduler (one per process; the coordinator wrappers find them
+reserve (with the replay of preempted requests), attached to vLLM's scheduler (one per process; the coordinator wrappers find them
 through `current()` and `reserve()`)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def attach(scheduler) -> None:
     vllm_config = scheduler.vllm_config
     cfg = policy_config_of(vllm_config)
     if cfg.uses_head_mask:
-        _reserve = GrowthReserve()
+        _reserve = GrowthReserve(reserve_growth=cfg.admission == "reserve")
         _reserve.scheduler = scheduler
         scheduler._kvevict_reserve = _reserve
         return
@@ -33,7 +33,7 @@ def attach(scheduler) -> None:
 
     groups = layer_groups(scheduler.kv_cache_config, num_layers)
     _ledger = TokenEvictionScheduler(policy, vllm_config.scheduler_config.max_num_batched_tokens,
-                                     groups)
+                                     groups, reserve_growth=cfg.admission == "reserve")
     _ledger.scheduler = scheduler
     _reserve = _ledger
     scheduler._kvevict_reserve = _ledger

@@ -294,8 +294,9 @@ class TokenEvictionScheduler(GrowthReserve):
     per KV-cache group for block allocation, frees each group's tail blocks after each
     compressed chunk, caps admission (`GrowthReserve` with compressed peak sizes)."""
 
-    def __init__(self, policy: KVPolicy, chunk_size: int, groups: LayerGroups | None = None):
-        super().__init__()
+    def __init__(self, policy: KVPolicy, chunk_size: int, groups: LayerGroups | None = None,
+                 reserve_growth: bool = True):
+        super().__init__(reserve_growth)
         self.policy = policy
         self.policy_for = RequestPolicies(policy)
         self.chunk_size = chunk_size
