@@ -21,8 +21,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def test_flags_fold_into_additional_config():
     args = parse(["--kv-policy", "snapkv", "--kv-sparsity", "0.5", "--kv-eviction", "naive",
-                  "--kv-obs-window", "32"])
+                  "--kv-obs-window", "32", "--kv-admission", "vllm"])
     policy = cli.policy_from_args(args, {})
+    assert policy["admission"] == "vllm"
     assert policy["policy"] == "snapkv"
     assert policy["sparsity"] == 0.5
     assert policy["eviction"] == "naive"
@@ -52,6 +53,7 @@ def test_no_policy_given_means_none():
     ({"policy": "full", "windw": 3}, "unknown kv_policy key(s) ['windw']"),
     ({"policy": "prulong", "tiers": 2}, "tiers only applies to snapkv, pyramidkv"),
     ({"policy": "pyramidkv", "tiers": 0}, "tiers must be an integer >= 1"),
+    ({"policy": "snapkv", "admission": "greedy"}, "valid modes: reserve, vllm"),
 ])
 def test_invalid_config_names_the_problem(raw, fragment):
     with pytest.raises(KVPolicyError) as exc:
