@@ -60,8 +60,12 @@ class GrowthReserve:
         plus the blocks the running requests still have to grow by to reach theirs. vLLM sums
         this over the groups (and its watermark) and compares with the free blocks."""
         request = self.scheduler.requests.get(req_id) if self.scheduler else None
-        if request is None or not self.reserve_growth:
+        if request is None:
             return num_tokens
+        if not self.reserve_growth:
+            # stock rule (the sequence so far must fit), counted in compressed slots: a long
+            # prompt that fits once evicted is admitted
+            return self.peak_tokens(request, num_tokens)[group]
         manager = self.scheduler.kv_cache_manager.coordinator.single_type_managers[group]
         bs = manager.block_size
         growth_blocks = 0
