@@ -348,7 +348,8 @@ class SchedulerStats:
         policy = self.policy_for(record.overrides)
         params = policy.config.to_dict()
         params.pop("policy", None)
-        mask = params.pop("mask_path", None)
+        # the mask actually served: the --kv-mask file, else the shipped default it resolved to
+        mask = params.pop("mask_path", None) or getattr(policy, "mask_source", "")
         if mask:
             params["mask"] = os.path.basename(mask)
         stats = record.finish(completion_tokens=request.num_output_tokens, now=time.time(),
