@@ -153,6 +153,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--block-size", type=int, default=None,
                     help="vLLM KV block size in tokens (CPU: a multiple of 32; default vLLM's 128)")
+    ap.add_argument("--admission", choices=("reserve", "vllm"), default=None,
+                    help="--kv-admission of the evicting policies (default: the plugin's, reserve)")
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", type=Path, default=Path("docs/results/memory"))
@@ -179,7 +181,9 @@ def main() -> None:
                                     max_batched_tokens=args.chunk, port=args.port,
                                     extra_args=SERVE_EXTRA + (
                                         ["--block-size", str(args.block_size)]
-                                        if args.block_size else []))
+                                        if args.block_size else []) + (
+                                        ["--kv-admission", args.admission]
+                                        if args.admission and spec.policy != "full" else []))
         with ServerProcess(argv, args.out_dir / f"server_{spec.slug}.log") as server:
             server.wait_healthy(base_url)
             result = asyncio.run(run_policy(base_url, prompts, args.output_len))
