@@ -175,15 +175,14 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     base_url = f"http://127.0.0.1:{args.port}"
     command = "python -m loadtest.bench_memory " + " ".join(sys.argv[1:])
+    serve_extra = ["--block-size", str(args.block_size)] if args.block_size else []
+    admission = ["--kv-admission", args.admission] if args.admission else []
     for text in args.policies:
         spec = parse_policy(text)
         argv = build_server_command(model, spec, kv_cache_bytes=args.kv_cache_memory_bytes,
                                     max_batched_tokens=args.chunk, port=args.port,
-                                    extra_args=SERVE_EXTRA + (
-                                        ["--block-size", str(args.block_size)]
-                                        if args.block_size else []) + (
-                                        ["--kv-admission", args.admission]
-                                        if args.admission and spec.policy != "full" else []))
+                                    extra_args=SERVE_EXTRA + serve_extra + (
+                                        admission if spec.policy != "full" else []))
         with ServerProcess(argv, args.out_dir / f"server_{spec.slug}.log") as server:
             server.wait_healthy(base_url)
             result = asyncio.run(run_policy(base_url, prompts, args.output_len))

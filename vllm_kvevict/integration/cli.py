@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vllm_kvevict.config import (ADMISSION_MODES, DEFAULT_OBS_WINDOW, DEFAULT_POOL_KERNEL, DEFAULT_SINK,
-                                 DEFAULT_SPARSITY, DEFAULT_WINDOW, EVICTION_MODES, POLICIES,
-                                 KVPolicyConfig, KVPolicyError)
+from vllm_kvevict.config import (ADMISSION_MODES, DEFAULT_OBS_WINDOW, DEFAULT_POOL_KERNEL,
+                                 DEFAULT_SINK, DEFAULT_SPARSITY, DEFAULT_WINDOW, EVICTION_MODES,
+                                 POLICIES, KVPolicyConfig, KVPolicyError)
 
 ADDITIONAL_CONFIG_KEY = "kv_policy"
 

@@ -226,17 +226,16 @@ def _patch_scheduler() -> None:
     @functools.wraps(original_schedule)
     def schedule(self, *args, **kwargs):
         ledger = scheduler_side.ledger_of(self)
-        if ledger is None:
-            output = original_schedule(self, *args, **kwargs)
-            reserve = scheduler_side.reserve_of(self)
-            if reserve is not None:
-                reserve.record_chunks(output)
-                reserve.forget_finished(output)
-            return output
-        ledger.before_schedule()
+        reserve = scheduler_side.reserve_of(self)  # the ledger itself for token eviction
+        if ledger is not None:
+            ledger.before_schedule()
         output = original_schedule(self, *args, **kwargs)
-        ledger.record_chunks(output)
-        ledger.after_schedule(output)
+        if reserve is not None:
+            reserve.record_chunks(output)
+        if ledger is not None:
+            ledger.after_schedule(output)  # forgets finished requests too
+        elif reserve is not None:
+            reserve.forget_finished(output)
         return output
 
     # Both of vLLM's scheduling branches (running and waiting) end their token count with

@@ -1,6 +1,6 @@
 """Engine-core process: the token-eviction ledger, or for head-mask policies the admission
-reserve (with the replay of preempted requests), attached to vLLM's scheduler (one per process; the coordinator wrappers find them
-through `current()` and `reserve()`)."""
+reserve (with the replay of preempted requests), attached to vLLM's scheduler (one per process;
+the coordinator wrappers find them through `current()` and `reserve()`)."""
 
 from __future__ import annotations
 
