@@ -153,6 +153,10 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--block-size", type=int, default=None,
                     help="vLLM KV block size in tokens (CPU: a multiple of 32; default vLLM's 128)")
+    ap.add_argument("--prefill-step", type=int, default=None,
+                    help="vLLM's prefill step (--max-num-batched-tokens) when smaller than "
+                         "--chunk: snapkv/pyramidkv then still evict once per --chunk tokens "
+                         "(--kv-eviction-chunk); other policies' chunk is this step")
     ap.add_argument("--admission", choices=("reserve", "vllm"), default=None,
                     help="--kv-admission of the evicting policies (default: the plugin's, reserve)")
     ap.add_argument("--port", type=int, default=8123)
@@ -179,9 +183,13 @@ def main() -> None:
     admission = ["--kv-admission", args.admission] if args.admission else []
     for text in args.policies:
         spec = parse_policy(text)
+        evicting = spec.policy in ("snapkv", "pyramidkv")
+        decoupled = ["--kv-eviction-chunk", str(args.chunk)] if (
+            args.prefill_step and evicting) else []
         argv = build_server_command(model, spec, kv_cache_bytes=args.kv_cache_memory_bytes,
-                                    max_batched_tokens=args.chunk, port=args.port,
-                                    extra_args=SERVE_EXTRA + serve_extra + (
+                                    max_batched_tokens=args.prefill_step or args.chunk,
+                                    port=args.port,
+                                    extra_args=SERVE_EXTRA + serve_extra + decoupled + (
                                         admission if spec.policy != "full" else []))
         with ServerProcess(argv, args.out_dir / f"server_{spec.slug}.log") as server:
             server.wait_healthy(base_url)

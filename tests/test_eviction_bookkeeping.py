@@ -10,8 +10,9 @@ import torch
 
 from vllm_kvevict.config import KVPolicyConfig
 from vllm_kvevict.integration.streaming_store import StreamingStore, build_step_plan
-from vllm_kvevict.integration.token_eviction import (LayerGroups, TokenEvictionWorker,
-                                                     allocation_eviction, chunk_kept_per_layer,
+from vllm_kvevict.integration.token_eviction import (LayerGroups, TokenEvictionScheduler,
+                                                     TokenEvictionWorker, allocation_eviction,
+                                                     chunk_kept_per_layer, eviction_chunk_len,
                                                      group_evictions)
 from vllm_kvevict.policies import build_policy
 
@@ -63,8 +64,9 @@ def simulate_scheduler(policy, prompt_len, chunks, decode, bs, groups=None):
     evicted, computed, held = [0] * G, 0, []
     for c in chunks + [1] * decode:
         held.append([-(-(computed + c - e) // bs) for e in evicted])
-        if computed + c <= prompt_len:
-            freed = group_evictions(policy, c, computed + c == prompt_len, groups)
+        if policy.config.is_eviction_point(computed + c, prompt_len):
+            chunk_len = eviction_chunk_len(policy.config, computed, c)
+            freed = group_evictions(policy, chunk_len, computed + c == prompt_len, groups)
             evicted = [e + f for e, f in zip(evicted, freed)]
         computed += c
         held.append([-(-(computed - e) // bs) for e in evicted])
@@ -75,14 +77,19 @@ def simulate_scheduler(policy, prompt_len, chunks, decode, bs, groups=None):
     ("snapkv", 0.7, 1), ("pyramidkv", 0.5, 1), ("snapkv", 0.0, 1),
     ("pyramidkv", 0.7, 30), ("pyramidkv", 0.5, 5), ("snapkv", 0.7, 3)])
 @pytest.mark.parametrize("eviction", ["naive", "patched"])
-def test_worker_and_scheduler_keep_the_same_blocks(name, p, num_tiers, eviction):
+@pytest.mark.parametrize("eviction_chunk", [None, 256])
+def test_worker_and_scheduler_keep_the_same_blocks(name, p, num_tiers, eviction, eviction_chunk):
     """Per KV-cache group, the worker drops exactly the blocks the scheduler frees, and every
-    layer writes only into blocks its own group holds, below the group's physical length."""
-    policy = build_policy(KVPolicyConfig(policy=name, sparsity=p, eviction=eviction), 30, 3)
+    layer writes only into blocks its own group holds, below the group's physical length.
+    With an eviction chunk of 256 the steps are smaller and evict only at its boundaries."""
+    policy = build_policy(KVPolicyConfig(policy=name, sparsity=p, eviction=eviction,
+                                         eviction_chunk=eviction_chunk), 30, 3)
     groups = LayerGroups.tiers(30, num_tiers)
     G = groups.num_groups
     bs, n = 32, 1000
     chunks = [256, 256, 100, 256, 132]
+    if eviction_chunk:
+        chunks = [100, 100, 56, 128, 128, 100, 92, 64, 168, 64]
     expected = simulate_scheduler(policy, n, chunks, 5, bs, groups)
     worker = TokenEvictionWorker(policy, bs, groups)
     blocks: list[list[int]] = [[] for _ in range(G)]
@@ -96,13 +103,18 @@ def test_worker_and_scheduler_keep_the_same_blocks(name, p, num_tiers, eviction)
                 next_id += 1
         seen.append([len(b) for b in blocks])
         # patched non-final chunks also get k lookahead slots (the question's KVs)
-        q = min(64, n) if eviction == "patched" and computed + c < n else 0
+        q = min(64, n) if (eviction == "patched" and computed + c < n and
+                           policy.config.is_eviction_point(computed + c, n)) else 0
         for g in range(G):
             while len(blocks[g]) * bs < computed + c + q - worker_alloc(worker, g):
                 blocks[g].append(next_id)
                 next_id += 1
         plan = worker.plan(["r"], [computed], [c], [n], [[list(b) for b in blocks]],
                            prompt_ids=lambda row: prompt)
+        evicts = policy.config.is_eviction_point(computed + c, n)
+        assert len(plan.jobs) == evicts
+        if evicts and eviction_chunk:  # the job covers the whole chunk, from its start
+            assert plan.jobs[0].chunk_len == (computed + c - 1) % eviction_chunk + 1
         for layer in range(30):
             own = blocks[groups.of_layer[layer]]
             assert set((plan.slots[layer] // bs).tolist()) <= set(own), (layer, c)
@@ -142,6 +154,34 @@ def test_kept_counts_follow_the_policy():
     assert allocation_eviction(policy, 1024, False) == 1024 - kept[0]
     # the mean over layers stays the chunk's capacity (patched, non-final: no window inside)
     assert abs(sum(kept) / len(kept) - round(0.3 * 1024)) <= 16
+
+
+def test_step_cap_keeps_steps_inside_eviction_chunks():
+    """With eviction_chunk 512 (prompt 1100): a step never crosses 512 / 1024 / 1100, and when
+    the chunk's own last 64 queries score it (naive; the final chunk in patched mode) the last
+    step holds them whole, or the request waits (0)."""
+    from types import SimpleNamespace
+
+    def cap(eviction, computed, budget):
+        policy = build_policy(KVPolicyConfig(policy="snapkv", eviction=eviction,
+                                             eviction_chunk=512), 30, 3)
+        ledger = TokenEvictionScheduler(policy, 512, reserve_growth=False)
+        request = SimpleNamespace(request_id="r", num_prompt_tokens=1100, num_preemptions=0,
+                                  num_computed_tokens=computed, sampling_params=None)
+        ledger.scheduler = SimpleNamespace(requests={"r": request})
+        return ledger.step_cap(request, computed, budget)
+
+    for eviction in ("naive", "patched"):
+        assert cap(eviction, 0, 128) == 128
+        assert cap(eviction, 384, 256) == 128      # stops at the boundary 512
+        assert cap(eviction, 1024, 256) == 76      # and at the prompt's end
+        assert cap(eviction, 1100, 5) == 5         # decode: untouched
+        assert cap(eviction, 1000, 50) == 24
+        assert cap(eviction, 1024, 50) == 12       # final chunk: leave its last 64 whole
+        assert cap(eviction, 1036, 50) == 0        # 64 left, budget 50: wait
+    assert cap("naive", 400, 100) == 48            # a non-final chunk scores itself (naive)
+    assert cap("naive", 448, 63) == 0
+    assert cap("patched", 400, 100) == 100         # ... or by the question (patched)
 
 
 def test_replay_follows_the_recorded_chunks():

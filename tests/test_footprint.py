@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from vllm_kvevict.config import KVPolicyConfig
-from vllm_kvevict.footprint import (FootprintResult, chunk_boundaries_for, head_mask_footprint,
-                                    kv_footprint, tri)
+from vllm_kvevict.footprint import (FootprintResult, chunk_boundaries_for, eviction_boundaries,
+                                    head_mask_footprint, kv_footprint, tri)
 from vllm_kvevict.policies import ChunkKeep, KVPolicy, build_policy
 
 # The brute-force setting of the brief: 40 prompt tokens in chunks of 16, 5 decode tokens.
@@ -21,8 +21,14 @@ BOUNDS = [16, 32, 40]
 
 # -- the explicit matrices (rows: query steps, columns: key positions) ---------------------------
 
+def held_end(q: int, b: int, steps: list[int] | None) -> int:
+    """With chunk_held, what a query at q holds of its chunk ending at b: up to the end of its
+    engine step (the chunk's end when the chunk ran in one step)."""
+    return b if steps is None else min(e for e in steps if e > q)
+
+
 def streaming_matrix(n: int, m: int, bounds: list[int], sink: int, window: int,
-                     chunk_held: bool = False) -> np.ndarray:
+                     chunk_held: bool = False, steps: list[int] | None = None) -> np.ndarray:
     """Un-evicted entries of a streaming head, from the definition: during chunk [a, b) the cache
     is the sink and the last `window` positions before a, plus the chunk so far (the whole
     chunk with `chunk_held`); a decode step at q holds the sink, the last `window` positions
@@ -32,7 +38,7 @@ def streaming_matrix(n: int, m: int, bounds: list[int], sink: int, window: int,
     a = 0
     for b in bounds:
         for q in range(a, b):
-            for p in range(b if chunk_held else q + 1):
+            for p in range(held_end(q, b, steps) if chunk_held else q + 1):
                 un_evicted[q, p] = p >= a or p < sink or p >= a - window
         a = b
     for q in range(n, total):
@@ -42,7 +48,7 @@ def streaming_matrix(n: int, m: int, bounds: list[int], sink: int, window: int,
 
 
 def kept_matrix(n: int, m: int, bounds: list[int], kept: list[int], seed: int,
-                chunk_held: bool = False) -> np.ndarray:
+                chunk_held: bool = False, steps: list[int] | None = None) -> np.ndarray:
     """Un-evicted entries of a head that keeps kept[i] tokens of chunk i (which ones is random:
     the count must not depend on it). The running chunk is whole; decode tokens all stay."""
     rng = np.random.default_rng(seed)
@@ -53,7 +59,7 @@ def kept_matrix(n: int, m: int, bounds: list[int], kept: list[int], seed: int,
     for b, k in zip(bounds, kept):
         for q in range(a, b):
             un_evicted[q, past] = True
-            un_evicted[q, a:b if chunk_held else q + 1] = True
+            un_evicted[q, a:held_end(q, b, steps) if chunk_held else q + 1] = True
         past += rng.choice(np.arange(a, b), size=k, replace=False).tolist()
         a = b
     for q in range(n, total):
@@ -64,7 +70,7 @@ def kept_matrix(n: int, m: int, bounds: list[int], kept: list[int], seed: int,
 
 def brute_force(n: int, m: int, bounds: list[int], streaming: torch.Tensor, sink: int,
                 window: int, kept_per_layer: list[list[int]] | None,
-                chunk_held: bool = False) -> FootprintResult:
+                chunk_held: bool = False, steps: list[int] | None = None) -> FootprintResult:
     """Sum the per-head matrices; footprint and peak straight from the counts. With
     `chunk_held` full attention's count (the normaliser) also holds each chunk whole."""
     num_layers, num_heads = streaming.shape
@@ -73,13 +79,13 @@ def brute_force(n: int, m: int, bounds: list[int], streaming: torch.Tensor, sink
     for layer in range(num_layers):
         for head in range(num_heads):
             if streaming[layer, head]:
-                mat = streaming_matrix(n, m, bounds, sink, window, chunk_held)
+                mat = streaming_matrix(n, m, bounds, sink, window, chunk_held, steps)
             else:
                 kept = lengths if kept_per_layer is None else kept_per_layer[layer]
-                mat = kept_matrix(n, m, bounds, kept, layer * 100 + head, chunk_held)
+                mat = kept_matrix(n, m, bounds, kept, layer * 100 + head, chunk_held, steps)
             per_step += mat.sum(axis=1)
     heads = num_layers * num_heads
-    causal = int(kept_matrix(n, m, bounds, lengths, 0, chunk_held).sum())
+    causal = int(kept_matrix(n, m, bounds, lengths, 0, chunk_held, steps).sum())
     total = int(per_step.sum())
     return FootprintResult(footprint=total / (heads * causal),
                            peak_kv=int(per_step.max()) / (heads * (n + m)),
@@ -231,6 +237,33 @@ def test_brute_force_chunk_held(name):
         assert res.footprint == 1.0
     else:  # holding the chunk whole costs a policy relatively more than full attention
         assert causal.footprint < res.footprint < 1.0
+
+
+@pytest.mark.parametrize("name", ["snapkv", "pyramidkv"])
+def test_brute_force_chunk_held_over_several_steps(name):
+    """A decoupled eviction chunk (E = 16, vLLM steps ending at `steps`): each query holds its
+    chunk up to its step's end; the paper's causal count does not depend on the steps."""
+    pol = policy(name, sparsity=0.5, obs_window=4, eviction="naive", eviction_chunk=16)
+    steps = [5, 16, 20, 30, 32, 40]
+    assert eviction_boundaries(steps, N, 16) == BOUNDS
+    kept = [[pol.chunk_keep(layer, c, i == 2).kept for i, c in enumerate([16, 16, 8])]
+            for layer in range(3)]
+    res = kv_footprint(pol, N, BOUNDS, M, chunk_held=True, step_boundaries=steps)
+    want = brute_force(N, M, BOUNDS, pol.streaming_heads(), 0, 1, kept, chunk_held=True,
+                       steps=steps)
+    assert (res.footprint, res.entries, res.full_entries) == (
+        want.footprint, want.entries, want.full_entries)
+    whole = kv_footprint(pol, N, BOUNDS, M, chunk_held=True)
+    causal = kv_footprint(pol, N, BOUNDS, M)
+    assert causal.footprint < res.footprint < whole.footprint
+    assert kv_footprint(pol, N, BOUNDS, M, chunk_held=True, step_boundaries=BOUNDS) == whole
+    with pytest.raises(ValueError, match="must include every chunk boundary"):
+        kv_footprint(pol, N, BOUNDS, M, chunk_held=True, step_boundaries=[5, 20, 40])
+
+
+def test_eviction_boundaries():
+    assert eviction_boundaries([128, 256, 512, 600, 1024, 1100], 1100, 512) == [512, 1024, 1100]
+    assert eviction_boundaries([128, 256, 300], 300, None) == [128, 256, 300]
 
 
 @dataclass

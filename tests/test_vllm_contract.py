@@ -173,3 +173,35 @@ def test_attention_internals():
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     assert "kv_sharing_target_layer_name" in inspect.getsource(GPUModelRunner.get_kv_cache_spec)
+
+
+@pytest.mark.parametrize("dtype_name, block_size", [("float32", 16), ("float32", 32),
+                                                     ("float32", 128), ("bfloat16", 32)])
+def test_paged_layout_reads_back_what_reshape_and_cache_wrote(dtype_name, block_size):
+    """Decoupled eviction chunks read earlier steps' K/V out of the paged cache: the layout
+    learnt from vLLM's own write op must return exactly what the op wrote, for every ISA the
+    CPU backend picks here (vec16 / vec for float32, amx for bfloat16 where the CPU has it)."""
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from vllm_kvevict.integration.paged_layout import PagedLayout
+
+    dtype, heads, dim = getattr(torch, dtype_name), 3, 64
+    isa = _get_attn_isa(dtype, block_size, dim)
+    cache = torch.zeros(12, heads, 2 * block_size, dim, dtype=dtype)
+    key_cache, value_cache = cache.chunk(2, dim=2)
+    row = torch.tensor([9, 2, 7, 0, 11], dtype=torch.int32)
+    tokens = 4 * block_size + 5
+    gen = torch.Generator().manual_seed(0)
+    key = torch.randn(tokens, heads, dim, generator=gen).to(dtype)
+    value = torch.randn(tokens, heads, dim, generator=gen).to(dtype)
+    pos = torch.arange(tokens)
+    slots = row[pos // block_size].long() * block_size + pos % block_size
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa, k_scale=1.0,
+                                   v_scale=1.0, kv_cache_dtype="auto")
+    layout = PagedLayout(dtype, block_size, dim, isa)
+    start, count = block_size - 3, 2 * block_size + 7   # across three blocks, unaligned
+    got_k, got_v = layout.read(key_cache, value_cache, row, start, count)
+    assert torch.equal(got_k, key[start:start + count])
+    assert torch.equal(got_v, value[start:start + count])

@@ -59,6 +59,12 @@ class KVPolicyConfig:
     tiers: int | None = None
     # Admission of evicting policies, one of ADMISSION_MODES. Ignored by full (stock vLLM).
     admission: str = "reserve"
+    # snapkv/pyramidkv: evict once per this many prompt tokens (chunks [0, E), [E, 2E), ...,
+    # the last one ending at the prompt's end), however vLLM splits the prefill into steps
+    # (--max-num-batched-tokens). None: evict after every prefill chunk vLLM schedules. Smaller
+    # steps than E hold less of a chunk at once (closer to the paper's causal count) and give
+    # the same outputs: eviction, not scheduling, decides what attention sees.
+    eviction_chunk: int | None = None
 
     def __post_init__(self) -> None:
         validate(self)
@@ -74,6 +80,13 @@ class KVPolicyConfig:
     @property
     def patched(self) -> bool:
         return self.evicts_tokens and self.eviction == "patched"
+
+    def is_eviction_point(self, end: int, prompt_len: int) -> bool:
+        """Does a prefill step ending at token `end` (<= prompt_len) close an eviction chunk?"""
+        if not self.evicts_tokens or end > prompt_len:
+            return False
+        e = self.eviction_chunk
+        return e is None or end == prompt_len or end % e == 0
 
     def num_tiers(self, num_layers: int) -> int:
         """KV-cache groups (block tables) the layers are split into (see `tiers`)."""
@@ -143,6 +156,11 @@ def validate(cfg: KVPolicyConfig) -> None:
         if cfg.policy not in TOKEN_EVICTION_POLICIES:
             raise KVPolicyError(
                 f"tiers only applies to {', '.join(TOKEN_EVICTION_POLICIES)}, not {cfg.policy!r}")
+    if cfg.eviction_chunk is not None:
+        _check_int("eviction_chunk", cfg.eviction_chunk, 1)
+        if cfg.policy not in TOKEN_EVICTION_POLICIES:
+            raise KVPolicyError(f"eviction_chunk only applies to "
+                                f"{', '.join(TOKEN_EVICTION_POLICIES)}, not {cfg.policy!r}")
     if cfg.mask_path is not None and cfg.policy not in HEAD_MASK_POLICIES:
         raise KVPolicyError(
             f"mask_path only applies to {', '.join(HEAD_MASK_POLICIES)}, not {cfg.policy!r}")

@@ -28,6 +28,11 @@ and in decode it never falls, so the maximum over all n + m steps is attained at
 query (past + c, or min(a, K) + c for a streaming head) or at the last decode step (past + m, or
 1 + min(n + m - 1, K)). Heads are summed at the same step before taking the maximum.
 
+With a decoupled eviction chunk (`eviction_chunk`: evict once per E tokens, vLLM prefilling in
+smaller steps), `chunk_boundaries` are the eviction chunks' ends and `step_boundaries` the ends of
+the steps vLLM ran; with `chunk_held` a step's queries are then charged the chunk's tokens up to
+the step's end (what the engine holds), not the whole chunk.
+
 All counts are Python integers, so the only rounding is the final division.
 """
 
@@ -88,19 +93,54 @@ def _sum_min(lo: int, hi: int, cap: int) -> int:
     return below + (hi - mid) * cap
 
 
-def _chunk_term(c: int, chunk_held: bool) -> int:
-    """A chunk's entries over itself: causal (the paper), or whole (what an engine holds)."""
-    return c * c if chunk_held else tri(c)
+def eviction_boundaries(step_boundaries: Sequence[int], prompt_len: int,
+                        eviction_chunk: int | None) -> list[int]:
+    """The ends of the eviction chunks among the ends of the prefill steps vLLM ran."""
+    if eviction_chunk is None:
+        return list(step_boundaries)
+    return [b for b in step_boundaries if b % eviction_chunk == 0 or b == prompt_len]
+
+
+def _chunk_term(c: int, chunk_held: bool, steps: Sequence[int] | None = None) -> int:
+    """A chunk's entries over itself: causal (the paper), or held (what an engine holds:
+    each step's queries see the chunk up to the step's end; one step = the whole chunk)."""
+    if not chunk_held:
+        return tri(c)
+    total, done = 0, 0
+    for step in steps or (c,):
+        done += step
+        total += done * step
+    return total
+
+
+def _steps_of(bounds: list[int], step_boundaries: Sequence[int] | None) -> list:
+    """Per chunk, the lengths of the steps it was prefilled in (None: one step each)."""
+    if step_boundaries is None:
+        return [None] * len(bounds)
+    steps = _check(bounds[-1], step_boundaries, 0)
+    if not set(bounds) <= set(steps):
+        raise ValueError(f"step_boundaries {steps} must include every chunk boundary {bounds}")
+    out, prev, i = [], 0, 0
+    for b in bounds:
+        lengths = []
+        while steps[i] <= b:
+            lengths.append(steps[i] - prev)
+            prev = steps[i]
+            i += 1
+            if i == len(steps):
+                break
+        out.append(lengths)
+    return out
 
 
 def _streaming_head(bounds: list[int], decode_len: int, sink: int, window: int,
-                    chunk_held: bool = False) -> tuple[int, list[int]]:
+                    chunk_held: bool = False, steps: list | None = None) -> tuple[int, list[int]]:
     """Entries and per-step peak candidates of one streaming head."""
     cap = sink + window
     entries, points, a = 0, [], 0
-    for b in bounds:
+    for i, b in enumerate(bounds):
         c, held = b - a, min(a, cap)
-        entries += _chunk_term(c, chunk_held) + c * held
+        entries += _chunk_term(c, chunk_held, steps and steps[i]) + c * held
         points.append(held + c)
         a = b
     n = bounds[-1]
@@ -111,12 +151,12 @@ def _streaming_head(bounds: list[int], decode_len: int, sink: int, window: int,
 
 
 def _kept_head(bounds: list[int], decode_len: int, kept: list[int],
-               chunk_held: bool = False) -> tuple[int, list[int]]:
+               chunk_held: bool = False, steps: list | None = None) -> tuple[int, list[int]]:
     """Entries and peak candidates of a head that keeps `kept[i]` tokens of chunk i."""
     entries, points, past, a = 0, [], 0, 0
-    for b, k in zip(bounds, kept):
+    for i, (b, k) in enumerate(zip(bounds, kept)):
         c = b - a
-        entries += _chunk_term(c, chunk_held) + past * c
+        entries += _chunk_term(c, chunk_held, steps and steps[i]) + past * c
         points.append(past + c)
         past += k
         a = b
@@ -131,20 +171,24 @@ def _chunk_lengths(bounds: list[int]) -> list[int]:
 
 
 def kv_footprint(policy: KVPolicy, prompt_len: int, chunk_boundaries: list[int],
-                 decode_len: int, chunk_held: bool = False) -> FootprintResult:
+                 decode_len: int, chunk_held: bool = False,
+                 step_boundaries: Sequence[int] | None = None) -> FootprintResult:
     """Footprint and peak KV of one request under `policy`, averaged over (layer, KV head).
 
     chunk_boundaries: chunk end positions, e.g. [1024, 2048, 2500] for a 2500-token prompt.
-    chunk_held: charge every query of a chunk the whole chunk (see the module docstring).
+    chunk_held: charge every query of a chunk the chunk as held (see the module docstring);
+    step_boundaries: the prefill steps' ends when chunks ran in several steps (only with
+    chunk_held; a superset of chunk_boundaries).
     """
     bounds = _check(prompt_len, chunk_boundaries, decode_len)
     lengths = _chunk_lengths(bounds)
+    steps = _steps_of(bounds, step_boundaries) if chunk_held else None
     num_layers, num_heads = policy.num_layers, policy.num_kv_heads
     streaming_per_layer = policy.streaming_heads().sum(dim=1).tolist()
 
     stream_entries, stream_points = _streaming_head(
-        bounds, decode_len, policy.config.sink, policy.config.window, chunk_held)
-    full_entries, full_points = _kept_head(bounds, decode_len, lengths, chunk_held)
+        bounds, decode_len, policy.config.sink, policy.config.window, chunk_held, steps)
+    full_entries, full_points = _kept_head(bounds, decode_len, lengths, chunk_held, steps)
 
     keep_cache: dict[tuple[int, int, bool], int] = {}
 
@@ -165,7 +209,8 @@ def kv_footprint(policy: KVPolicy, prompt_len: int, chunk_boundaries: list[int],
         n_other = num_heads - n_stream
         if policy.evicts_tokens and n_other:
             kept = [kept_of(layer, c, i == last) for i, c in enumerate(lengths)]
-            other_entries, other_points = _kept_head(bounds, decode_len, kept, chunk_held)
+            other_entries, other_points = _kept_head(bounds, decode_len, kept, chunk_held,
+                                                     steps)
         else:
             other_entries, other_points = full_entries, full_points
         total += n_stream * stream_entries + n_other * other_entries

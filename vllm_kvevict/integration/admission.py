@@ -96,6 +96,10 @@ class GrowthReserve:
             if before == sum(chunks):
                 chunks.append(min(c, n - before))
 
+    def step_cap(self, request, num_computed: int, num_new: int) -> int:
+        """The tokens a request may run this step (vLLM would run `num_new`)."""
+        return self.replay_cap(request, num_computed, num_new)
+
     def replay_cap(self, request, num_computed: int, num_new: int) -> int:
         """The tokens a request may run this step, given the `num_new` vLLM would schedule:
         while a preempted request recomputes its recorded prompt chunks, exactly the next

@@ -153,18 +153,27 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
         and rewrite them contiguously at the layer's physical end of the past."""
         kept_k, kept_v, kept_slots = [], [], []
         heads = torch.arange(self.num_kv_heads)
+        key_cache, value_cache = self._split(kv_cache)
         for job in plan.jobs:
             policy = job.policy
             keep = job.keep[l]
-            c = job.end - job.start
+            c, step = job.chunk_len, job.end - job.start
             chunk_k = key[job.start:job.end]
             chunk_v = value[job.start:job.end]
+            if c > step:  # the chunk's earlier steps: read back from the paged cache
+                past_k, past_v = self._layout(layer, key_cache.dtype).read(
+                    key_cache, value_cache, plan.table(l)[job.row], job.phys_before[l], c - step)
+                chunk_k, chunk_v = torch.cat([past_k, chunk_k]), torch.cat([past_v, chunk_v])
             if job.question:  # patched: the question's queries, positioned after the chunk
                 first = plan.question_offset + job.question_start - plan.num_tokens
                 obs_q = query[first:first + len(job.question)].transpose(0, 1)
                 obs_offset = c
             else:  # naive, and every final chunk: the chunk's own last k queries
                 num_obs = min(policy.config.obs_window, c)
+                if num_obs > step:  # the scheduler's step_cap prevents this; never guess
+                    raise RuntimeError(f"vllm-kvevict: the last step of an eviction chunk ran "
+                                       f"{step} tokens, fewer than its {num_obs} observation "
+                                       f"queries")
                 obs_q = query[job.end - num_obs:job.end].transpose(0, 1)
                 obs_offset = c - num_obs
             scores = policy.score(obs_q, chunk_k.transpose(0, 1), obs_offset=obs_offset,
@@ -174,7 +183,6 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
             kept_v.append(chunk_v[idx.T, heads])
             positions = job.phys_before[l] + torch.arange(idx.shape[1])
             kept_slots.append(plan.physical_slots(l, job.row, positions))
-        key_cache, value_cache = self._split(kv_cache)
         ops.cpu_attn_reshape_and_cache(torch.cat(kept_k), torch.cat(kept_v), key_cache,
                                        value_cache, torch.cat(kept_slots), layer.isa,
                                        k_scale=layer._k_scale_float,
@@ -182,6 +190,16 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
                                        kv_cache_dtype=self.kv_cache_dtype)
 
     # -- helpers -------------------------------------------------------------------------
+    def _layout(self, layer, dtype):
+        """How this layer's paged cache packs a block (probed once per impl)."""
+        layout = getattr(self, "_paged_layout", None)
+        if layout is None:
+            from vllm_kvevict.integration.paged_layout import PagedLayout
+
+            layout = self._paged_layout = PagedLayout(dtype, get_state().block_size,
+                                                      self.head_size, layer.isa)
+        return layout
+
     @staticmethod
     def _split(kv_cache: torch.Tensor):
         num_blocks, num_kv_heads, block_size, _ = kv_cache.size()

@@ -47,6 +47,11 @@ FLAGS = {
                        "pressure vLLM preempts, and the preempted request is recomputed with "
                        f"its original chunk boundaries, exactly). One of "
                        f"{', '.join(ADMISSION_MODES)}."),
+    "--kv-eviction-chunk": ("eviction_chunk", int,
+                            "snapkv/pyramidkv: evict once per this many prompt tokens (the "
+                            "paper's chunk), while vLLM prefills in steps of "
+                            "--max-num-batched-tokens (which then must be >= --kv-obs-window). "
+                            "Default: evict after every prefill chunk vLLM schedules."),
     "--kv-mask": ("mask_path", str, "Head-mask file for duo/prulong (our JSON format, PruLong "
                                     "0/1 TSV or DuoAttention gate TSV). Default: the mask shipped "
                                     "in head_masks/ for the served model."),

@@ -240,14 +240,15 @@ def _patch_scheduler() -> None:
 
     # Both of vLLM's scheduling branches (running and waiting) end their token count with
     # this call, right before "0 tokens: skip the request": the one place to make a preempted
-    # request's recompute follow its first run's chunks (admission.py, replay_cap).
+    # request's recompute follow its first run's chunks (admission.py, replay_cap) and to keep
+    # prefill steps inside eviction chunks (token_eviction.py, step_cap).
     @functools.wraps(original_lookahead)
     def reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
         num_new_tokens = original_lookahead(self, request, num_computed_tokens, num_new_tokens)
         reserve = scheduler_side.reserve_of(self)
         if reserve is None:
             return num_new_tokens
-        return reserve.replay_cap(request, num_computed_tokens, num_new_tokens)
+        return reserve.step_cap(request, num_computed_tokens, num_new_tokens)
 
     # Per KV-cache group (one manager each): vLLM's logical token counts -> the group's
     # physical slots (the coordinator asks every group's manager with the same counts).
@@ -295,8 +296,8 @@ def _patch_scheduler() -> None:
         ledger = scheduler_side.current()
         policy = None if ledger is None else ledger.request_policy(request)
         if policy is not None and policy.config.patched:
-            n = request.num_prompt_tokens
-            if request.num_computed_tokens + num_new_tokens < n:
+            n, end = request.num_prompt_tokens, request.num_computed_tokens + num_new_tokens
+            if end < n and policy.config.is_eviction_point(end, n):
                 extra = min(policy.config.obs_window, n)
                 kwargs["num_lookahead_tokens"] = kwargs.get("num_lookahead_tokens", 0) + extra
         return original_alloc_slots(self, request, num_new_tokens, *args, **kwargs)

@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from vllm_kvevict.footprint import kv_footprint
+from vllm_kvevict.footprint import eviction_boundaries, kv_footprint
 
 STATS_KEY = "kv_stats"
 
@@ -203,10 +203,15 @@ def finite_or_none(value: Any) -> Any:
 
 
 def footprint_function(policy) -> Callable:
-    """footprint_of(prompt_len, boundaries, decode_len, chunk_held=False) for a KVPolicy."""
+    """footprint_of(prompt_len, boundaries, decode_len, chunk_held=False) for a KVPolicy;
+    `boundaries` are the prefill steps vLLM ran, the chunks are the policy's eviction chunks
+    among them (the same unless `eviction_chunk` is set)."""
     def footprint_of(prompt_len: int, boundaries: list[int], decode_len: int,
                      chunk_held: bool = False):
-        return kv_footprint(policy, prompt_len, boundaries, decode_len, chunk_held)
+        chunks = eviction_boundaries(boundaries, prompt_len,
+                                     getattr(policy.config, "eviction_chunk", None))
+        return kv_footprint(policy, prompt_len, chunks, decode_len, chunk_held,
+                            step_boundaries=boundaries if chunk_held else None)
     return footprint_of
 
 

@@ -32,8 +32,10 @@ def attach(scheduler) -> None:
     from vllm_kvevict.integration.tiers import layer_groups
 
     groups = layer_groups(scheduler.kv_cache_config, num_layers)
-    _ledger = TokenEvictionScheduler(policy, vllm_config.scheduler_config.max_num_batched_tokens,
-                                     groups, reserve_growth=cfg.admission == "reserve")
+    # the prompt is compressed once per eviction chunk: its peak need follows that chunk
+    chunk = cfg.eviction_chunk or vllm_config.scheduler_config.max_num_batched_tokens
+    _ledger = TokenEvictionScheduler(policy, chunk, groups,
+                                     reserve_growth=cfg.admission == "reserve")
     _ledger.scheduler = scheduler
     _reserve = _ledger
     scheduler._kvevict_reserve = _ledger

@@ -15,6 +15,10 @@ on one deterministic ledger per group (`allocation_evicted[g]`):
   the worker drops the same tail blocks from vLLM's (append-only) worker-side block lists of
   every group, so both sides keep identical block lists and vLLM appends the next step's blocks
   after the kept ones.
+With `eviction_chunk` E set, an eviction chunk [s, s + E) may be prefilled over several engine
+steps (the scheduler never lets a step cross its end, see `TokenEvictionScheduler.step_cap`):
+the steps before its last one only append; the last one scores and compacts the whole chunk,
+reading the earlier steps' K/V back from the paged cache (`paged_layout.py`).
 Logical positions (RoPE of new tokens) are vLLM's own and never change. Within a group the
 layers share the block row sized for the group's largest layer, each using its own physical
 length.
@@ -102,6 +106,20 @@ def allocation_eviction(policy: KVPolicy, chunk_len: int, is_final: bool) -> int
     return chunk_len - max(chunk_kept_per_layer(policy, chunk_len, is_final))
 
 
+def eviction_chunk_len(config, computed: int, step_len: int) -> int:
+    """Tokens of the eviction chunk that a prefill step [computed, computed + step_len) belongs
+    to, up to the step's end (the step itself when no `eviction_chunk` is set). A step that
+    crosses an eviction boundary is a bug of the scheduler's cap: raise, never guess."""
+    e, end = config.eviction_chunk, computed + step_len
+    if e is None:
+        return step_len
+    start = (end - 1) // e * e
+    if computed < start:
+        raise RuntimeError(f"vllm-kvevict: a prefill step [{computed}, {end}) crosses the "
+                           f"eviction chunk boundary {start} (eviction_chunk {e})")
+    return end - start
+
+
 # ------------------------------------------------------------------------------------------
 # worker side
 # ------------------------------------------------------------------------------------------
@@ -115,16 +133,19 @@ class RequestLedger:
 
 @dataclass
 class EvictionJob:
-    """One prefill chunk to compress after attention: batch tokens [start, end)."""
+    """One eviction chunk to compress after attention. Its last `end - start` tokens are this
+    step's batch tokens [start, end); the `chunk_len - (end - start)` before them ran in earlier
+    steps (decoupled eviction chunk) and are read back from the paged cache."""
 
     req_id: str
     row: int
-    computed: int
+    computed: int                 # logical tokens before this step
     start: int
     end: int
     is_final: bool
-    phys_before: list[int]        # per layer
+    phys_before: list[int]        # per layer: physical length before the eviction chunk
     keep: list                    # per layer: ChunkKeep
+    chunk_len: int = 0            # tokens of the eviction chunk (this step's and earlier ones)
     question: list[int] = field(default_factory=list)  # patched: the prompt's last k tokens
     policy: KVPolicy | None = None  # the request's (served policy + its overrides)
     question_start: int = 0       # their rows in the extended token axis [T, T + Q)
@@ -191,16 +212,20 @@ class TokenEvictionWorker:
             before = torch.tensor([a - e for e in led.evicted])
             phys_before[:, r] = before
             seq_lens[:, r] = (before + c).int()
-            if a + c <= n and self.policy.evicts_tokens:  # a prefill chunk: compress it
+            if a + c <= n and self.policy.config.eviction_chunk is not None:
+                eviction_chunk_len(self.policy.config, a, c)  # raises if it crosses a boundary
+            if self.policy.config.is_eviction_point(a + c, n):  # compress the chunk
                 policy = self.policy_for(extra_args(r) if extra_args else None)
                 is_final = a + c == n
+                chunk_len = eviction_chunk_len(self.policy.config, a, c)
                 question = []
                 if policy.config.patched and not is_final:
                     question = list(prompt_ids(r)[n - min(policy.config.obs_window, n):])
                 jobs.append(EvictionJob(
                     req_id=req_id, row=r, computed=a, start=0, end=0, is_final=is_final,
-                    phys_before=before.tolist(), question=question, policy=policy,
-                    keep=[policy.chunk_keep(l, c, is_final) for l in range(L)]))
+                    phys_before=(before - (chunk_len - c)).tolist(), question=question,
+                    policy=policy, chunk_len=chunk_len,
+                    keep=[policy.chunk_keep(l, chunk_len, is_final) for l in range(L)]))
         width = max((len(b) for row in block_ids for b in row), default=1) or 1
         table = torch.zeros(G, rows, width, dtype=torch.int32)
         for r, row in enumerate(block_ids):
@@ -271,10 +296,10 @@ class TokenEvictionWorker:
         bs = self.block_size
         for job in plan.jobs:
             led = self.ledgers[job.req_id]
-            c = job.end - job.start
+            c, chunk_len = job.end - job.start, job.chunk_len
             kept = [k.kept for k in job.keep]
-            led.evicted = [e + c - k for e, k in zip(led.evicted, kept)]
-            freed = group_evictions_of(kept, c, self.groups)
+            led.evicted = [e + chunk_len - k for e, k in zip(led.evicted, kept)]
+            freed = group_evictions_of(kept, chunk_len, self.groups)
             led.allocation_evicted = [a + f for a, f in zip(led.allocation_evicted, freed)]
             per_group = request_block_ids(job.req_id)
             if per_group is None:
@@ -373,12 +398,34 @@ class TokenEvictionScheduler(GrowthReserve):
             request = self.scheduler.requests.get(req_id)
             if request is None:
                 continue
-            before = request.num_computed_tokens - c
+            before, n = request.num_computed_tokens - c, request.num_prompt_tokens
             if before == 0:
                 self.allocation_evicted.pop(req_id, None)
-            if before + c <= request.num_prompt_tokens:
-                self.pending[req_id] = (c, before + c == request.num_prompt_tokens,
-                                        self.request_policy(request))
+            policy = self.request_policy(request)
+            if policy.config.is_eviction_point(before + c, n):
+                self.pending[req_id] = (eviction_chunk_len(policy.config, before, c),
+                                        before + c == n, policy)
+
+    def step_cap(self, request, num_computed: int, num_new: int) -> int:
+        """`replay_cap`, then with an `eviction_chunk`: a prefill step never crosses the end b
+        of its eviction chunk, and when the chunk's own last queries score it (naive mode, and
+        the prompt's final chunk) its last step holds them whole: a step ends at b or at most
+        at b - obs_window (0 = wait for a step with budget for the rest)."""
+        num_new = self.replay_cap(request, num_computed, num_new)
+        config, n = self.policy.config, request.num_prompt_tokens
+        e, a = config.eviction_chunk, num_computed
+        if e is None or num_new <= 0 or a >= n:
+            return num_new
+        start = a // e * e
+        end = min(start + e, n)
+        if a + num_new >= end:
+            return end - a
+        policy = self.request_policy(request)
+        own_queries = not policy.config.patched or end == n
+        last_start = end - (min(policy.config.obs_window, end - start) if own_queries else 0)
+        if a + num_new <= last_start:
+            return num_new
+        return last_start - a if a < last_start else 0
 
     def forget(self, req_id: str) -> None:
         self.allocation_evicted.pop(req_id, None)

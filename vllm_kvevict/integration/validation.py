@@ -61,6 +61,12 @@ def validate_against_model(vllm_config) -> None:
             divisors = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
             raise KVPolicyError(f"tiers={tiers} does not divide the model's {num_layers} layers; "
                                 f"valid: {', '.join(map(str, divisors))}")
+        if cfg.eviction_chunk is not None:
+            # a chunk's last step must hold its observation window whole (its queries score)
+            budget = vllm_config.scheduler_config.max_num_batched_tokens
+            if budget < cfg.obs_window:
+                raise KVPolicyError(f"eviction_chunk needs --max-num-batched-tokens >= "
+                                    f"obs_window ({cfg.obs_window}), got {budget}")
         if cfg.policy in ("duo", "prulong"):
             _, source = resolve_full_heads(cfg, vllm_config.model_config.model, num_layers,
                                            num_kv_heads)
