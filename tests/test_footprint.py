@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -322,13 +321,15 @@ def test_smaller_chunks_lower_the_footprint():
 
 
 @pytest.mark.parametrize("name", ["snapkv", "pyramidkv", "prulong"])
-def test_fast_at_128k(name):
+def test_cheap_at_128k(name):
+    """512 chunks x 30 layers: the policy is asked once per (layer, chunk length, final), not
+    once per chunk (a count, not a timing: timings come from benchmark scripts)."""
     full_heads = torch.rand(30, 3, generator=torch.Generator().manual_seed(0)) > 0.7
     pol = policy(name, 30, 3, full_heads=full_heads if name == "prulong" else None)
+    calls = []
+    original = pol.chunk_keep
+    object.__setattr__(pol, "chunk_keep", lambda *a: calls.append(a) or original(*a))
     bounds = chunk_boundaries_for(131072, 256)  # 512 chunks
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        kv_footprint(pol, 131072, bounds, 1000)
-        best = min(best, time.perf_counter() - start)
-    assert best < 0.05
+    res = kv_footprint(pol, 131072, bounds, 1000)
+    assert 0 < res.footprint <= 1
+    assert len(calls) <= 30 * 2

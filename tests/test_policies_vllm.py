@@ -96,7 +96,9 @@ def test_policy_matches_reference(case, bundled_model_dir, tokenizer, hf_model):
         assert abs(logprob - float(ref.first_token_logprobs.max())) < LOGPROB_TOL
 
 
-@pytest.mark.parametrize("case", ["snapkv-patched-0.5", "pyramidkv-patched-0.7"])
+# (pyramidkv only: snapkv runs the same code with one KV-cache group instead of 30, and the
+# suite's time budget is better spent on the decoupled eviction chunk below)
+@pytest.mark.parametrize("case", ["pyramidkv-patched-0.7"])
 def test_chunked_mixed_batch_matches_reference_at_served_boundaries(case, bundled_model_dir,
                                                                      tokenizer, hf_model):
     """Four requests at once with a 256-token budget: vLLM splits the budget between them, so
