@@ -31,6 +31,19 @@ def test_flags_fold_into_additional_config():
     assert policy["sink"] == KVPolicyConfig().sink  # untouched fields keep their defaults
 
 
+def test_eviction_chunk_flag_and_eviction_points():
+    args = parse(["--kv-policy", "pyramidkv", "--kv-eviction-chunk", "1024"])
+    cfg = KVPolicyConfig.from_dict(cli.policy_from_args(args, {}))
+    assert cfg.eviction_chunk == 1024
+    # a step closes an eviction chunk at multiples of E and at the prompt's end only
+    assert [e for e in (128, 1024, 1152, 2048, 2500) if cfg.is_eviction_point(e, 2500)] == [
+        1024, 2048, 2500]
+    assert not cfg.is_eviction_point(2501, 2500)  # decode
+    every_step = KVPolicyConfig(policy="snapkv")
+    assert every_step.is_eviction_point(128, 2500)
+    assert not KVPolicyConfig(policy="prulong").is_eviction_point(128, 2500)
+
+
 def test_flags_override_additional_config_json_form():
     additional = {"kv_policy": {"policy": "streaming", "window": 128}, "other": 1}
     args = parse(["--kv-window", "512"])
@@ -54,6 +67,8 @@ def test_no_policy_given_means_none():
     ({"policy": "prulong", "tiers": 2}, "tiers only applies to snapkv, pyramidkv"),
     ({"policy": "pyramidkv", "tiers": 0}, "tiers must be an integer >= 1"),
     ({"policy": "snapkv", "admission": "greedy"}, "valid modes: reserve, vllm"),
+    ({"policy": "prulong", "eviction_chunk": 1024}, "eviction_chunk only applies to snapkv"),
+    ({"policy": "snapkv", "eviction_chunk": 0}, "eviction_chunk must be an integer >= 1"),
 ])
 def test_invalid_config_names_the_problem(raw, fragment):
     with pytest.raises(KVPolicyError) as exc:
@@ -119,3 +134,21 @@ def test_tiers_default_and_divisibility():
     validate_against_model(config(policy="pyramidkv", tiers=5))
     with pytest.raises(KVPolicyError, match="tiers=4 does not divide the model's 30 layers"):
         validate_against_model(config(policy="pyramidkv", tiers=4))
+
+
+def test_eviction_chunk_needs_a_step_budget_that_holds_the_observation_window():
+    from types import SimpleNamespace
+
+    from vllm_kvevict.integration.validation import validate_against_model
+
+    def config(budget, **policy):
+        hf = SimpleNamespace(num_hidden_layers=30, num_key_value_heads=3, num_attention_heads=9)
+        return SimpleNamespace(additional_config={"kv_policy": policy},
+                               model_config=SimpleNamespace(hf_config=hf, model="m"),
+                               cache_config=SimpleNamespace(enable_prefix_caching=True),
+                               scheduler_config=SimpleNamespace(max_num_batched_tokens=budget))
+
+    validate_against_model(config(64, policy="snapkv", eviction_chunk=1024))
+    with pytest.raises(KVPolicyError, match=r"max-num-batched-tokens >= obs_window \(64\), "
+                                            r"got 32"):
+        validate_against_model(config(32, policy="snapkv", eviction_chunk=1024))
