@@ -27,6 +27,7 @@ import numpy as np
 from loadtest.monitors import parse_vllm_metrics
 from loadtest.server import ServerProcess, build_server_command, parse_policy
 from loadtest.workloads import exact_length_ids
+from vllm_kvevict.config import TOKEN_EVICTION_POLICIES
 
 SERVE_EXTRA = ["--dtype", "float32", "--served-model-name", "bench", "--max-model-len", "8192",
                "--max-num-seqs", "64"]
@@ -183,9 +184,8 @@ def main() -> None:
     admission = ["--kv-admission", args.admission] if args.admission else []
     for text in args.policies:
         spec = parse_policy(text)
-        evicting = spec.policy in ("snapkv", "pyramidkv")
         decoupled = ["--kv-eviction-chunk", str(args.chunk)] if (
-            args.prefill_step and evicting) else []
+            args.prefill_step and spec.policy in TOKEN_EVICTION_POLICIES) else []
         argv = build_server_command(model, spec, kv_cache_bytes=args.kv_cache_memory_bytes,
                                     max_batched_tokens=args.prefill_step or args.chunk,
                                     port=args.port,

@@ -212,12 +212,12 @@ class TokenEvictionWorker:
             before = torch.tensor([a - e for e in led.evicted])
             phys_before[:, r] = before
             seq_lens[:, r] = (before + c).int()
-            if a + c <= n and self.policy.config.eviction_chunk is not None:
-                eviction_chunk_len(self.policy.config, a, c)  # raises if it crosses a boundary
+            if a + c > n:  # decode
+                continue
+            chunk_len = eviction_chunk_len(self.policy.config, a, c)  # raises on a crossing
             if self.policy.config.is_eviction_point(a + c, n):  # compress the chunk
                 policy = self.policy_for(extra_args(r) if extra_args else None)
                 is_final = a + c == n
-                chunk_len = eviction_chunk_len(self.policy.config, a, c)
                 question = []
                 if policy.config.patched and not is_final:
                     question = list(prompt_ids(r)[n - min(policy.config.obs_window, n):])
