@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from loadtest.server import PolicySpec, ServerProcess, build_server_command, parse_policy
+from vllm_kvevict.launch import PolicySpec, ServerProcess, build_server_command, parse_policy
 from loadtest.workloads import exact_length_ids
 
 SERVE_EXTRA = ["--dtype", "float32", "--served-model-name", "bench", "--max-model-len", "8192"]

@@ -25,7 +25,7 @@ import httpx
 import numpy as np
 
 from loadtest.monitors import parse_vllm_metrics
-from loadtest.server import ServerProcess, build_server_command, parse_policy
+from vllm_kvevict.launch import ServerProcess, build_server_command, parse_policy
 from loadtest.workloads import exact_length_ids
 from vllm_kvevict.config import TOKEN_EVICTION_POLICIES
 

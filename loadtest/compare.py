@@ -24,7 +24,7 @@ from loadtest.plots import plot_all
 from loadtest.report import comparison_markdown, format_table, write_json
 from loadtest.run import add_workload_args, load_tokenizer, run_once
 from loadtest.runner import LoadSettings, run
-from loadtest.server import (PolicySpec, ServerProcess, build_server_command, parse_policy,
+from vllm_kvevict.launch import (PolicySpec, ServerProcess, build_server_command, parse_policy,
                              port_in_use)
 from loadtest.workloads import Shape, build_prompts, make_shapes
 

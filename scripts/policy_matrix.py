@@ -135,7 +135,7 @@ def run_served(args, model_dir: str, jobs, prompts, out: Path) -> None:
     import httpx
     from tqdm import tqdm
 
-    from loadtest.server import ServerProcess, port_in_use
+    from vllm_kvevict.launch import ServerProcess, port_in_use
 
     done = {(r["cell"], r["prompt"]) for r in read_jsonl(out)}
     todo = [(c, i) for c, i in jobs if (c.name, i) not in done]
@@ -190,7 +190,7 @@ def run_reference(args, model_dir: str, jobs, prompts, out: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     from vllm_kvevict.config import KVPolicyConfig
-    from vllm_kvevict.integration.validation import resolve_full_heads
+    from vllm_kvevict.masks import resolve_full_heads
     from vllm_kvevict.policies import build_policy
     from vllm_kvevict.reference import ReferenceRunner
 

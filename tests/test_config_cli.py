@@ -126,13 +126,14 @@ def test_tiers_default_and_divisibility():
     assert KVPolicyConfig(policy="prulong").num_tiers(30) == 1
 
     def config(**policy):
-        hf = SimpleNamespace(num_hidden_layers=30, num_key_value_heads=3, num_attention_heads=9)
+        hf = SimpleNamespace(num_hidden_layers=30, num_key_value_heads=3, num_attention_heads=9,
+                              hidden_size=576)
         return SimpleNamespace(additional_config={"kv_policy": policy},
                                model_config=SimpleNamespace(hf_config=hf, model="m"),
                                cache_config=SimpleNamespace(enable_prefix_caching=True))
 
     validate_against_model(config(policy="pyramidkv", tiers=5))
-    with pytest.raises(KVPolicyError, match="tiers=4 does not divide the model's 30 layers"):
+    with pytest.raises(KVPolicyError, match="--kv-tiers 4 does not divide the model's 30 layers"):
         validate_against_model(config(policy="pyramidkv", tiers=4))
 
 
@@ -142,13 +143,14 @@ def test_eviction_chunk_needs_a_step_budget_that_holds_the_observation_window():
     from vllm_kvevict.integration.validation import validate_against_model
 
     def config(budget, **policy):
-        hf = SimpleNamespace(num_hidden_layers=30, num_key_value_heads=3, num_attention_heads=9)
+        hf = SimpleNamespace(num_hidden_layers=30, num_key_value_heads=3, num_attention_heads=9,
+                              hidden_size=576)
         return SimpleNamespace(additional_config={"kv_policy": policy},
                                model_config=SimpleNamespace(hf_config=hf, model="m"),
                                cache_config=SimpleNamespace(enable_prefix_caching=True),
                                scheduler_config=SimpleNamespace(max_num_batched_tokens=budget))
 
     validate_against_model(config(64, policy="snapkv", eviction_chunk=1024))
-    with pytest.raises(KVPolicyError, match=r"max-num-batched-tokens >= obs_window \(64\), "
-                                            r"got 32"):
+    with pytest.raises(KVPolicyError, match=r"max-num-batched-tokens >= --kv-obs-window "
+                                            r"\(64\), got 32"):
         validate_against_model(config(32, policy="snapkv", eviction_chunk=1024))

@@ -10,10 +10,10 @@ import torch
 
 from vllm_kvevict.config import KVPolicyConfig
 from vllm_kvevict.integration.streaming_store import StreamingStore, build_step_plan
-from vllm_kvevict.integration.token_eviction import (LayerGroups, TokenEvictionScheduler,
-                                                     TokenEvictionWorker, allocation_eviction,
-                                                     chunk_kept_per_layer, eviction_chunk_len,
-                                                     group_evictions)
+from vllm_kvevict.integration.token_eviction_worker import TokenEvictionWorker
+from vllm_kvevict.integration.token_ledger import TokenEvictionLedger
+from vllm_kvevict.ledger import (LayerGroups, allocation_eviction, chunk_kept_per_layer,
+                                 eviction_chunk_len, group_evictions)
 from vllm_kvevict.policies import build_policy
 
 
@@ -165,7 +165,7 @@ def test_step_cap_keeps_steps_inside_eviction_chunks():
     def cap(eviction, computed, budget):
         policy = build_policy(KVPolicyConfig(policy="snapkv", eviction=eviction,
                                              eviction_chunk=512), 30, 3)
-        ledger = TokenEvictionScheduler(policy, 512, reserve_growth=False)
+        ledger = TokenEvictionLedger(policy, 512, reserve_growth=False)
         request = SimpleNamespace(request_id="r", num_prompt_tokens=1100, num_preemptions=0,
                                   num_computed_tokens=computed, sampling_params=None)
         ledger.scheduler = SimpleNamespace(requests={"r": request})

@@ -9,9 +9,11 @@ import json
 
 import pytest
 
-from server import kv_stats as ks
-from vllm_kvevict.integration.request_stats import (ByteLayout, RequestRecord,
-                                                    check_vllm_xargs, effective_config)
+from server import responses
+from server import store as stats_store
+from vllm_kvevict.integration.api_server import ServerContext
+from vllm_kvevict.overrides import check_vllm_xargs, effective_config
+from vllm_kvevict.stats import ByteLayout, RequestRecord
 
 BS = 128
 GROUP_BPB = 1000       # bytes per held block
@@ -96,7 +98,7 @@ def test_record_prefix_cache_hit_is_a_first_chunk():
 def test_footprint_is_reported_for_the_scheduled_chunks():
     from vllm_kvevict.config import KVPolicyConfig
     from vllm_kvevict.footprint import kv_footprint
-    from vllm_kvevict.integration.request_stats import footprint_function
+    from vllm_kvevict.stats import footprint_function
     from vllm_kvevict.policies import build_policy
 
     policy = build_policy(KVPolicyConfig(policy="streaming", sink=4, window=8), 2, 2)
@@ -168,7 +170,7 @@ def stats(engine_id, external, policy="streaming", footprint=0.5, measured=0.25,
 
 
 def test_store_aggregates_and_lookups():
-    store = ks.KVStatsStore(capacity=3)
+    store = stats_store.KVStatsStore(capacity=3)
     store.record(stats("cmpl-a-0-x1", "cmpl-a-0", footprint=0.2, measured=0.1), "cmpl-a-0")
     store.record(stats("cmpl-a-1-x2", "cmpl-a-1", footprint=0.4, measured=0.3), "cmpl-a-1")
     store.record(stats("chatcmpl-b-x3", "chatcmpl-b", policy="full", footprint=1.0,
@@ -197,7 +199,7 @@ def test_store_aggregates_and_lookups():
 
 
 def test_store_response_id_forms():
-    store = ks.KVStatsStore()
+    store = stats_store.KVStatsStore()
     for i in range(3):
         store.record(stats(f"cmpl-z-{i}-e", f"cmpl-z-{i}"), f"cmpl-z-{i}")
     store.record(stats("chatcmpl-y_0-e", "chatcmpl-y_0"), "chatcmpl-y_0")
@@ -212,14 +214,14 @@ def test_store_response_id_forms():
 
 def test_lift_moves_kv_stats_to_top_level():
     body = {"id": "cmpl-1", "choices": [{}], "kv_transfer_params": {"kv_stats": {"a": 1}}}
-    out = ks.lift_kv_stats(dict(body), [])
+    out = responses.lift_kv_stats(dict(body), [])
     assert out["kv_stats"] == {"a": 1} and out["kv_transfer_params"] is None
     body = {"id": "cmpl-1", "choices": [{}],
             "kv_transfer_params": {"kv_stats": {"a": 1}, "other": 2}}
-    out = ks.lift_kv_stats(dict(body), [{"b": 2}, {"c": 3}])
+    out = responses.lift_kv_stats(dict(body), [{"b": 2}, {"c": 3}])
     assert out["kv_stats"] == {"b": 2} and out["kv_transfer_params"] == {"other": 2}
     assert out["kv_stats_per_request"] == [{"b": 2}, {"c": 3}]
-    assert ks.lift_kv_stats({"id": "x", "choices": []}, [])["kv_stats"] is None
+    assert responses.lift_kv_stats({"id": "x", "choices": []}, [])["kv_stats"] is None
 
 
 def test_sse_rewriter_inserts_stats_chunk_before_done():
@@ -228,7 +230,7 @@ def test_sse_rewriter_inserts_stats_chunk_before_done():
               b'data: {"id":"cmpl-9","choices":[{"text":"b"}]}\n\n', b"data: [DONE]\n\n"]
     raw = b"".join(events)
     seen = []
-    rewriter = ks.SSERewriter(lambda rid: seen.append(rid) or {"footprint": 0.5})
+    rewriter = responses.SSERewriter(lambda rid: seen.append(rid) or {"footprint": 0.5})
     # split the stream at awkward places: events must come out whole and in order
     out = b"".join(rewriter.feed(raw[i:i + 7], final=i + 7 >= len(raw))
                    for i in range(0, len(raw), 7))
@@ -265,9 +267,17 @@ def _asgi_call(app, method, path, body=b"", headers=()):
 
 
 class _FakeApp:
-    class state:  # noqa: N801 - mimics app.state
-        _kvevict_info = {"policy": "snapkv", "max_model_len": 8192, "enabled": True,
-                         "reason": ""}
+    pass
+
+
+@pytest.fixture(autouse=True)
+def _served_context():
+    """What the API-server adapter hands server/ at install time."""
+    state = stats_store.ServerStats.get()
+    state.context = ServerContext(policy="snapkv", max_model_len=8192, stats_enabled=True,
+                                  stats_disabled_reason="")
+    yield
+    state.context = None
 
 
 def _inner(kind):
@@ -293,7 +303,7 @@ def _inner(kind):
 
 
 def test_middleware_refuses_bad_xargs_and_passes_good_ones_unchanged():
-    mw = ks.KVStatsMiddleware(_inner("json"))
+    mw = responses.KVStatsMiddleware(_inner("json"))
     status, _, data = _asgi_call(mw, "POST", "/v1/completions",
                                  json.dumps({"prompt": "x", "vllm_xargs": {"kv_sparsity": 2}}
                                             ).encode())
@@ -309,10 +319,10 @@ def test_middleware_refuses_bad_xargs_and_passes_good_ones_unchanged():
 
 
 def test_middleware_adds_stats_chunk_to_streams():
-    state = ks.ServerStats.get()
+    state = stats_store.ServerStats.get()
     state.store.record({"request_id": "cmpl-s-0", "engine_request_id": "cmpl-s-0-e",
                         "policy": "snapkv", "footprint": 0.4}, "cmpl-s-0")
-    mw = ks.KVStatsMiddleware(_inner("sse"))
+    mw = responses.KVStatsMiddleware(_inner("sse"))
     status, _, data = _asgi_call(mw, "POST", "/v1/completions", b'{"stream": true}')
     parts = [p for p in data.split(b"\n\n") if p]
     assert status == 200 and parts[-1] == b"data: [DONE]"
@@ -326,7 +336,7 @@ def test_middleware_ignores_other_routes():
                     "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": b'{"ok": 1}'})
 
-    mw = ks.KVStatsMiddleware(other)
+    mw = responses.KVStatsMiddleware(other)
     assert _asgi_call(mw, "POST", "/v1/embeddings", b'{"vllm_xargs": {"kv_x": 1}}')[2] == \
         b'{"ok": 1}'
     assert _asgi_call(mw, "GET", "/v1/models")[0] == 200

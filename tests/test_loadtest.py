@@ -30,7 +30,7 @@ from loadtest.metrics import aggregate_kv_stats, latency_stats_ms, numeric_leave
 from loadtest.monitors import parse_vllm_metrics, tree_rss_bytes
 from loadtest.report import build_result, comparison_markdown, format_table
 from loadtest.runner import LoadSettings, poisson_arrivals, run
-from loadtest.server import build_server_command, parse_policy
+from vllm_kvevict.launch import build_server_command, parse_policy
 from loadtest.workloads import Prompt, build_prompts, exact_length_ids, make_shapes
 
 PROMPT_LIMIT = 64
@@ -606,7 +606,7 @@ def test_compare_starts_runs_and_stops_servers(tmp_path):
     assert f"{PROMPT_LIMIT + 1}-token prompt" in compare.probe_notes(loaded_probes)[0]
     # Level i uses seed + i: a level never repeats the previous level's prompts.
     assert runs["full"][1]["config"]["seed"] == 0 and runs["full"][2]["config"]["seed"] == 1
-    from loadtest.server import port_in_use
+    from vllm_kvevict.launch import port_in_use
     assert not port_in_use("127.0.0.1", port)  # the last server was stopped
     paths = compare.write_outputs(runs, failures, tmp_path, ["- note"])
     for name in ("summary.md", "summary.json", "throughput.png", "latency_p99.png",

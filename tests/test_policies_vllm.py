@@ -20,7 +20,7 @@ import pytest
 from conftest import SERVED_NAME, start_server
 from vllm_kvevict.config import KVPolicyConfig
 from vllm_kvevict.footprint import eviction_boundaries
-from vllm_kvevict.integration.validation import resolve_full_heads
+from vllm_kvevict.masks import resolve_full_heads
 from vllm_kvevict.policies import build_policy
 from vllm_kvevict.reference import ReferenceRunner
 

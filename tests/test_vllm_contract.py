@@ -10,7 +10,7 @@ import inspect
 
 import pytest
 
-from vllm_kvevict.integration.plugin import PATCHED
+from vllm_kvevict.integration.registration import PATCHED, RELIED_ON
 
 
 def resolve(dotted: str):
@@ -62,7 +62,7 @@ def test_kv_manager_signatures():
 
 
 def test_tier_specs_make_one_kv_cache_group_per_tier():
-    """integration/tiers.py: layers tagged with different tiers form separate KV-cache groups of
+    """integration/kv_cache_specs.py: layers tagged with different tiers form separate KV-cache groups of
     equal size, in layer order, over one aliased backing buffer, each with vLLM's full-attention
     manager; without prefix caching the coordinator takes any number of groups."""
     import torch
@@ -73,8 +73,8 @@ def test_tier_specs_make_one_kv_cache_group_per_tier():
     from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from vllm_kvevict.integration.tiers import layer_groups, tier_specs
-    from vllm_kvevict.integration.token_eviction import LayerGroups
+    from vllm_kvevict.integration.kv_cache_specs import layer_groups, tier_specs
+    from vllm_kvevict.ledger import LayerGroups
 
     specs = {f"model.layers.{i}.self_attn.attn": FullAttentionSpec(
         block_size=128, num_kv_heads=3, head_size=64, dtype=torch.float32) for i in range(30)}

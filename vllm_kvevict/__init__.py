@@ -6,6 +6,6 @@ __version__ = "0.1.0"
 
 def register() -> None:
     """vLLM general-plugin entry point (kept import-light: it runs in every vLLM process)."""
-    from vllm_kvevict.integration.plugin import register as _register
+    from vllm_kvevict.integration.registration import register as _register
 
     _register()

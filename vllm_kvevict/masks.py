@@ -387,3 +387,23 @@ def default_mask_path(model_name_or_path: str, policy: str, sparsity: float | No
         if candidate.is_file():
             return candidate
     return None
+
+
+def resolve_full_heads(cfg, model_name_or_path: str, num_layers: int, num_kv_heads: int):
+    """(bool [L, H] full-head mask at `cfg.sparsity`, the mask file it came from) for a duo or
+    prulong `KVPolicyConfig`: `cfg.mask_path`, else the mask shipped for the model. A missing
+    or mismatched mask raises `KVPolicyError` (the server refuses to start)."""
+    from vllm_kvevict.config import KVPolicyError
+
+    path = cfg.mask_path or default_mask_path(model_name_or_path, cfg.policy, cfg.sparsity)
+    if path is None:
+        raise KVPolicyError(
+            f"no {cfg.policy} head mask is shipped for model {model_name_or_path!r}; pass one "
+            "with --kv-mask PATH (our JSON, a PruLong 0/1 TSV or a DuoAttention gate TSV)")
+    try:
+        gates = load_head_gates(path)
+        check_shape(gates, num_layers, num_kv_heads, str(path))
+        full_heads = full_heads_at_sparsity(gates, cfg.sparsity)
+    except MaskError as exc:
+        raise KVPolicyError(str(exc)) from None
+    return full_heads, str(path)

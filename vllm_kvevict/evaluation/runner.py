@@ -1,7 +1,7 @@
 """Drive live `vllm serve` processes over an evaluation grid and append one JSONL record per
 (setting, example).
 
-- One server at a time (two cores), started through loadtest.server (own process group, log
+- One server at a time (two cores), started through vllm_kvevict.launch (own process group, log
   file, stopped on exit or Ctrl-C). A server is started only when one of its requests is still
   missing from the results file, so a resumed run skips finished servers entirely.
 - Order per chunk size: full, streaming, then each sweep; a sweep with bisection asks
@@ -29,7 +29,7 @@ from typing import Iterator, Sequence
 import httpx
 from tqdm import tqdm
 
-from loadtest.server import PolicySpec, ServerProcess, build_server_command
+from vllm_kvevict.launch import PolicySpec, ServerProcess, build_server_command
 from vllm_kvevict.evaluation.client import (SERVED_NAME, complete, example_id, to_record)
 from vllm_kvevict.evaluation.critical import FRACTION
 from vllm_kvevict.evaluation.grid import (HEAD_MASK, GridSpec, ServerConfig, Setting, Sweep,

@@ -4,7 +4,7 @@ Registered over `CPU_ATTN` (the CPU platform always asks for it). With `full` ev
 is vLLM's own, so `full` is stock vLLM bit for bit. With a head mask, per layer:
   - full heads: vLLM's kernel over the paged cache, which holds only those heads;
   - streaming heads: vLLM's kernel over a scratch paged cache laid out as
-    [sink | window | chunk] per request from `StreamingStore` (see streaming_store.py);
+    [sink | window | chunk] per request from `StreamingStore` (`streaming_store.py`);
   - a layer whose heads are all full takes the stock path unchanged.
 """
 
@@ -17,7 +17,7 @@ from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
                                                  CPUAttentionMetadataBuilder)
 
-from vllm_kvevict.integration.worker_state import get_state, init_state
+from vllm_kvevict.integration.worker import get_state, init_state
 
 
 def _layer_index(layer) -> int:

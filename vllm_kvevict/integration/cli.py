@@ -14,8 +14,7 @@ import sys
 from vllm_kvevict.config import (ADMISSION_MODES, DEFAULT_OBS_WINDOW, DEFAULT_POOL_KERNEL,
                                  DEFAULT_SINK, DEFAULT_SPARSITY, DEFAULT_WINDOW, EVICTION_MODES,
                                  POLICIES, KVPolicyConfig, KVPolicyError)
-
-ADDITIONAL_CONFIG_KEY = "kv_policy"
+from vllm_kvevict.served import ADDITIONAL_CONFIG_KEY
 
 # flag -> (KVPolicyConfig field, type, help)
 FLAGS = {
@@ -102,3 +101,20 @@ def fold_into_engine_args(engine_args, args: argparse.Namespace) -> None:
     if policy is not None:
         additional = {**additional, ADDITIONAL_CONFIG_KEY: policy}
         engine_args.additional_config = additional
+
+
+# -- EngineArgs hooks (registration.py) ---------------------------------------------------------
+
+def add_cli_args(stock_add_cli_args, parser, *args, **kwargs):
+    """`EngineArgs.add_cli_args`: vLLM's arguments, then ours."""
+    parser = stock_add_cli_args(parser, *args, **kwargs)
+    add_kv_policy_args(parser)
+    return parser
+
+
+def from_cli_args(cls, stock_from_cli_args, args):
+    """`EngineArgs.from_cli_args`: vLLM copies its dataclass fields; we fold ours into
+    `additional_config`."""
+    engine_args = stock_from_cli_args(cls, args)
+    fold_into_engine_args(engine_args, args)
+    return engine_args

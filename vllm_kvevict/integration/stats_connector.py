@@ -10,10 +10,11 @@ transfers nothing: its worker-side methods are no-ops, and its scheduler side on
   request's computed-token count advances): scheduled tokens, chunk boundaries and the ids of the
   blocks each scheduled request holds in every KV-cache group (the KV manager's
   `req_to_blocks`, bound to us by the scheduler through `bind_kv_cache_manager`);
-- `on_step_output` (called from `Scheduler.update_from_output`, which we wrap once when the
-  first scheduler-side instance is created): when the step's output is back, the time of the
-  first token of requests whose prefill ended in that step;
-- `request_finished_all_groups`: returns `{"kv_stats": {...}}` (see `request_stats.py`).
+- `on_step_output` (called from `Scheduler.update_from_output`, wrapped in `registration.py`):
+  when the step's output is back, the time of the first token of requests whose prefill ended
+  in that step (under async scheduling the next step is scheduled before that, so
+  build_connector_meta alone cannot time it);
+- `request_finished_all_groups`: returns `{"kv_stats": {...}}` (see `vllm_kvevict/stats.py`).
 
 It declares `SupportsHMA`, so vLLM keeps the hybrid KV-cache manager, and role `kv_producer`
 (`kv_consumer` would make the scheduler defer block frees under async scheduling).
@@ -22,7 +23,6 @@ Nothing here may raise into the engine: a failure is logged once and reported in
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import time
@@ -33,14 +33,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorMetadata,
                                                                KVConnectorRole, SupportsHMA)
 
-from vllm_kvevict.integration.request_stats import (STATS_KEY, ByteLayout, RequestRecord,
-                                                    effective_config, finite_or_none,
-                                                    footprint_function)
+from vllm_kvevict.overrides import effective_config
+from vllm_kvevict.served import ServedPolicy, served_policy
+from vllm_kvevict.stats import (STATS_KEY, ByteLayout, RequestRecord, finite_or_none,
+                                footprint_function)
 
 logger = logging.getLogger("vllm_kvevict")
 
 CONNECTOR_CLASS = "KVEvictStatsConnector"
-CONNECTOR_MODULE = "vllm_kvevict.integration.connector"
+CONNECTOR_MODULE = "vllm_kvevict.integration.stats_connector"
 ENV_DISABLE = "VLLM_KVEVICT_STATS"  # "0" turns the stats connector off
 
 
@@ -95,10 +96,10 @@ class KVEvictStatsConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
-        self._stats: SchedulerStats | None = None
+        self._stats: RequestStatsTracker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._stats = SchedulerStats(vllm_config, kv_cache_config)
-            _hook_scheduler_step_output()
+            self._stats = RequestStatsTracker(served_policy(vllm_config), vllm_config,
+                                              kv_cache_config)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -147,29 +148,11 @@ class KVEvictStatsConnector(KVConnectorBase_V1, SupportsHMA):
         return False, ({STATS_KEY: stats} if stats is not None else None)
 
 
-_hooked = False
-
-
-def _hook_scheduler_step_output() -> None:
-    """Wrap Scheduler.update_from_output once (listed in plugin.PATCHED): our connector learns
-    when a step's output is back, which is when its first tokens exist. Under async scheduling
-    the next step is scheduled before that, so build_connector_meta alone cannot time it."""
-    global _hooked
-    if _hooked:
-        return
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    original = Scheduler.update_from_output
-
-    @functools.wraps(original)
-    def update_from_output(self, scheduler_output, model_runner_output):
-        connector = self.connector
-        if isinstance(connector, KVEvictStatsConnector):
-            connector.on_step_output(scheduler_output)
-        return original(self, scheduler_output, model_runner_output)
-
-    Scheduler.update_from_output = update_from_output
-    _hooked = True
+def on_step_output(scheduler, scheduler_output) -> None:
+    """`Scheduler.update_from_output` (before vLLM's own): a step's output is back."""
+    connector = getattr(scheduler, "connector", None)
+    if isinstance(connector, KVEvictStatsConnector):
+        connector.on_step_output(scheduler_output)
 
 
 # -- scheduler-side accounting ------------------------------------------------------------------
@@ -212,44 +195,22 @@ def _group_bytes_per_block(kv_cache_config) -> tuple[int, ...]:
     return tuple(allocation or p for p in pages)
 
 
-class SchedulerStats:
+class RequestStatsTracker:
     """Per-request records of one scheduler (engine-core process, scheduler thread only)."""
 
-    def __init__(self, vllm_config, kv_cache_config) -> None:
-        from vllm_kvevict.integration.validation import (model_shape, policy_config_of,
-                                                         resolve_full_heads)
-        from vllm_kvevict.policies import build_policy
-
+    def __init__(self, served: ServedPolicy, vllm_config, kv_cache_config) -> None:
         self._failed: set[str] = set()
-        self.cfg = policy_config_of(vllm_config)
-        hf = vllm_config.model_config.hf_config
-        self.num_layers, self.num_kv_heads = model_shape(hf)
-        text = getattr(hf, "get_text_config", lambda: hf)()
-        self.head_dim = (getattr(text, "head_dim", None)
-                         or text.hidden_size // text.num_attention_heads)
-        full_heads, source = None, ""
-        if self.cfg.policy in ("duo", "prulong"):
-            full_heads, source = resolve_full_heads(self.cfg, vllm_config.model_config.model,
-                                                    self.num_layers, self.num_kv_heads)
-        self._full_heads, self._mask_source = full_heads, source
-        self.policy = build_policy(self.cfg, self.num_layers, self.num_kv_heads,
-                                   full_heads=full_heads, mask_source=source)
-        self._policies = {(): self.policy}
-
+        self.served = served
+        self.cfg = served.config
+        shape = served.shape
         block_size = vllm_config.cache_config.block_size
         first = kv_cache_config.kv_cache_groups[0].kv_cache_spec if kv_cache_config else None
         spec = getattr(first, "first_spec", first)  # UniformTypeKVCacheSpecs -> a layer's spec
         kv_dtype = getattr(spec, "dtype", None) or vllm_config.model_config.dtype
-        head_size = getattr(spec, "head_size", None) or self.head_dim
-        full_bytes_per_block = (self.num_layers * 2 * block_size * self.num_kv_heads * head_size
-                                * _dtype_bytes(kv_dtype))
-        streaming_bytes = 0
-        if self.cfg.uses_head_mask:
-            # WorkerState.streaming_bytes_per_request(): K and V of sink + window tokens for
-            # every streaming head, in the model dtype, per running request.
-            heads = int(self.policy.streaming_heads().sum())
-            streaming_bytes = (2 * (self.cfg.sink + self.cfg.window) * heads * self.head_dim
-                               * _dtype_bytes(vllm_config.model_config.dtype))
+        head_size = getattr(spec, "head_size", None) or shape.head_dim
+        full_bytes_per_block = (shape.num_layers * 2 * block_size * shape.num_kv_heads
+                                * head_size * _dtype_bytes(kv_dtype))
+        streaming_bytes = served.streaming_bytes_per_request(vllm_config.model_config.dtype)
         self.layout = ByteLayout(
             block_size=block_size,
             group_bytes_per_block=_group_bytes_per_block(kv_cache_config),
@@ -276,20 +237,6 @@ class SchedulerStats:
                 self._requests.pop(args[0].request_id, None)
                 return {"error": f"{type(exc).__name__}: {exc}"}
             return None
-
-    # -- policy with per-request overrides ------------------------------------------------------
-    def policy_for(self, overrides: dict[str, Any]):
-        key = tuple(sorted(overrides.items()))
-        if key not in self._policies:
-            from vllm_kvevict.policies import build_policy
-
-            cfg, _ = effective_config(self.cfg, overrides)
-            self._policies[key] = build_policy(cfg, self.num_layers, self.num_kv_heads,
-                                               full_heads=self._full_heads,
-                                               mask_source=self._mask_source)
-            if len(self._policies) > 64:  # bounded: drop the oldest non-default entry
-                self._policies.pop(next(k for k in self._policies if k))
-        return self._policies[key]
 
     # -- events ---------------------------------------------------------------------------------
     def add(self, request) -> None:
@@ -345,14 +292,9 @@ class SchedulerStats:
         self._requests.pop(request.request_id, None)
         if record is None:
             return None
-        policy = self.policy_for(record.overrides)
-        params = policy.config.to_dict()
-        params.pop("policy", None)
-        # the mask actually served: the --kv-mask file, else the shipped default it resolved to
-        mask = params.pop("mask_path", None) or getattr(policy, "mask_source", "")
-        if mask:
-            params["mask"] = os.path.basename(mask)
+        policy = self.served.variant(record.overrides)
         stats = record.finish(completion_tokens=request.num_output_tokens, now=time.time(),
-                              policy_name=self.cfg.policy, params=params,
+                              policy_name=self.cfg.policy,
+                              params=self.served.params(record.overrides),
                               footprint_of=footprint_function(policy))
         return finite_or_none(stats)

@@ -1,5 +1,7 @@
-"""Worker-side state of the policy: the policy object, per-layer head splits, the streaming
-stores, request -> store slot, and the current step's plan. One instance per worker process."""
+"""Worker side (GPUModelRunner): the policy's per-process state (the served policy, per-layer
+head splits, the streaming stores, request -> store slot, the current step's plan) and the
+model-runner hooks that keep it in step with vLLM (registration.py wraps vLLM's methods with
+`on_execute_model`, `forward_with_questions` and `slot_mappings`)."""
 
 from __future__ import annotations
 
@@ -9,18 +11,19 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_kvevict.config import KVPolicyConfig
-from vllm_kvevict.integration.head_split import LayerHeads, layer_heads
+from vllm_kvevict.integration.kv_cache_specs import (LayerHeads, declare_specs, layer_groups,
+                                                     layer_heads)
 from vllm_kvevict.integration.streaming_store import StepPlan, StreamingStore, build_step_plan
-from vllm_kvevict.integration.token_eviction import TokenEvictionWorker, TokenStepPlan
-from vllm_kvevict.policies import KVPolicy, build_policy
+from vllm_kvevict.integration.token_eviction_worker import TokenEvictionWorker, TokenStepPlan
+from vllm_kvevict.policies import KVPolicy
+from vllm_kvevict.served import ServedPolicy, served_policy
 
 logger = logging.getLogger("vllm_kvevict")
 
 
 @dataclass
 class WorkerState:
-    config: KVPolicyConfig
-    policy: KVPolicy
+    served: ServedPolicy
     heads: list[LayerHeads]
     head_dim: int
     dtype: torch.dtype
@@ -36,6 +39,14 @@ class WorkerState:
     _finished_key: tuple | None = None
     _groups_of: object = None
     _plan_anchor: object = None
+
+    @property
+    def config(self) -> KVPolicyConfig:
+        return self.served.config
+
+    @property
+    def policy(self) -> KVPolicy:
+        return self.served.policy
 
     # -- requests ------------------------------------------------------------------------
     def slot_for(self, req_id: str) -> int:
@@ -107,8 +118,6 @@ class WorkerState:
         config = getattr(self.runner, "kv_cache_config", None)
         if config is None or self._groups_of is config:
             return
-        from vllm_kvevict.integration.tiers import layer_groups
-
         groups = layer_groups(config, self.policy.num_layers)
         if groups != self.token.groups:
             if self.token.ledgers:
@@ -139,9 +148,7 @@ class WorkerState:
         return self.stores[layer]
 
     def streaming_bytes_per_request(self) -> int:
-        cap = self.config.sink + self.config.window
-        heads = sum(len(h.streaming_kv) for h in self.heads)
-        return 2 * cap * heads * self.head_dim * torch.tensor([], dtype=self.dtype).element_size()
+        return self.served.streaming_bytes_per_request(self.dtype)
 
 
 _state: WorkerState | None = None
@@ -157,34 +164,72 @@ def get_state() -> WorkerState | None:
 
 
 def init_state(vllm_config) -> WorkerState | None:
-    """Build the worker state from the VllmConfig (None for `full`: stock vLLM runs)."""
+    """This worker's state, from the served policy (None for `full`: stock vLLM runs)."""
     global _state
     if _state is not None:
         return _state
-    from vllm_kvevict.integration.validation import (model_shape, policy_config_of,
-                                                     resolve_full_heads)
-
-    cfg = policy_config_of(vllm_config)
-    if cfg.policy == "full":
+    served = served_policy(vllm_config)
+    if served.config.policy == "full":
         return None
-    hf = vllm_config.model_config.hf_config
-    num_layers, num_kv_heads = model_shape(hf)
-    text = getattr(hf, "get_text_config", lambda: hf)()
-    queries_per_kv = text.num_attention_heads // num_kv_heads
-    full_heads, source = None, ""
-    if cfg.policy in ("duo", "prulong"):
-        full_heads, source = resolve_full_heads(cfg, vllm_config.model_config.model,
-                                                num_layers, num_kv_heads)
-    policy = build_policy(cfg, num_layers, num_kv_heads, full_heads=full_heads,
-                          mask_source=source)
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     block_size = vllm_config.cache_config.block_size
-    _state = WorkerState(config=cfg, policy=policy,
-                         heads=layer_heads(policy.streaming_heads(), queries_per_kv),
-                         head_dim=head_dim, dtype=vllm_config.model_config.dtype,
-                         block_size=block_size,
-                         token=TokenEvictionWorker(policy, block_size)
-                         if policy.evicts_tokens else None)
-    logger.info("vllm-kvevict: policy %s, %d of %d KV heads streaming (mask %s)", cfg.policy,
-                int(policy.streaming_heads().sum()), num_layers * num_kv_heads, source or "-")
+    _state = WorkerState(
+        served=served, heads=layer_heads(served.policy.streaming_heads(),
+                                         served.shape.queries_per_kv),
+        head_dim=served.shape.head_dim, dtype=vllm_config.model_config.dtype,
+        block_size=block_size,
+        token=TokenEvictionWorker(served.policy, block_size, for_request=served.for_request)
+        if served.policy.evicts_tokens else None)
     return _state
+
+
+# -- model-runner hooks ------------------------------------------------------------------------
+
+def declare_kv_cache_specs(runner, stock_get_kv_cache_spec):
+    """`GPUModelRunner.get_kv_cache_spec` (see `kv_cache_specs.declare_specs`)."""
+    state = init_state(runner.vllm_config)
+    if state is None:
+        return stock_get_kv_cache_spec(runner)
+    state.runner = runner
+    return declare_specs(runner, stock_get_kv_cache_spec, state)
+
+
+def on_execute_model(runner, stock_execute, scheduler_output, *args, **kwargs):
+    """`GPUModelRunner.execute_model`: finished and preempted requests release their state
+    before the step, token evictions are booked after it."""
+    state = get_state()
+    if state is not None:
+        state.runner = runner
+        state.step += 1
+        state.release(scheduler_output.finished_req_ids)
+        state.release(getattr(scheduler_output, "preempted_req_ids", None))
+    output = stock_execute(runner, scheduler_output, *args, **kwargs)
+    if state is not None:
+        state.finish_step()
+    return output
+
+
+def forward_with_questions(runner, stock_forward, input_ids=None, positions=None, *args,
+                           **kwargs):
+    """`GPUModelRunner._model_forward`. Patched chunked eviction: the question tokens ride
+    along as extra rows after the (padded) batch; the attention backend knows where they are
+    from the step plan."""
+    state = get_state()
+    plan = None if state is None or state.token is None else state.plan
+    if plan is None or not plan.valid or not plan.num_questions or input_ids is None:
+        return stock_forward(runner, input_ids, positions, *args, **kwargs)
+    plan.question_offset = input_ids.shape[0]
+    input_ids = torch.cat([input_ids, plan.question_ids.to(input_ids.dtype)])
+    positions = torch.cat([positions, plan.question_positions.to(positions.dtype)])
+    out = stock_forward(runner, input_ids, positions, *args, **kwargs)
+    return out[: plan.question_offset] if isinstance(out, torch.Tensor) else out
+
+
+def slot_mappings(block_tables, stock_compute, num_reqs, query_start_loc, positions):
+    """`MultiGroupBlockTable.compute_slot_mapping`. Token eviction writes each layer's KV at its
+    own physical slots (the step plan) and never reads vLLM's logical slot mappings; with one
+    KV-cache group per tier, computing them costs one OpenMP kernel call per group and step.
+    Group 0's is kept."""
+    state = get_state()
+    if state is None or state.token is None or len(block_tables.block_tables) == 1:
+        return stock_compute(block_tables, num_reqs, query_start_loc, positions)
+    block_tables.block_tables[0].compute_slot_mapping(num_reqs, query_start_loc, positions)

@@ -1,10 +1,10 @@
 """Per-request KV accounting behind `kv_stats` (no vLLM import: unit-testable without a server).
 
-The scheduler-side connector (`connector.py`) calls `RequestRecord.on_step` once per engine step
-in which the request is scheduled, with what vLLM really did that step: tokens already computed,
-tokens scheduled, and the ids of the KV blocks the request holds in every KV-cache group (read
-from the KV manager after this step's allocation, so they are the blocks held while the step
-runs). From those it keeps:
+The scheduler-side stats connector (`integration/stats_connector.py`) calls
+`RequestRecord.on_step` once per engine step in which the request is scheduled, with what vLLM
+really did that step: tokens already computed, tokens scheduled, and the ids of the KV blocks
+the request holds in every KV-cache group (read from the KV manager after this step's
+allocation, so they are the blocks held while the step runs). From those it keeps:
 
 - chunk_boundaries: the end of every prefill chunk vLLM scheduled, e.g. [256, 512, 700];
 - real bytes held at each step = sum over groups of blocks held x the group's bytes per block,
@@ -213,93 +213,3 @@ def footprint_function(policy) -> Callable:
         return kv_footprint(policy, prompt_len, chunks, decode_len, chunk_held,
                             step_boundaries=boundaries if chunk_held else None)
     return footprint_of
-
-
-# -- per-request overrides: OpenAI body `vllm_xargs` -> sampling_params.extra_args -----------------
-
-# key -> (KVPolicyConfig field, description for error messages)
-OVERRIDE_KEYS = {
-    "kv_sparsity": ("sparsity", "a number in [0, 1] (token sparsity p)"),
-    "kv_obs_window": ("obs_window", "an integer >= 1 (observation window k, in tokens)"),
-}
-# vllm_xargs keys vLLM itself reads; never ours to judge.
-VLLM_OWN_XARGS = frozenset({"kv_transfer_params", "ec_transfer_params", "kv_cache_report_mode",
-                            "session_id"})
-# Server settings a request may not change (the KV layout and masks are fixed at start-up).
-PATH_KEYS = frozenset({"mask_path", "kv_mask", "kv_mask_path", "mask", "kv_mask_file"})
-SERVER_KEYS = frozenset({"policy", "kv_policy", "sparsity", "sink", "kv_sink", "window",
-                         "kv_window", "obs_window", "pool_kernel", "kv_pool_kernel", "eviction",
-                         "kv_eviction", "tiers", "kv_tiers"}) | PATH_KEYS
-TOKEN_EVICTION = ("snapkv", "pyramidkv")
-
-
-def _valid_keys_text(max_model_len: int | None) -> str:
-    window = OVERRIDE_KEYS["kv_obs_window"][1]
-    if max_model_len:
-        window = f"an integer in [1, {max_model_len}] (observation window k, in tokens)"
-    return (f"kv_sparsity ({OVERRIDE_KEYS['kv_sparsity'][1]}), kv_obs_window ({window}); "
-            f"only for policies {', '.join(TOKEN_EVICTION)}")
-
-
-def override_error(key: str, value: Any, policy: str, max_model_len: int | None = None
-                   ) -> str | None:
-    """Why `vllm_xargs[key] = value` is refused (None: accepted or not ours)."""
-    valid = _valid_keys_text(max_model_len)
-    if key in VLLM_OWN_XARGS:
-        return None
-    if key in PATH_KEYS:
-        return (f"vllm_xargs key {key!r} is refused: a request may not name a file path "
-                f"(head masks are chosen at server start with --kv-mask). Per-request KV keys: "
-                f"{valid}.")
-    if key in SERVER_KEYS:
-        return (f"vllm_xargs key {key!r} is a server setting (--kv-* flags at start-up), not "
-                f"per request. Per-request KV keys: {valid}.")
-    if key not in OVERRIDE_KEYS:
-        if key.startswith("kv_"):
-            return f"unknown vllm_xargs key {key!r}. Per-request KV keys: {valid}."
-        return None  # another extension's key: passed through untouched
-    if policy not in TOKEN_EVICTION:
-        return (f"vllm_xargs key {key!r} only applies to token-eviction policies "
-                f"({', '.join(TOKEN_EVICTION)}); this server runs kv policy {policy!r}, whose KV "
-                f"layout is fixed at start-up. Per-request KV keys: {valid}.")
-    if key == "kv_sparsity":
-        expected = OVERRIDE_KEYS[key][1]
-        ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
-              and math.isfinite(value) and 0.0 <= value <= 1.0)
-    else:
-        expected = (f"an integer in [1, {max_model_len}]" if max_model_len
-                    else "an integer >= 1")
-        ok = (isinstance(value, int) and not isinstance(value, bool) and value >= 1
-              and (not max_model_len or value <= max_model_len))
-    if not ok:
-        return (f"vllm_xargs[{key!r}] = {value!r} is invalid: expected {expected}. "
-                f"Per-request KV keys: {valid}.")
-    return None
-
-
-def check_vllm_xargs(xargs: Any, policy: str, max_model_len: int | None = None) -> str | None:
-    """First refusal for a request's vllm_xargs (None: fine). Non-dicts are vLLM's to judge."""
-    if not isinstance(xargs, dict):
-        return None
-    for key, value in xargs.items():
-        error = override_error(str(key), value, policy, max_model_len)
-        if error:
-            return error
-    return None
-
-
-def request_overrides(extra_args: Any, policy: str) -> dict[str, Any]:
-    """The valid per-request overrides among sampling_params.extra_args (engine side: anything
-    that slipped past the API check, e.g. from the offline API, is ignored, never fatal)."""
-    if not isinstance(extra_args, dict):
-        return {}
-    return {key: extra_args[key] for key in OVERRIDE_KEYS
-            if key in extra_args and override_error(key, extra_args[key], policy) is None}
-
-
-def effective_config(cfg, extra_args: Any):
-    """(KVPolicyConfig with the request's overrides applied, the overrides used)."""
-    overrides = request_overrides(extra_args, cfg.policy)
-    if not overrides:
-        return cfg, {}
-    return cfg.replace(**{OVERRIDE_KEYS[k][0]: v for k, v in overrides.items()}), overrides

@@ -1,8 +1,9 @@
-"""Start, wait for and stop a vLLM server for one KV policy (used by loadtest.compare).
+"""Start, wait for and stop a `vllm serve` process for one KV policy: the one module that does
+it for the tests, the evaluation, the load tests and the scripts.
 
-build_server_command is the single place that knows the `vllm serve` flags, so flag names can
-change in one spot. The server runs in its own process group: stopping it terminates the
-engine-core children too, not just the API process.
+`policy_flags` and `build_server_command` derive the `--kv-*` flags from the CLI's own table
+(`integration/cli.py`), so a flag is named in one place. The server runs in its own process
+group: stopping it terminates the engine-core children too, not just the API process.
 """
 
 from __future__ import annotations
@@ -17,7 +18,26 @@ from pathlib import Path
 
 import httpx
 
-EVICTION_MODES = ("patched", "naive")
+from vllm_kvevict.config import EVICTION_MODES
+from vllm_kvevict.integration.cli import FLAGS
+
+FLAG_OF = {field: flag for flag, (field, _type, _help) in FLAGS.items()}
+
+
+def policy_flags(policy: dict) -> list[str]:
+    """`vllm serve` flags for a kv_policy dict, e.g. {"policy": "snapkv", "sparsity": 0.5}."""
+    out: list[str] = []
+    for key, value in policy.items():
+        if key not in FLAG_OF:
+            raise ValueError(f"unknown kv_policy key {key!r}; valid: {sorted(FLAG_OF)}")
+        out += [FLAG_OF[key], f"{value:g}" if isinstance(value, float) else str(value)]
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)
@@ -78,13 +98,10 @@ def build_server_command(model: str, spec: PolicySpec, *, kv_cache_bytes: int,
                          extra_args: list[str] | tuple[str, ...] = (),
                          executable: str = "vllm") -> list[str]:
     """argv of `vllm serve` for one policy; every policy gets the same pool and batch size."""
-    argv = [executable, "serve", model, "--kv-policy", spec.policy]
-    if spec.sparsity is not None:
-        argv += ["--kv-sparsity", f"{spec.sparsity:g}"]
-    if spec.eviction is not None:
-        argv += ["--kv-eviction", spec.eviction]
-    if spec.tiers is not None:
-        argv += ["--kv-tiers", str(spec.tiers)]
+    policy = {"policy": spec.policy, "sparsity": spec.sparsity, "eviction": spec.eviction,
+              "tiers": spec.tiers}
+    argv = [executable, "serve", model,
+            *policy_flags({k: v for k, v in policy.items() if v is not None})]
     argv += ["--kv-cache-memory-bytes", str(kv_cache_bytes),
              "--max-num-batched-tokens", str(max_batched_tokens),
              "--enforce-eager", "--host", host, "--port", str(port)]

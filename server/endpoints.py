@@ -1,0 +1,72 @@
+"""kv_stats endpoints on vLLM's app, and `install`, which vllm_kvevict's API-server adapter
+calls through the entry-point group `vllm_kvevict.server` (pyproject.toml) with a context that
+says what this server serves.
+
+- `GET /v1/kv_stats` (recent requests and aggregates) and `GET /v1/kv_stats/{request_id}`
+  (a response id, e.g. `cmpl-...`/`chatcmpl-...`, or vLLM's per-prompt or engine id); both under
+  /v1, so behind --api-key when it is set.
+- Prometheus series (`metrics.py`) on vLLM's /metrics.
+Documented in server/README.md.
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from server.responses import KVStatsMiddleware
+from server.store import ServerStats, record_engine_output
+
+
+def make_router():
+    from fastapi import APIRouter
+
+    router = APIRouter()
+
+    @router.get("/v1/kv_stats")
+    async def kv_stats_summary(request: Request, limit: int = 20) -> JSONResponse:
+        state = ServerStats.get()
+        info = state.info()
+        state.rss.sample()
+        limit = max(0, min(limit, state.store.capacity))
+        return JSONResponse({
+            "enabled": info["enabled"],
+            "disabled_reason": info["reason"] or None,
+            "policy": info["policy"],
+            "params": info["params"],
+            "server_rss_bytes": state.rss.current,
+            "server_peak_rss_bytes": state.rss.peak,
+            "aggregates": state.store.aggregates(),
+            "recent": state.store.recent(limit),
+        })
+
+    @router.get("/v1/kv_stats/{request_id}")
+    async def kv_stats_one(request_id: str) -> JSONResponse:
+        stats = ServerStats.get().store.get(request_id)
+        if stats is None:
+            return JSONResponse(status_code=404, content={"error": {
+                "message": f"no kv_stats for request {request_id!r} (unknown, unfinished, or "
+                           f"older than the last {ServerStats.get().store.capacity} requests)",
+                "type": "NotFoundError", "param": "request_id", "code": 404}})
+        return JSONResponse(stats)
+
+    return router
+
+
+def install(app, context):
+    """Add the endpoints and the middleware to vLLM's FastAPI app (before it starts); return the
+    function that records a finished request's stats. `context` (vllm_kvevict's
+    `ServerContext`): policy, params, max_model_len, stats_enabled, stats_disabled_reason and
+    `check_vllm_xargs(xargs) -> error or None`."""
+    from starlette.middleware import Middleware
+
+    ServerStats.get().context = context
+    app.include_router(make_router())
+    # Innermost (appended last): vLLM's authentication and CORS run before it.
+    app.user_middleware.append(Middleware(KVStatsMiddleware))
+    if app.middleware_stack is not None:
+        # vLLM's SageMaker bootstrap (model_hosting_container_standards) builds the stack
+        # inside build_app already; rebuild it as that bootstrap does, before serving starts.
+        app.middleware_stack = app.build_middleware_stack()
+    ServerStats.get().rss.start()
+    return record_engine_output

@@ -1,0 +1,246 @@
+"""kv_stats in the API-server process: the store of finished requests' stats, the running
+aggregates, the server's memory, and the one process-wide state (`ServerStats`) that the
+responses and endpoints read.
+
+The numbers come from the engine core: vLLM carries each finished request's stats as
+`kv_transfer_params = {"kv_stats": {...}}` to this process, where the API-server adapter of
+vllm_kvevict hands them to `record_engine_output` (adding the server's peak RSS) before the
+response is written. Nothing here imports vLLM or vllm_kvevict: what the server serves arrives
+at install time (`endpoints.install`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+logger = logging.getLogger("vllm_kvevict")
+
+STATS_KEY = "kv_stats"  # the response field (and kv_transfer_params key) of our stats
+DEFAULT_CAPACITY = int(os.environ.get("VLLM_KVEVICT_STATS_CAPACITY", "1000"))
+
+
+# -- the server's memory ------------------------------------------------------------------------
+
+class ProcessTreeRSS:
+    """Resident memory of a process and all its descendants (API server, engine core, workers),
+    sampled by a daemon thread and at every finished request; `peak` is the largest sum seen."""
+
+    def __init__(self, pid: int | None = None, interval_s: float = 0.5) -> None:
+        self.pid = pid or os.getpid()
+        self.interval_s = interval_s
+        self.current = 0
+        self.peak = 0
+        self._thread: threading.Thread | None = None
+
+    def sample(self) -> int:
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+            procs = [root] + root.children(recursive=True)
+        except psutil.Error:
+            return self.current
+        total = 0
+        for proc in procs:
+            try:
+                total += proc.memory_info().rss
+            except psutil.Error:
+                pass
+        self.current = total
+        self.peak = max(self.peak, total)
+        return total
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+
+        def loop() -> None:
+            while True:
+                self.sample()
+                time.sleep(self.interval_s)
+
+        self._thread = threading.Thread(target=loop, name="kvevict-rss", daemon=True)
+        self._thread.start()
+
+
+# -- store and aggregates -----------------------------------------------------------------------
+
+_MEANS = ("footprint", "measured_footprint", "peak_kv", "ttft_s", "prefill_tokens_per_s",
+          "decode_tokens_per_s")
+_SUMS = ("kv_bytes_saved", "kv_bytes_peak", "full_kv_bytes_peak", "kv_bytes_integral",
+         "full_kv_bytes_integral", "blocks_freed", "prompt_tokens", "completion_tokens")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class _Aggregate:
+    def __init__(self) -> None:
+        self.requests = 0
+        self.errors = 0
+        self.sums = {k: 0 for k in _SUMS}
+        self.mean_sums = {k: 0.0 for k in _MEANS}
+        self.mean_counts = {k: 0 for k in _MEANS}
+
+    def add(self, stats: dict[str, Any]) -> None:
+        self.requests += 1
+        if "error" in stats:
+            self.errors += 1
+        for key in _SUMS:
+            if _number(stats.get(key)):
+                self.sums[key] += stats[key]
+        for key in _MEANS:
+            if _number(stats.get(key)):
+                self.mean_sums[key] += stats[key]
+                self.mean_counts[key] += 1
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"requests": self.requests}
+        for key in _MEANS:
+            n = self.mean_counts[key]
+            out[f"mean_{key}"] = self.mean_sums[key] / n if n else None
+        out.update(self.sums)
+        full = self.sums["full_kv_bytes_integral"]
+        # Pooled over requests: all real KV byte-tokens / all full-attention byte-tokens.
+        out["measured_footprint_pooled"] = self.sums["kv_bytes_integral"] / full if full else None
+        out["errors"] = self.errors
+        return out
+
+
+class KVStatsStore:
+    """Recent per-request kv_stats (bounded) and running aggregates over all requests."""
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+        self.capacity = max(1, capacity)
+        self._lock = threading.Lock()
+        self._by_engine: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._by_external: dict[str, list[str]] = {}
+        self._total = _Aggregate()
+        self._per_policy: dict[str, _Aggregate] = {}
+
+    def record(self, stats: dict[str, Any], external_id: str | None = None) -> None:
+        engine_id = str(stats.get("engine_request_id") or external_id or id(stats))
+        policy = str(stats.get("policy") or "unknown")
+        with self._lock:
+            self._total.add(stats)
+            self._per_policy.setdefault(policy, _Aggregate()).add(stats)
+            if engine_id in self._by_engine:
+                self._forget(engine_id)
+            self._by_engine[engine_id] = stats
+            if external_id:
+                self._by_external.setdefault(external_id, []).append(engine_id)
+            while len(self._by_engine) > self.capacity:
+                self._forget(next(iter(self._by_engine)))
+
+    def _forget(self, engine_id: str) -> None:
+        stats = self._by_engine.pop(engine_id)
+        external = stats.get("request_id")
+        ids = self._by_external.get(external)
+        if ids is not None:
+            if engine_id in ids:
+                ids.remove(engine_id)
+            if not ids:
+                del self._by_external[external]
+
+    def _external(self, external_id: str) -> list[dict[str, Any]]:
+        return [self._by_engine[e] for e in self._by_external.get(external_id, ())
+                if e in self._by_engine]
+
+    def for_response(self, response_id: str) -> list[dict[str, Any]]:
+        """kv_stats of every engine request behind one OpenAI response id. vLLM names them
+        `<id>` (one chat prompt), `<id>-<i>` (completions, prompt i) or `<id>_<i>` (several chat
+        prompts); n > 1 puts several engine requests under one of those."""
+        with self._lock:
+            found = self._external(response_id)
+            for sep in ("-", "_"):
+                i, misses = 0, 0
+                while misses < 16:  # tolerate prompts already dropped from the store
+                    key = f"{response_id}{sep}{i}"
+                    if key in self._by_external:
+                        found.extend(self._external(key))
+                        misses = 0
+                    else:
+                        misses += 1
+                    i += 1
+            return found
+
+    def get(self, request_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            if request_id in self._by_engine:
+                return self._by_engine[request_id]
+        found = self.for_response(request_id)
+        return found[0] if found else None
+
+    def recent(self, limit: int) -> list[dict[str, Any]]:
+        with self._lock:
+            items = list(self._by_engine.values())
+        return items[-limit:][::-1] if limit > 0 else []
+
+    def aggregates(self) -> dict[str, Any]:
+        with self._lock:
+            out = self._total.to_dict()
+            out["requests_per_policy"] = {p: a.requests for p, a in self._per_policy.items()}
+            out["per_policy"] = {p: a.to_dict() for p, a in self._per_policy.items()}
+            return out
+
+# -- the process-wide state ---------------------------------------------------------------------
+
+class ServerStats:
+    _instance: "ServerStats | None" = None
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.store = KVStatsStore()
+        self.rss = ProcessTreeRSS()
+        self.context = None  # what the server serves (set by endpoints.install)
+        self._metrics = None
+
+    @classmethod
+    def get(cls) -> "ServerStats":
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = ServerStats()
+            return cls._instance
+
+    @property
+    def metrics(self):
+        if self._metrics is None:
+            from server.metrics import get_metrics
+
+            self._metrics = get_metrics()
+        return self._metrics
+
+    def info(self) -> dict[str, Any]:
+        """Policy, context length and whether kv_stats are on."""
+        c = self.context
+        if c is None:
+            return {"policy": "full", "params": {}, "max_model_len": None, "enabled": False,
+                    "reason": "server not initialised"}
+        return {"policy": c.policy, "params": dict(c.params), "max_model_len": c.max_model_len,
+                "enabled": c.stats_enabled, "reason": c.stats_disabled_reason}
+
+
+def record_engine_output(engine_id: str, external_id: str,
+                         kv_transfer_params: dict[str, Any]) -> None:
+    """A finished request's kv_transfer_params arrived from the engine core (called by the
+    output-processor hook, in the event loop, before the response is built). Completes the
+    dict in place, so the response body carries the same numbers as the store."""
+    stats = kv_transfer_params.get(STATS_KEY)
+    if not isinstance(stats, dict):
+        return
+    state = ServerStats.get()
+    state.rss.sample()
+    full = {"request_id": external_id, **stats, "engine_request_id": engine_id,
+            "server_peak_rss_bytes": state.rss.peak}
+    kv_transfer_params[STATS_KEY] = full
+    state.store.record(full, external_id)
+    try:
+        state.metrics.observe(full)
+    except Exception:  # metrics must never break a response
+        logger.exception("vllm-kvevict: Prometheus update failed")

@@ -1,0 +1,195 @@
+"""KV-cache specs: what vLLM's KV-cache manager allocates for each layer (worker side declares
+them in `GPUModelRunner.get_kv_cache_spec`; the engine core groups them).
+
+Head masks that free memory: vLLM's paged cache holds only the full heads of each layer. A vLLM
+block spans every KV head of a layer, so a streaming head kept in the paged cache would hold the
+whole sequence. Instead each layer's spec says `num_kv_heads = its full heads` (vLLM then
+allocates, schedules and frees paged KV for full heads only) and streaming heads live in
+`StreamingStore` (sink + window per request). A layer with no full head has no paged KV at all:
+it is declared as sharing the cache of a layer that has one (vLLM's own cross-layer sharing),
+which gives it attention metadata without allocating anything.
+
+Per-tier block tables for token eviction: one vLLM KV-cache group per tier of layers. A group is
+a set of layers sharing one block table per request. With one group, a request holds in every
+layer the blocks of its largest layer; PyramidKV keeps far fewer tokens in high layers than in
+low ones, so that wastes most of its savings. vLLM's hybrid allocator already supports several
+groups whose layers have equal page sizes (used for models mixing full and sliding-window
+attention): every group has its own block table and allocates its own blocks, the groups' layer
+caches alias one backing buffer, and a block id of any group ties up one block's bytes of it.
+So each layer of tier t declares a `TierAttentionSpec` (vLLM's `FullAttentionSpec` plus the
+tier number). Specs of different tiers refuse to merge, so `get_kv_cache_groups` takes its
+hybrid path (`_get_kv_cache_groups_uniform_page_size`) and makes one group per tier, in layer
+order; tiers of equal layer counts need no padding layers. Every group gets vLLM's own
+`FullAttentionManager` (the registry walks the MRO to FullAttentionSpec), and with prefix
+caching off (always, for evicting policies) the coordinator is `KVCacheCoordinatorNoPrefixCache`,
+which takes any number of groups. The ledger counts evictions per group (`ledger.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import torch
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+from vllm_kvevict.ledger import LayerGroups
+
+logger = logging.getLogger("vllm_kvevict")
+
+
+@dataclass(frozen=True)
+class LayerHeads:
+    """Which KV heads of one layer are full / streaming, and their query heads (GQA groups)."""
+
+    layer: int
+    num_kv_heads: int
+    queries_per_kv: int
+    full_kv: tuple[int, ...]
+    streaming_kv: tuple[int, ...]
+
+    @property
+    def all_full(self) -> bool:
+        return not self.streaming_kv
+
+    def q_heads(self, kv_heads: tuple[int, ...]) -> list[int]:
+        g = self.queries_per_kv
+        return [h * g + i for h in kv_heads for i in range(g)]
+
+    @property
+    def full_q(self) -> torch.Tensor:
+        return torch.tensor(self.q_heads(self.full_kv), dtype=torch.long)
+
+    @property
+    def streaming_q(self) -> torch.Tensor:
+        return torch.tensor(self.q_heads(self.streaming_kv), dtype=torch.long)
+
+
+def layer_heads(streaming: torch.Tensor, queries_per_kv: int) -> list[LayerHeads]:
+    """Per-layer head split from a bool [L, H_kv] streaming mask."""
+    out = []
+    for layer, row in enumerate(streaming.tolist()):
+        out.append(LayerHeads(
+            layer=layer, num_kv_heads=len(row), queries_per_kv=queries_per_kv,
+            full_kv=tuple(h for h, s in enumerate(row) if not s),
+            streaming_kv=tuple(h for h, s in enumerate(row) if s)))
+    return out
+
+
+def paged_spec(spec, heads: LayerHeads):
+    """The layer's stock spec with only its full heads (None if it has none)."""
+    if not heads.full_kv:
+        return None
+    return dataclasses.replace(spec, num_kv_heads=len(heads.full_kv))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TierAttentionSpec(FullAttentionSpec):
+    """vLLM's full-attention spec of one layer, tagged with its eviction tier. Layers of one tier
+    form one KV-cache group; layers of different tiers never merge."""
+
+    tier: int = 0
+
+    @classmethod
+    def merge(cls, specs):
+        tiers = {getattr(spec, "tier", None) for spec in specs}
+        # AssertionError is what vLLM's grouping code catches as "not mergeable".
+        assert all(isinstance(spec, TierAttentionSpec) for spec in specs) and len(tiers) == 1, (
+            "layers of different eviction tiers belong to different KV cache groups")
+        merged = super().merge(specs)
+        return dataclasses.replace(merged, tier=tiers.pop())
+
+    def is_uniform_with_collection(self, kv_cache_specs) -> bool:
+        # Otherwise UniformTypeKVCacheSpecs.from_specs would put every tier in one group.
+        return all(isinstance(spec, TierAttentionSpec) and spec.tier == self.tier
+                   for spec in kv_cache_specs.values())
+
+
+def tier_of_layer(layer: int, num_layers: int, num_tiers: int) -> int:
+    """Tiers are runs of consecutive layers (PyramidKV's budget decreases with depth)."""
+    return layer // (num_layers // num_tiers)
+
+
+def tier_specs(specs: dict, layer_index: dict[str, int], num_layers: int, num_tiers: int) -> dict:
+    """The runner's per-layer specs with each layer tagged with its tier (one group per tier).
+    Leaves the specs alone (one group) when there is one tier or a layer is not plain full
+    attention (the grouping argument above holds for FullAttentionSpec only)."""
+    if num_tiers <= 1:
+        return specs
+    odd = [name for name, spec in specs.items() if type(spec) is not FullAttentionSpec]
+    if odd:
+        logger.warning("vllm-kvevict: layer %s is not plain full attention (%s); token eviction "
+                       "keeps one KV-cache group, every layer holding the largest budget",
+                       odd[0], type(specs[odd[0]]).__name__)
+        return specs
+    out = {}
+    for name, spec in specs.items():
+        values = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.init}
+        out[name] = TierAttentionSpec(
+            **values, tier=tier_of_layer(layer_index[name], num_layers, num_tiers))
+    logger.info("vllm-kvevict: %d layers in %d eviction tiers (one KV-cache group each)",
+                num_layers, num_tiers)
+    return out
+
+
+def layer_groups(kv_cache_config, num_layers: int) -> LayerGroups:
+    """Which KV-cache group holds each layer, as vLLM formed the groups (same function in the
+    scheduler and the worker, from the same KVCacheConfig). One group when unknown."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    of_layer = [0] * num_layers
+    seen = [False] * num_layers
+    for g, group in enumerate(groups):
+        for name in group.layer_names:
+            layer = extract_layer_index(name)
+            if 0 <= layer < num_layers:
+                of_layer[layer], seen[layer] = g, True
+    if len(groups) > 1 and not all(seen):
+        raise RuntimeError(f"vllm-kvevict: layers {[l for l, s in enumerate(seen) if not s]} "
+                           "are in no KV-cache group")
+    return LayerGroups(tuple(of_layer))
+
+
+# -- the runner hooks (registration.py wraps vLLM's functions with these) ------------------------
+
+def declare_specs(runner, stock_get_kv_cache_spec, state) -> dict:
+    """`GPUModelRunner.get_kv_cache_spec` with a policy: full heads only in each layer's paged
+    spec (layers without any share another layer's cache), and for token eviction one
+    KV-cache group per tier of layers."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    layers = get_layers_from_vllm_config(runner.vllm_config, Attention)
+    index = {name: extract_layer_index(name) for name in layers}
+    with_full = [n for n in layers if state.heads[index[n]].full_kv]
+    # vLLM needs one paged layer to schedule blocks at all; with every head streaming,
+    # the first layer keeps a 1-head placeholder (reported as held bytes, never read).
+    target = with_full[0] if with_full else next(iter(layers))
+    for name, layer in layers.items():
+        if name != target and not state.heads[index[name]].full_kv:
+            layer.kv_sharing_target_layer_name = target
+    specs = stock_get_kv_cache_spec(runner)
+    for name, spec in list(specs.items()):
+        heads = state.heads[index[name]]
+        specs[name] = paged_spec(spec, heads) or dataclasses.replace(spec, num_kv_heads=1)
+    if state.token is not None:
+        num_layers = state.served.shape.num_layers
+        specs = tier_specs(specs, index, num_layers, state.config.num_tiers(num_layers))
+    return specs
+
+
+def share_layer_specs(shared: dict, groups) -> None:
+    """After vLLM's `add_kv_sharing_layers_to_kv_cache_groups`: it adds the sharing layers'
+    names to the groups but not their per-layer spec entry; a layer sharing another's cache
+    shares its spec too."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    for group in groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            for name, target in shared.items():
+                if target in spec.kv_cache_specs:
+                    spec.kv_cache_specs.setdefault(name, spec.kv_cache_specs[target])

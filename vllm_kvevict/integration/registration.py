@@ -1,0 +1,181 @@
+"""vLLM general plugin (entry point `vllm.general_plugins`): runs in every vLLM process.
+
+Every touch of vLLM internals starts in `WRAPS`, one row per vLLM name: the name, the function
+of ours that runs around it (it gets vLLM's original as an argument and decides when to call
+it), and the process it matters in. `register` applies the table once per process (workers are
+spawned and load plugins again). tests/test_vllm_contract.py resolves every name in `PATCHED`
+and `RELIED_ON`, so a vLLM upgrade that moves one fails loudly instead of serving wrong
+attention. Keep this file import-light: vLLM modules are imported when the table is applied.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass
+
+logger = logging.getLogger("vllm_kvevict")
+
+
+@dataclass(frozen=True)
+class Wrap:
+    target: str  # "module:Owner.attribute" or "module:function"
+    hook: str    # "module:function" of ours: hook(self, stock, *args) for methods,
+                 # hook(stock, *args) for functions and staticmethods, hook(cls, stock, *args)
+                 # for classmethods
+    process: str  # where it matters
+    # API-server-only names: applied only where vLLM has already imported the module (`vllm
+    # serve` imports its app builder before plugins load; other processes never need it)
+    if_loaded: bool = False
+
+
+_I = "vllm_kvevict.integration."
+WRAPS: tuple[Wrap, ...] = (
+    # CLI and start-up (API-server process)
+    Wrap("vllm.engine.arg_utils:EngineArgs.add_cli_args", _I + "cli:add_cli_args", "api server"),
+    Wrap("vllm.engine.arg_utils:EngineArgs.from_cli_args", _I + "cli:from_cli_args",
+         "api server"),
+    Wrap("vllm.engine.arg_utils:EngineArgs.create_engine_config",
+         _I + "registration:create_engine_config", "api server"),
+    # KV-cache specs and the model runner (worker)
+    Wrap("vllm.v1.worker.gpu_model_runner:GPUModelRunner.get_kv_cache_spec",
+         _I + "worker:declare_kv_cache_specs", "worker"),
+    Wrap("vllm.v1.worker.gpu_model_runner:add_kv_sharing_layers_to_kv_cache_groups",
+         _I + "registration:share_layer_specs", "worker"),
+    Wrap("vllm.v1.worker.gpu_model_runner:GPUModelRunner.execute_model",
+         _I + "worker:on_execute_model", "worker"),
+    Wrap("vllm.v1.worker.gpu_model_runner:GPUModelRunner._model_forward",
+         _I + "worker:forward_with_questions", "worker"),
+    Wrap("vllm.v1.worker.block_table:MultiGroupBlockTable.compute_slot_mapping",
+         _I + "worker:slot_mappings", "worker"),
+    # scheduler and KV-cache manager (engine core)
+    Wrap("vllm.v1.core.sched.scheduler:Scheduler.__init__", _I + "registration:attach_scheduler",
+         "engine core"),
+    Wrap("vllm.v1.core.sched.scheduler:Scheduler.schedule", _I + "scheduler:schedule",
+         "engine core"),
+    Wrap("vllm.v1.core.sched.scheduler:Scheduler._reserve_prefill_lookahead",
+         _I + "scheduler:cap_prefill_step", "engine core"),
+    Wrap("vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
+         _I + "registration:step_output", "engine core"),
+    Wrap("vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots",
+         _I + "scheduler:allocate_slots", "engine core"),
+    Wrap("vllm.v1.core.single_type_kv_cache_manager:"
+         "SingleTypeKVCacheManager.get_num_blocks_to_allocate",
+         _I + "scheduler:blocks_to_allocate", "engine core"),
+    Wrap("vllm.v1.core.single_type_kv_cache_manager:SingleTypeKVCacheManager.allocate_new_blocks",
+         _I + "scheduler:allocate_new_blocks", "engine core"),
+    # API server: kv_stats into responses, server/ on the app
+    Wrap("vllm.v1.engine.output_processor:RequestState.make_request_output",
+         _I + "api_server:make_request_output", "api server", if_loaded=True),
+    Wrap("vllm.entrypoints.launchers.api_server.entry:build_app", _I + "api_server:build_app",
+         "api server", if_loaded=True),
+)
+
+# Not wrapped, but replaced or relied on (contract-tested all the same).
+RELIED_ON = (
+    "vllm.v1.attention.backends.registry.register_backend(CPU_ATTN)",  # backend.py replaces it
+    # per-tier KV-cache groups (kv_cache_specs.py)
+    "vllm.v1.kv_cache_interface.FullAttentionSpec.merge",
+    "vllm.v1.kv_cache_interface.KVCacheSpec.is_uniform_with_collection",
+    "vllm.v1.core.kv_cache_utils._get_kv_cache_groups_uniform_page_size",
+    "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinatorNoPrefixCache",
+)
+
+PATCHED = tuple(w.target.replace(":", ".") for w in WRAPS)
+
+_registered = False
+applied: dict[str, object] = {}  # target -> vLLM's original (tests check every row applied)
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CPU_ATTN,
+                     "vllm_kvevict.integration.backend.KVEvictAttentionBackend")
+    import sys
+
+    api_server = "vllm.entrypoints.launchers.api_server.entry" in sys.modules
+    for wrap in WRAPS:
+        if api_server or not wrap.if_loaded:
+            _apply(wrap)
+
+
+def _resolve(spec: str):
+    module_name, _, qualname = spec.partition(":")
+    module = importlib.import_module(module_name)
+    *owner_path, attr = qualname.split(".")
+    owner = module
+    for part in owner_path:
+        owner = getattr(owner, part)
+    return owner, attr
+
+
+def _apply(wrap: Wrap) -> None:
+    import functools
+
+    owner, attr = _resolve(wrap.target)
+    hook_owner, hook_attr = _resolve(wrap.hook)
+    hook = getattr(hook_owner, hook_attr)
+    raw = owner.__dict__.get(attr) if isinstance(owner, type) else None
+    stock = getattr(owner, attr)
+    if isinstance(raw, classmethod):
+        func = raw.__func__
+
+        @functools.wraps(func)
+        def wrapped_classmethod(cls, *args, **kwargs):
+            return hook(cls, func, *args, **kwargs)
+        new = classmethod(wrapped_classmethod)
+    elif isinstance(raw, staticmethod) or not isinstance(owner, type):
+        func = raw.__func__ if isinstance(raw, staticmethod) else stock
+
+        @functools.wraps(func)
+        def wrapped_function(*args, **kwargs):
+            return hook(func, *args, **kwargs)
+        new = staticmethod(wrapped_function) if isinstance(raw, staticmethod) else wrapped_function
+    else:
+        @functools.wraps(stock)
+        def wrapped_method(self, *args, **kwargs):
+            return hook(self, stock, *args, **kwargs)
+        new = wrapped_method
+    setattr(owner, attr, new)
+    applied[wrap.target] = stock
+
+
+# -- hooks that only route (the work is in the concept modules) ---------------------------------
+
+def create_engine_config(engine_args, stock_create, *args, **kwargs):
+    """`EngineArgs.create_engine_config`: our stats connector in the engine's KV-transfer
+    config (unless the user chose one), then vLLM's config, then validation against the model
+    (which builds this process's served policy)."""
+    from vllm_kvevict.integration import api_server, stats_connector, validation
+
+    stats_connector.inject_config(engine_args)
+    vllm_config = stock_create(engine_args, *args, **kwargs)
+    validation.validate_against_model(vllm_config)
+    api_server.remember_config(vllm_config)
+    return vllm_config
+
+
+def share_layer_specs(stock_share, shared, groups, *args, **kwargs):
+    from vllm_kvevict.integration.kv_cache_specs import share_layer_specs as fill_specs
+
+    stock_share(shared, groups, *args, **kwargs)
+    fill_specs(shared, groups)
+
+
+def attach_scheduler(scheduler, stock_init, *args, **kwargs):
+    from vllm_kvevict.integration.scheduler import attach
+
+    stock_init(scheduler, *args, **kwargs)
+    attach(scheduler)
+
+
+def step_output(scheduler, stock_update, scheduler_output, model_runner_output):
+    from vllm_kvevict.integration.stats_connector import on_step_output
+
+    on_step_output(scheduler, scheduler_output)
+    return stock_update(scheduler, scheduler_output, model_runner_output)

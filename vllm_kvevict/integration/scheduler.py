@@ -1,0 +1,141 @@
+"""Scheduler side (engine-core process): the admission rule of every evicting policy and, for
+token eviction, the ledger of physical slots, attached to vLLM's `Scheduler` when it is built.
+
+One scheduler per engine-core process, so the attached rule is found one way, `reserve()` (the
+token-eviction ledger is a `GrowthReserve` with compressed sizes; `ledger()` is it or None).
+The functions below are the bodies of the wraps listed in `registration.py`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+
+from vllm_kvevict.integration.admission import GrowthReserve
+from vllm_kvevict.integration.token_ledger import TokenEvictionLedger
+from vllm_kvevict.served import served_policy
+
+logger = logging.getLogger("vllm_kvevict")
+
+_reserve: GrowthReserve | None = None
+
+
+def reserve() -> GrowthReserve | None:
+    return _reserve
+
+
+def ledger() -> TokenEvictionLedger | None:
+    return _reserve if isinstance(_reserve, TokenEvictionLedger) else None
+
+
+def attach(scheduler) -> None:
+    """After vLLM's Scheduler.__init__: the growth reserve for head-mask policies, the ledger
+    for token-eviction ones (`full` stays stock vLLM)."""
+    global _reserve
+    from vllm_kvevict.integration.kv_cache_specs import layer_groups
+
+    served = served_policy(scheduler.vllm_config)
+    cfg = served.config
+    reserve_growth = cfg.admission == "reserve"
+    if cfg.uses_head_mask:
+        _reserve = GrowthReserve(reserve_growth=reserve_growth)
+    elif cfg.evicts_tokens:
+        groups = layer_groups(scheduler.kv_cache_config, served.shape.num_layers)
+        # the prompt is compressed once per eviction chunk: its peak need follows that chunk
+        chunk = cfg.eviction_chunk or scheduler.vllm_config.scheduler_config.max_num_batched_tokens
+        _reserve = TokenEvictionLedger(served.policy, chunk, groups, reserve_growth=reserve_growth,
+                                       for_request=served.for_request)
+        logger.info("vllm-kvevict: token eviction ledger over %d KV-cache group(s) of %s layers",
+                    groups.num_groups,
+                    sorted({len(groups.layers(g)) for g in range(groups.num_groups)}))
+    else:
+        _reserve = None
+        return
+    _reserve.scheduler = scheduler
+
+
+def schedule(scheduler, stock_schedule, *args, **kwargs):
+    """`Scheduler.schedule`: apply last step's evictions first; afterwards record prompt chunks
+    (for exact replay) and the chunks this step will compress."""
+    rule, book = _reserve, ledger()
+    if rule is None or rule.scheduler is not scheduler:
+        return stock_schedule(scheduler, *args, **kwargs)
+    if book is not None:
+        book.before_schedule()
+    output = stock_schedule(scheduler, *args, **kwargs)
+    rule.record_chunks(output)
+    if book is not None:
+        book.after_schedule(output)  # forgets finished requests too
+    else:
+        rule.forget_finished(output)
+    return output
+
+
+def cap_prefill_step(scheduler, stock_lookahead, request, num_computed_tokens, num_new_tokens):
+    """`Scheduler._reserve_prefill_lookahead`: both of vLLM's scheduling branches (running and
+    waiting) end their token count with this call, right before "0 tokens: skip the request":
+    the one place to make a preempted request's recompute follow its first run's chunks
+    (`admission.replay_cap`) and to keep prefill steps inside eviction chunks
+    (`ledger.cap_step_in_eviction_chunk`)."""
+    num_new_tokens = stock_lookahead(scheduler, request, num_computed_tokens, num_new_tokens)
+    rule = _reserve
+    if rule is None or rule.scheduler is not scheduler:
+        return num_new_tokens
+    return rule.step_cap(request, num_computed_tokens, num_new_tokens)
+
+
+@functools.lru_cache(maxsize=None)
+def _signature(fn):
+    return inspect.signature(fn)
+
+
+def blocks_to_allocate(manager, stock_count, *args, **kwargs):
+    """`SingleTypeKVCacheManager.get_num_blocks_to_allocate`, per KV-cache group (one manager
+    each): vLLM's logical token counts -> the group's physical slots (the coordinator asks every
+    group's manager with the same counts). Admission (`apply_admission_cap`, vLLM's
+    full-sequence gate) of every evicting policy: the growth reserve (`admission.py`), so no
+    admitted request is ever preempted."""
+    rule, book = _reserve, ledger()
+    if rule is None:
+        return stock_count(manager, *args, **kwargs)
+    bound = _signature(stock_count).bind(manager, *args, **kwargs)
+    arguments, group = bound.arguments, manager.kv_cache_group_id
+    request_id, num_tokens = arguments["request_id"], arguments["num_tokens"]
+    if arguments.get("apply_admission_cap"):
+        num_tokens = rule.admission_tokens(request_id, num_tokens, group)
+    elif book is not None:
+        num_tokens = book.physical(request_id, num_tokens, group)
+    else:
+        return stock_count(manager, *args, **kwargs)
+    arguments["num_tokens"] = num_tokens
+    if "num_tokens_main_model" in arguments:
+        arguments["num_tokens_main_model"] = min(arguments["num_tokens_main_model"], num_tokens)
+    return stock_count(*bound.args, **bound.kwargs)
+
+
+def allocate_new_blocks(manager, stock_allocate, request_id, num_tokens, num_tokens_main_model,
+                        *args, **kwargs):
+    """`SingleTypeKVCacheManager.allocate_new_blocks`: physical slots of the group."""
+    book = ledger()
+    if book is not None:
+        group = manager.kv_cache_group_id
+        num_tokens = book.physical(request_id, num_tokens, group)
+        num_tokens_main_model = book.physical(request_id, num_tokens_main_model, group)
+    return stock_allocate(manager, request_id, num_tokens, num_tokens_main_model, *args,
+                          **kwargs)
+
+
+def allocate_slots(kv_cache_manager, stock_allocate_slots, request, num_new_tokens, *args,
+                   **kwargs):
+    """`KVCacheManager.allocate_slots`. Patched eviction: a non-final prefill chunk also writes
+    its question's k KVs right after the chunk; reserve those slots (the mechanism speculative
+    decoding uses)."""
+    book = ledger()
+    policy = None if book is None else book.request_policy(request)
+    if policy is not None and policy.config.patched:
+        n, end = request.num_prompt_tokens, request.num_computed_tokens + num_new_tokens
+        if end < n and policy.config.is_eviction_point(end, n):
+            extra = min(policy.config.obs_window, n)
+            kwargs["num_lookahead_tokens"] = kwargs.get("num_lookahead_tokens", 0) + extra
+    return stock_allocate_slots(kv_cache_manager, request, num_new_tokens, *args, **kwargs)

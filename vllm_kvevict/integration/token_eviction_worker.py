@@ -1,0 +1,206 @@
+"""Worker side of chunked token eviction (snapkv, pyramidkv): the per-step plan (physical slots
+and lengths per layer, the chunks to compress, the patched question rows) and the booking of
+each compressed chunk, which drops the same tail blocks from vLLM's worker-side block lists as
+the scheduler frees (`token_ledger.py`). The shared maths is `vllm_kvevict/ledger.py`; the
+attention backend (`backend.py`) runs the plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from vllm_kvevict.ledger import LayerGroups, eviction_chunk_len, group_evictions_of
+from vllm_kvevict.policies import KVPolicy
+
+@dataclass
+class RequestLedger:
+    """Worker-side record of one request."""
+
+    evicted: list[int]              # per layer: logical - physical tokens
+    allocation_evicted: list[int]   # per KV-cache group: the scheduler's count (slots given back)
+
+
+@dataclass
+class EvictionJob:
+    """One eviction chunk to compress after attention. Its last `end - start` tokens are this
+    step's batch tokens [start, end); the `chunk_len - (end - start)` before them ran in earlier
+    steps (decoupled eviction chunk) and are read back from the paged cache."""
+
+    req_id: str
+    row: int
+    computed: int                 # logical tokens before this step
+    start: int
+    end: int
+    is_final: bool
+    phys_before: list[int]        # per layer: physical length before the eviction chunk
+    keep: list                    # per layer: ChunkKeep
+    chunk_len: int = 0            # tokens of the eviction chunk (this step's and earlier ones)
+    question: list[int] = field(default_factory=list)  # patched: the prompt's last k tokens
+    policy: KVPolicy | None = None  # the request's (served policy + its overrides)
+    question_start: int = 0       # their rows in the extended token axis [T, T + Q)
+
+
+@dataclass
+class TokenStepPlan:
+    num_reqs: int
+    query_start_loc: torch.Tensor    # int32 [num_reqs + 1]
+    block_table: torch.Tensor        # int32 [G, num_reqs, width]: the request's blocks per group
+    seq_lens: torch.Tensor           # int32 [L, num_reqs]: physical length incl. this step
+    slots: torch.Tensor              # int64 [L, T]: physical slot of each new token
+    jobs: list[EvictionJob]
+    block_size: int
+    layer_group: tuple[int, ...] = ()  # KV-cache group (block table) of each layer
+    valid: bool = True
+    kernel_schedules: dict = field(default_factory=dict)
+    # Patched scoring: the question tokens run as extra rows after the batch's T tokens.
+    num_tokens: int = 0                    # T
+    question_ids: torch.Tensor | None = None        # long [Q]
+    question_positions: torch.Tensor | None = None  # long [Q]
+    question_offset: int = 0               # where they sit in the model's token axis
+
+    @property
+    def num_questions(self) -> int:
+        return 0 if self.question_ids is None else int(self.question_ids.shape[0])
+
+    def table(self, layer: int) -> torch.Tensor:
+        """[num_reqs, width]: the block rows of the layer's group."""
+        return self.block_table[self.layer_group[layer]]
+
+    def physical_slots(self, layer: int, row: int, positions: torch.Tensor) -> torch.Tensor:
+        bs = self.block_size
+        return self.table(layer)[row, positions // bs].long() * bs + positions % bs
+
+
+class TokenEvictionWorker:
+    def __init__(self, policy: KVPolicy, block_size: int, groups: LayerGroups | None = None,
+                 for_request: Callable[[Any], KVPolicy] | None = None):
+        self.policy = policy
+        # extra_args -> the request's policy (ServedPolicy.for_request; overrides applied)
+        self.policy_for = for_request or (lambda extra_args: policy)
+        self.block_size = block_size
+        self.groups = groups or LayerGroups.single(policy.num_layers)
+        self.ledgers: dict[str, RequestLedger] = {}
+
+    def release(self, req_ids) -> None:
+        for req_id in req_ids or ():
+            self.ledgers.pop(req_id, None)
+
+    def plan(self, req_ids: list[str], computed: list[int], query_lens: list[int],
+             prompt_lens: list[int], block_ids: list[list[list[int]]],
+             prompt_ids=None, extra_args=None) -> TokenStepPlan:
+        """block_ids[row][group]: the row's block ids in each KV-cache group;
+        prompt_ids(row) -> the row's prompt token ids (needed by patched scoring only);
+        extra_args(row) -> the request's sampling extra_args (per-request overrides)."""
+        L, bs, G = self.policy.num_layers, self.block_size, self.groups.num_groups
+        rows, jobs = len(req_ids), []
+        seq_lens = torch.zeros(L, rows, dtype=torch.int32)
+        phys_before = torch.zeros(L, rows, dtype=torch.long)
+        for r, (req_id, a, c, n) in enumerate(zip(req_ids, computed, query_lens, prompt_lens)):
+            led = self.ledgers.get(req_id)
+            if led is None or a == 0:  # new, or restarted after preemption
+                led = self.ledgers[req_id] = RequestLedger(evicted=[0] * L,
+                                                           allocation_evicted=[0] * G)
+            before = torch.tensor([a - e for e in led.evicted])
+            phys_before[:, r] = before
+            seq_lens[:, r] = (before + c).int()
+            if a + c > n:  # decode
+                continue
+            chunk_len = eviction_chunk_len(self.policy.config, a, c)  # raises on a crossing
+            if self.policy.config.is_eviction_point(a + c, n):  # compress the chunk
+                policy = self.policy_for(extra_args(r) if extra_args else None)
+                is_final = a + c == n
+                question = []
+                if policy.config.patched and not is_final:
+                    question = list(prompt_ids(r)[n - min(policy.config.obs_window, n):])
+                jobs.append(EvictionJob(
+                    req_id=req_id, row=r, computed=a, start=0, end=0, is_final=is_final,
+                    phys_before=(before - (chunk_len - c)).tolist(), question=question,
+                    policy=policy, chunk_len=chunk_len,
+                    keep=[policy.chunk_keep(l, chunk_len, is_final) for l in range(L)]))
+        width = max((len(b) for row in block_ids for b in row), default=1) or 1
+        table = torch.zeros(G, rows, width, dtype=torch.int32)
+        for r, row in enumerate(block_ids):
+            for g, b in enumerate(row[:G]):
+                table[g, r, : len(b)] = torch.tensor(b, dtype=torch.int32)
+        q_start = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(),
+                               dtype=torch.int32)
+        for job in jobs:
+            job.start, job.end = int(q_start[job.row]), int(q_start[job.row + 1])
+        token_row = torch.repeat_interleave(torch.arange(rows), torch.tensor(query_lens))
+        token_off = torch.arange(len(token_row)) - q_start[:-1].long()[token_row]
+        pos = phys_before[:, token_row] + token_off            # [L, T]
+        plan = TokenStepPlan(num_reqs=rows, query_start_loc=q_start, block_table=table,
+                             seq_lens=seq_lens, slots=None, jobs=jobs, block_size=bs,
+                             layer_group=self.groups.of_layer, num_tokens=len(token_row))
+        patched = [j for j in jobs if j.question]
+        if patched:
+            self._add_questions(plan, patched, token_row, pos, phys_before)
+        else:
+            plan.slots = self._slots(table, token_row, pos)
+        return plan
+
+    def _slots(self, table: torch.Tensor, token_row: torch.Tensor, pos: torch.Tensor):
+        """[L, T] physical slots: token t of layer l at pos[l, t] in its row of l's group."""
+        bs = self.block_size
+        group = torch.tensor(self.groups.of_layer, dtype=torch.long).unsqueeze(1)   # [L, 1]
+        blocks = table[group, token_row.unsqueeze(0), pos // bs]                    # [L, T]
+        return blocks.long() * bs + pos % bs
+
+    def _add_questions(self, plan, patched, token_row, pos, phys_before) -> None:
+        """Patched scoring: each non-final chunk's question (the prompt's last k tokens) runs as
+        extra rows at logical positions right after the chunk and physical slots right after
+        it (the scheduler reserved them); the kernel sees them as extra sequences that share
+        their request's block rows. Their KVs end up past the kept length: dropped."""
+        ids, positions, rows, offs = [], [], [], []
+        q_lens, seq_extra = [], []
+        start = plan.num_tokens
+        for job in patched:
+            k, c = len(job.question), job.end - job.start
+            job.question_start = start
+            start += k
+            ids += job.question
+            positions += range(job.computed + c, job.computed + c + k)
+            rows += [job.row] * k
+            offs.append(torch.arange(k) + c)
+            q_lens.append(k)
+            seq_extra.append(phys_before[:, job.row] + c + k)
+        rows_t = torch.tensor(rows)
+        q_pos = phys_before[:, rows_t] + torch.cat(offs)                    # [L, Q]
+        all_rows = torch.cat([token_row, rows_t])
+        all_pos = torch.cat([pos, q_pos], dim=1)
+        plan.slots = self._slots(plan.block_table, all_rows, all_pos)
+        plan.question_ids = torch.tensor(ids, dtype=torch.long)
+        plan.question_positions = torch.tensor(positions, dtype=torch.long)
+        ends = plan.query_start_loc[-1].item() + torch.tensor(q_lens).cumsum(0)
+        plan.query_start_loc = torch.cat([plan.query_start_loc, ends.int()])
+        plan.seq_lens = torch.cat([plan.seq_lens, torch.stack(seq_extra, 1).int()], dim=1)
+        plan.block_table = torch.cat([plan.block_table,
+                                      plan.block_table[:, [j.row for j in patched]]], dim=1)
+        plan.num_reqs += len(patched)
+
+    def finish_step(self, plan: TokenStepPlan, request_block_ids, row_block_counts) -> None:
+        """After the forward: book the compressed chunks and drop the tail blocks from vLLM's
+        worker-side block lists, exactly as the scheduler frees them before its next step.
+
+        request_block_ids(req_id) -> the request's block-id lists, one per group (mutable);
+        row_block_counts[g]: the persistent batch's per-row block counts of group g (mutable)."""
+        bs = self.block_size
+        for job in plan.jobs:
+            led = self.ledgers[job.req_id]
+            c, chunk_len = job.end - job.start, job.chunk_len
+            kept = [k.kept for k in job.keep]
+            led.evicted = [e + chunk_len - k for e, k in zip(led.evicted, kept)]
+            freed = group_evictions_of(kept, chunk_len, self.groups)
+            led.allocation_evicted = [a + f for a, f in zip(led.allocation_evicted, freed)]
+            per_group = request_block_ids(job.req_id)
+            if per_group is None:
+                continue
+            for g, ids in enumerate(per_group):
+                own = -(-(job.computed + c - led.allocation_evicted[g]) // bs)
+                if len(ids) > own:
+                    del ids[own:]
+                    row_block_counts[g][job.row] = own
+

@@ -1,0 +1,111 @@
+"""Scheduler side of chunked token eviction (snapkv, pyramidkv), in the engine core: vLLM's
+logical token counts -> physical slots per KV-cache group for block allocation, the tail blocks
+of each compressed chunk freed before the next schedule, admission by compressed peak sizes.
+The shared maths is `vllm_kvevict/ledger.py`; the hooks that call this are in `scheduler.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from vllm_kvevict.integration.admission import GrowthReserve
+from vllm_kvevict.ledger import (LayerGroups, cap_step_in_eviction_chunk, eviction_chunk_len,
+                                 group_evictions, peak_slots)
+from vllm_kvevict.policies import KVPolicy
+
+
+class TokenEvictionLedger(GrowthReserve):
+    """Engine-core side of the ledger: translates vLLM's logical token counts to physical ones
+    per KV-cache group for block allocation, frees each group's tail blocks after each
+    compressed chunk, caps admission (`GrowthReserve` with compressed peak sizes)."""
+
+    def __init__(self, policy: KVPolicy, chunk_size: int, groups: LayerGroups | None = None,
+                 reserve_growth: bool = True,
+                 for_request: Callable[[Any], KVPolicy] | None = None):
+        super().__init__(reserve_growth)
+        self.policy = policy
+        # extra_args -> the request's policy (ServedPolicy.for_request; overrides applied)
+        self.policy_for = for_request or (lambda extra_args: policy)
+        self.chunk_size = chunk_size
+        self.groups = groups or LayerGroups.single(policy.num_layers)
+        self.allocation_evicted: dict[str, list[int]] = {}
+        self.pending: dict[str, tuple[int, bool, KVPolicy]] = {}
+        self._evictions: dict[tuple, list[int]] = {}
+
+    def evictions(self, policy: KVPolicy, chunk_len: int, is_final: bool) -> list[int]:
+        """group_evictions, memoised per setting (a frozen, hashable config)."""
+        key = (policy.config, chunk_len, is_final)
+        out = self._evictions.get(key)
+        if out is None:
+            if len(self._evictions) > 4096:
+                self._evictions.clear()
+            out = self._evictions[key] = group_evictions(policy, chunk_len, is_final,
+                                                         self.groups)
+        return out
+
+    def physical(self, req_id: str, num_tokens: int, group: int = 0) -> int:
+        evicted = self.allocation_evicted.get(req_id)
+        return num_tokens - (evicted[group] if evicted else 0)
+
+    def peak_tokens(self, request, num_tokens: int) -> list[int]:
+        """Per group, the peak slots a request of `num_tokens` tokens needs (`peak_slots`)."""
+        policy = self.request_policy(request)
+        return peak_slots(policy, request.num_prompt_tokens, num_tokens, self.chunk_size,
+                          lambda chunk_len, final: self.evictions(policy, chunk_len, final))
+
+    def before_schedule(self) -> None:
+        """Apply the evictions of the chunks scheduled last step (their forward precedes any
+        forward of this step, so the freed blocks are safe to hand out now)."""
+        if self.scheduler is None:
+            return
+        managers = self.scheduler.kv_cache_manager.coordinator.single_type_managers
+        for req_id, (chunk_len, is_final, policy) in list(self.pending.items()):
+            del self.pending[req_id]
+            request = self.scheduler.requests.get(req_id)
+            held = [m.req_to_blocks.get(req_id) for m in managers]
+            if request is None or not any(held):
+                self.allocation_evicted.pop(req_id, None)
+                continue
+            freed = self.evictions(policy, chunk_len, is_final)
+            evicted = self.allocation_evicted.setdefault(req_id, [0] * len(managers))
+            for g, (manager, blocks) in enumerate(zip(managers, held)):
+                evicted[g] += freed[g]
+                keep = -(-self.physical(req_id, request.num_computed_tokens, g)
+                         // manager.block_size)
+                if blocks and len(blocks) > keep:
+                    tail = blocks[keep:]
+                    del blocks[keep:]
+                    manager.block_pool.free_blocks(reversed(tail))
+
+    def after_schedule(self, scheduler_output) -> None:
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            self.forget(req_id)
+        for req_id in scheduler_output.finished_req_ids:
+            self.forget(req_id)
+        self.forget_finished(scheduler_output)
+        for req_id, c in scheduler_output.num_scheduled_tokens.items():
+            request = self.scheduler.requests.get(req_id)
+            if request is None:
+                continue
+            before, n = request.num_computed_tokens - c, request.num_prompt_tokens
+            if before == 0:
+                self.allocation_evicted.pop(req_id, None)
+            policy = self.request_policy(request)
+            if policy.config.is_eviction_point(before + c, n):
+                self.pending[req_id] = (eviction_chunk_len(policy.config, before, c),
+                                        before + c == n, policy)
+
+    def step_cap(self, request, num_computed: int, num_new: int) -> int:
+        """`replay_cap`, then keep the step inside its eviction chunk
+        (`cap_step_in_eviction_chunk`)."""
+        num_new = self.replay_cap(request, num_computed, num_new)
+        return cap_step_in_eviction_chunk(self.request_policy(request),
+                                          request.num_prompt_tokens, num_computed, num_new)
+
+    def forget(self, req_id: str) -> None:
+        self.allocation_evicted.pop(req_id, None)
+        self.pending.pop(req_id, None)
+
+    def request_policy(self, request) -> KVPolicy:
+        params = getattr(request, "sampling_params", None)
+        return self.policy_for(getattr(params, "extra_args", None))

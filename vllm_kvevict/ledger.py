@@ -1,0 +1,147 @@
+"""Chunked token eviction (snapkv, pyramidkv) with real memory: kept KVs are compacted forward
+and the freed tail blocks go back to vLLM's block pool during the request.
+
+The layers are split into KV-cache groups (`LayerGroups`; one block table per request and
+group, see integration/kv_cache_specs.py): one group for snapkv, one per tier of layers for pyramidkv. Two sides agree
+on one deterministic ledger per group (`allocation_evicted[g]`):
+- scheduler (engine core): in group g a request holds blocks for `computed -
+  allocation_evicted[g]` tokens (+ the chunk it runs); when a prefill chunk of length c has run,
+  allocation_evicted[g] grows by c - max kept_l over the group's layers l, and the group's tail
+  blocks past its new physical length are freed.
+- worker: per layer the physical length (kept tokens). New tokens are written at physical
+  positions in the layer's group's block row, the kernel sees physical seq_lens, and after each
+  prefill chunk a layer rewrites its kept tokens (per KV head, gathered from the forward's own
+  K/V tensors, RoPE already applied) at [phys_before, phys_before + kept). At the end of the step
+  the worker drops the same tail blocks from vLLM's (append-only) worker-side block lists of
+  every group, so both sides keep identical block lists and vLLM appends the next step's blocks
+  after the kept ones.
+With `eviction_chunk` E set, an eviction chunk [s, s + E) may be prefilled over several engine
+steps (the scheduler never lets a step cross its end, see `cap_step_in_eviction_chunk` below):
+the steps before its last one only append; the last one scores and compacts the whole chunk,
+reading the earlier steps' K/V back from the paged cache (`integration/paged_layout.py`).
+Logical positions (RoPE of new tokens) are vLLM's own and never change. Within a group the
+layers share the block row sized for the group's largest layer, each using its own physical
+length.
+
+No vLLM import: the maths both sides share (`integration/token_ledger.py` on the scheduler side,
+`integration/token_eviction_worker.py` on the worker side), unit-tested in
+tests/test_eviction_bookkeeping.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from vllm_kvevict.policies import KVPolicy
+
+
+@dataclass(frozen=True)
+class LayerGroups:
+    """Which vLLM KV-cache group (one block table per request) holds each layer's KV."""
+
+    of_layer: tuple[int, ...]
+
+    @classmethod
+    def single(cls, num_layers: int) -> "LayerGroups":
+        return cls((0,) * num_layers)
+
+    @classmethod
+    def tiers(cls, num_layers: int, num_tiers: int) -> "LayerGroups":
+        """Runs of num_layers / num_tiers consecutive layers (as integration/kv_cache_specs.py declares them)."""
+        size = num_layers // num_tiers
+        return cls(tuple(layer // size for layer in range(num_layers)))
+
+    @property
+    def num_groups(self) -> int:
+        return max(self.of_layer, default=0) + 1
+
+    def layers(self, group: int) -> list[int]:
+        return [l for l, g in enumerate(self.of_layer) if g == group]
+
+
+def chunk_kept_per_layer(policy: KVPolicy, chunk_len: int, is_final: bool) -> list[int]:
+    return [policy.chunk_keep(layer, chunk_len, is_final).kept
+            for layer in range(policy.num_layers)]
+
+
+def group_evictions_of(kept: list[int], chunk_len: int, groups: LayerGroups) -> list[int]:
+    """Per group: slots a chunk gives back = chunk length - the most any of its layers keeps."""
+    most = [0] * groups.num_groups
+    for layer, k in enumerate(kept):
+        g = groups.of_layer[layer]
+        most[g] = max(most[g], k)
+    return [chunk_len - m for m in most]
+
+
+def group_evictions(policy: KVPolicy, chunk_len: int, is_final: bool,
+                    groups: LayerGroups) -> list[int]:
+    """Tokens of a prefill chunk whose slots the request gives back, per KV-cache group (the
+    same in both processes)."""
+    return group_evictions_of(chunk_kept_per_layer(policy, chunk_len, is_final), chunk_len,
+                              groups)
+
+
+def allocation_eviction(policy: KVPolicy, chunk_len: int, is_final: bool) -> int:
+    """group_evictions with all layers in one group."""
+    return chunk_len - max(chunk_kept_per_layer(policy, chunk_len, is_final))
+
+
+def eviction_chunk_len(config, computed: int, step_len: int) -> int:
+    """Tokens of the eviction chunk that a prefill step [computed, computed + step_len) belongs
+    to, up to the step's end (the step itself when no `eviction_chunk` is set). A step that
+    crosses an eviction boundary is a bug of the scheduler's cap: raise, never guess."""
+    e, end = config.eviction_chunk, computed + step_len
+    if e is None:
+        return step_len
+    start = (end - 1) // e * e
+    if computed < start:
+        raise RuntimeError(f"vllm-kvevict: a prefill step [{computed}, {end}) crosses the "
+                           f"eviction chunk boundary {start} (eviction_chunk {e})")
+    return end - start
+
+
+
+def peak_slots(policy: KVPolicy, prompt_len: int, num_tokens: int, chunk_size: int,
+               evictions: Callable[[int, bool], list[int]]) -> list[int]:
+    """Per group, the peak slots a request of `num_tokens` tokens needs: the compressed prompt
+    before a chunk, that chunk and its patched question, and every token after the prompt
+    (decode tokens are never evicted). `evictions(chunk_len, is_final)` gives the per-group
+    slots a chunk gives back (`group_evictions`, memoised by the caller)."""
+    n, c = prompt_len, chunk_size
+    question = min(policy.config.obs_window, n) if policy.config.patched else 0
+    done, kept, peak = 0, None, None
+    while done < n:
+        step = min(c, n - done)
+        final = done + step == n
+        freed = evictions(step, final)
+        if kept is None:
+            kept, peak = [0] * len(freed), [0] * len(freed)
+        for g in range(len(freed)):
+            peak[g] = max(peak[g], kept[g] + step + (0 if final else question))
+            kept[g] += step - freed[g]
+        done += step
+    if kept is None:
+        kept = peak = [0] * len(evictions(0, True))
+    return [min(num_tokens, max(p, k + num_tokens - n)) for p, k in zip(peak, kept)]
+
+
+def cap_step_in_eviction_chunk(policy: KVPolicy, prompt_len: int, num_computed: int,
+                               num_new: int) -> int:
+    """With an `eviction_chunk`: a prefill step never crosses the end b of its eviction chunk,
+    and when the chunk's own last queries score it (naive mode, and the prompt's final chunk)
+    its last step holds them whole: a step ends at b or at most at b - obs_window (0 = wait for
+    a step with budget for the rest)."""
+    config, n = policy.config, prompt_len
+    e, a = config.eviction_chunk, num_computed
+    if e is None or num_new <= 0 or a >= n:
+        return num_new
+    start = a // e * e
+    end = min(start + e, n)
+    if a + num_new >= end:
+        return end - a
+    own_queries = not config.patched or end == n
+    last_start = end - (min(config.obs_window, end - start) if own_queries else 0)
+    if a + num_new <= last_start:
+        return num_new
+    return last_start - a if a < last_start else 0

@@ -1,0 +1,100 @@
+"""Per-request overrides of the served policy: the OpenAI body's `vllm_xargs` (vLLM passes them
+as `sampling_params.extra_args`). The rules live here, beside `KVPolicyConfig`, and are used in
+two places: the API server refuses a bad key with HTTP 400 before the engine sees it
+(`check_vllm_xargs`, handed to server/ at install time), and the engine applies the valid ones
+(`effective_config`, through `ServedPolicy.for_request`). No vLLM import.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from vllm_kvevict.config import TOKEN_EVICTION_POLICIES as TOKEN_EVICTION
+
+
+# key -> (KVPolicyConfig field, description for error messages)
+OVERRIDE_KEYS = {
+    "kv_sparsity": ("sparsity", "a number in [0, 1] (token sparsity p)"),
+    "kv_obs_window": ("obs_window", "an integer >= 1 (observation window k, in tokens)"),
+}
+# vllm_xargs keys vLLM itself reads; never ours to judge.
+VLLM_OWN_XARGS = frozenset({"kv_transfer_params", "ec_transfer_params", "kv_cache_report_mode",
+                            "session_id"})
+# Server settings a request may not change (the KV layout and masks are fixed at start-up).
+PATH_KEYS = frozenset({"mask_path", "kv_mask", "kv_mask_path", "mask", "kv_mask_file"})
+SERVER_KEYS = frozenset({"policy", "kv_policy", "sparsity", "sink", "kv_sink", "window",
+                         "kv_window", "obs_window", "pool_kernel", "kv_pool_kernel", "eviction",
+                         "kv_eviction", "tiers", "kv_tiers"}) | PATH_KEYS
+
+
+def _valid_keys_text(max_model_len: int | None) -> str:
+    window = OVERRIDE_KEYS["kv_obs_window"][1]
+    if max_model_len:
+        window = f"an integer in [1, {max_model_len}] (observation window k, in tokens)"
+    return (f"kv_sparsity ({OVERRIDE_KEYS['kv_sparsity'][1]}), kv_obs_window ({window}); "
+            f"only for policies {', '.join(TOKEN_EVICTION)}")
+
+
+def override_error(key: str, value: Any, policy: str, max_model_len: int | None = None
+                   ) -> str | None:
+    """Why `vllm_xargs[key] = value` is refused (None: accepted or not ours)."""
+    valid = _valid_keys_text(max_model_len)
+    if key in VLLM_OWN_XARGS:
+        return None
+    if key in PATH_KEYS:
+        return (f"vllm_xargs key {key!r} is refused: a request may not name a file path "
+                f"(head masks are chosen at server start with --kv-mask). Per-request KV keys: "
+                f"{valid}.")
+    if key in SERVER_KEYS:
+        return (f"vllm_xargs key {key!r} is a server setting (--kv-* flags at start-up), not "
+                f"per request. Per-request KV keys: {valid}.")
+    if key not in OVERRIDE_KEYS:
+        if key.startswith("kv_"):
+            return f"unknown vllm_xargs key {key!r}. Per-request KV keys: {valid}."
+        return None  # another extension's key: passed through untouched
+    if policy not in TOKEN_EVICTION:
+        return (f"vllm_xargs key {key!r} only applies to token-eviction policies "
+                f"({', '.join(TOKEN_EVICTION)}); this server runs kv policy {policy!r}, whose KV "
+                f"layout is fixed at start-up. Per-request KV keys: {valid}.")
+    if key == "kv_sparsity":
+        expected = OVERRIDE_KEYS[key][1]
+        ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+              and math.isfinite(value) and 0.0 <= value <= 1.0)
+    else:
+        expected = (f"an integer in [1, {max_model_len}]" if max_model_len
+                    else "an integer >= 1")
+        ok = (isinstance(value, int) and not isinstance(value, bool) and value >= 1
+              and (not max_model_len or value <= max_model_len))
+    if not ok:
+        return (f"vllm_xargs[{key!r}] = {value!r} is invalid: expected {expected}. "
+                f"Per-request KV keys: {valid}.")
+    return None
+
+
+def check_vllm_xargs(xargs: Any, policy: str, max_model_len: int | None = None) -> str | None:
+    """First refusal for a request's vllm_xargs (None: fine). Non-dicts are vLLM's to judge."""
+    if not isinstance(xargs, dict):
+        return None
+    for key, value in xargs.items():
+        error = override_error(str(key), value, policy, max_model_len)
+        if error:
+            return error
+    return None
+
+
+def request_overrides(extra_args: Any, policy: str) -> dict[str, Any]:
+    """The valid per-request overrides among sampling_params.extra_args (engine side: anything
+    that slipped past the API check, e.g. from the offline API, is ignored, never fatal)."""
+    if not isinstance(extra_args, dict):
+        return {}
+    return {key: extra_args[key] for key in OVERRIDE_KEYS
+            if key in extra_args and override_error(key, extra_args[key], policy) is None}
+
+
+def effective_config(cfg, extra_args: Any):
+    """(KVPolicyConfig with the request's overrides applied, the overrides used)."""
+    overrides = request_overrides(extra_args, cfg.policy)
+    if not overrides:
+        return cfg, {}
+    return cfg.replace(**{OVERRIDE_KEYS[k][0]: v for k, v in overrides.items()}), overrides

@@ -1,0 +1,179 @@
+"""The policy this server serves, built once per process and handed down.
+
+`served_policy(vllm_config)` turns the `kv_policy` entry of vLLM's `additional_config` into a
+`ServedPolicy`: the validated config, the model's shape, the resolved head mask (and the file
+it came from), the policy object, and the per-request variants (`vllm_xargs` overrides, one
+bounded cache). Every consumer in a process (start-up validation in the API server; scheduler
+side, stats connector, worker side and attention backend in the engine core) gets the same
+object, so the mask file is read once per process. The first build pins the resolved mask path
+into `additional_config`, so every later process serves the same file.
+
+No vLLM import: a VllmConfig is read through its plain attributes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vllm_kvevict.config import HEAD_MASK_POLICIES, KVPolicyConfig
+from vllm_kvevict.overrides import effective_config
+from vllm_kvevict.policies import KVPolicy, build_policy
+
+logger = logging.getLogger("vllm_kvevict")
+
+ADDITIONAL_CONFIG_KEY = "kv_policy"
+MAX_VARIANTS = 64  # distinct per-request settings kept built (oldest dropped first)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    num_kv_heads: int
+    num_q_heads: int
+    head_dim: int
+
+    @property
+    def queries_per_kv(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @classmethod
+    def of(cls, hf_config) -> "ModelShape":
+        text = getattr(hf_config, "get_text_config", lambda: hf_config)()
+        num_q = text.num_attention_heads
+        num_kv = getattr(text, "num_key_value_heads", None) or num_q
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_q
+        return cls(text.num_hidden_layers, num_kv, num_q, head_dim)
+
+
+def policy_config_of(vllm_config) -> KVPolicyConfig:
+    """The KVPolicyConfig a VllmConfig carries (`full` when absent)."""
+    additional = getattr(vllm_config, "additional_config", None) or {}
+    raw = additional.get(ADDITIONAL_CONFIG_KEY) if isinstance(additional, dict) else None
+    return KVPolicyConfig.from_dict(raw)
+
+
+@dataclass
+class ServedPolicy:
+    config: KVPolicyConfig
+    model: str
+    shape: ModelShape
+    policy: KVPolicy
+    full_heads: torch.Tensor | None = None
+    mask_source: str = ""
+    mask_meta: dict = field(default_factory=dict)
+    _variants: OrderedDict = field(default_factory=OrderedDict, repr=False)
+
+    @classmethod
+    def build(cls, config: KVPolicyConfig, model: str, shape: ModelShape) -> "ServedPolicy":
+        """Resolve the head mask (duo/prulong) and build the policy; raises KVPolicyError."""
+        full_heads, source, meta = None, "", {}
+        if config.policy in HEAD_MASK_POLICIES:
+            from vllm_kvevict import masks
+
+            full_heads, source = masks.resolve_full_heads(config, model, shape.num_layers,
+                                                          shape.num_kv_heads)
+            meta = masks.load_head_gates(source).meta
+        policy = build_policy(config, shape.num_layers, shape.num_kv_heads,
+                              full_heads=full_heads, mask_source=source)
+        return cls(config, model, shape, policy, full_heads, source, meta)
+
+    # -- per request ------------------------------------------------------------------------
+    def for_request(self, extra_args: Any) -> KVPolicy:
+        """The policy with a request's valid `vllm_xargs` overrides applied."""
+        return self.variant(effective_config(self.config, extra_args)[1])
+
+    def variant(self, overrides: dict[str, Any]) -> KVPolicy:
+        if not overrides:
+            return self.policy
+        key = tuple(sorted(overrides.items()))
+        policy = self._variants.get(key)
+        if policy is None:
+            cfg = self.config.replace(**{_FIELD[k]: v for k, v in overrides.items()})
+            policy = build_policy(cfg, self.shape.num_layers, self.shape.num_kv_heads,
+                                  full_heads=self.full_heads, mask_source=self.mask_source)
+            self._variants[key] = policy
+            while len(self._variants) > MAX_VARIANTS:
+                self._variants.popitem(last=False)
+        return policy
+
+    def params(self, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The settings a request was served with (kv_stats `params`): the policy's fields,
+        with the served mask named by its file."""
+        params = self.variant(overrides or {}).config.to_dict()
+        params.pop("policy", None)
+        mask = params.pop("mask_path", None) or self.mask_source
+        if mask:
+            params["mask"] = os.path.basename(mask)
+        return params
+
+    # -- start-up ---------------------------------------------------------------------------
+    @property
+    def streaming_kv_heads(self) -> int:
+        return int(self.policy.streaming_heads().sum())
+
+    def streaming_bytes_per_request(self, dtype: torch.dtype) -> int:
+        """The streaming store of one running request: K and V of sink + window tokens for
+        every streaming head (head-mask policies; 0 otherwise)."""
+        if not self.config.uses_head_mask:
+            return 0
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return (2 * (self.config.sink + self.config.window) * self.streaming_kv_heads
+                * self.shape.head_dim * itemsize)
+
+    def describe(self) -> dict[str, Any]:
+        """Everything this server serves, for the start-up line and `GET /v1/kv_stats`."""
+        out: dict[str, Any] = {"policy": self.config.policy, **self.params()}
+        if self.mask_source:
+            out["mask_path"] = self.mask_source
+            out["mask_trained"] = {k: self.mask_meta[k] for k in
+                                   ("objective", "train_sparsity", "sink", "window")
+                                   if k in self.mask_meta}
+        out["streaming_kv_heads"] = self.streaming_kv_heads
+        out["kv_heads"] = self.shape.num_layers * self.shape.num_kv_heads
+        if self.config.evicts_tokens:
+            out["kv_cache_groups"] = self.config.num_tiers(self.shape.num_layers)
+        return out
+
+
+_FIELD = {"kv_sparsity": "sparsity", "kv_obs_window": "obs_window"}
+
+# One per process; rebuilt only if a process serves another configuration (unit tests do).
+_served: ServedPolicy | None = None
+_served_key: tuple | None = None
+builds = 0  # constructions in this process (tests check it stays 1 in a server)
+
+
+def _key(vllm_config) -> tuple:
+    additional = getattr(vllm_config, "additional_config", None) or {}
+    raw = additional.get(ADDITIONAL_CONFIG_KEY) if isinstance(additional, dict) else None
+    return (repr(sorted(raw.items())) if isinstance(raw, dict) else repr(raw),
+            str(vllm_config.model_config.model))
+
+
+def served_policy(vllm_config) -> ServedPolicy:
+    """This process's ServedPolicy (built on first use; raises KVPolicyError)."""
+    global _served, _served_key, builds
+    key = _key(vllm_config)
+    if _served is not None and key == _served_key:
+        return _served
+    config = policy_config_of(vllm_config)
+    model = str(vllm_config.model_config.model)
+    served = ServedPolicy.build(config, model, ModelShape.of(vllm_config.model_config.hf_config))
+    if served.mask_source and config.mask_path != served.mask_source:
+        # pin the resolved file: every later process serves exactly this mask
+        vllm_config.additional_config[ADDITIONAL_CONFIG_KEY]["mask_path"] = served.mask_source
+        served.config = served.config.replace(mask_path=served.mask_source)
+        key = _key(vllm_config)
+    builds += 1
+    _served, _served_key = served, key
+    if config.policy != "full":
+        logger.info("vllm-kvevict: serving %s (process %d, build %d)",
+                    " ".join(f"{k}={v}" for k, v in served.describe().items()), os.getpid(),
+                    builds)
+    return served
