@@ -9,7 +9,7 @@ SERVE_FLAGS ?= --served-model-name smollm2 --dtype float32 --enforce-eager \
 	--host 127.0.0.1 --port $(PORT) --max-num-batched-tokens $(CHUNK) \
 	--kv-cache-memory-bytes $(KV_POOL_BYTES)
 
-.PHONY: install model serve test test-all
+.PHONY: install model serve test test-fast test-all
 install:
 	@bash scripts/install.sh
 
@@ -23,6 +23,10 @@ serve: model
 
 test: model
 	$(PY) -m pytest -q
+
+# the developers' tier: no server, under a minute here (the full suite starts vllm serve ~30x)
+test-fast: model
+	$(PY) -m pytest -q -m "not server and not slow"
 
 test-all: model
 	$(PY) -m pytest -q -m ""

@@ -123,12 +123,14 @@ def append_jsonl(path: Path, row: dict) -> None:
 
 
 def server_flags(cell: Cell) -> list[str]:
-    flags = ["--kv-policy", cell.policy, "--max-num-batched-tokens", str(cell.chunk)]
+    from vllm_kvevict.launch import policy_flags
+
+    policy = {"policy": cell.policy}
     if cell.sparsity is not None and cell.policy not in ("snapkv", "pyramidkv"):
-        flags += ["--kv-sparsity", f"{cell.sparsity:g}"]
+        policy["sparsity"] = cell.sparsity
     if cell.eviction:
-        flags += ["--kv-eviction", cell.eviction]
-    return flags
+        policy["eviction"] = cell.eviction
+    return ["--max-num-batched-tokens", str(cell.chunk), *policy_flags(policy)]
 
 
 def run_served(args, model_dir: str, jobs, prompts, out: Path) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 from server.store import STATS_KEY, ServerStats
 
-logger = logging.getLogger("vllm_kvevict")
+logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
 
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 

@@ -18,7 +18,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-logger = logging.getLogger("vllm_kvevict")
+logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
 
 STATS_KEY = "kv_stats"  # the response field (and kv_transfer_params key) of our stats
 DEFAULT_CAPACITY = int(os.environ.get("VLLM_KVEVICT_STATS_CAPACITY", "1000"))

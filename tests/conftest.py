@@ -78,6 +78,18 @@ def start_server(model_dir: Path, extra_args: list[str], env: dict | None = None
     return server.wait_ready()
 
 
+def served_policy_builds(server: VLLMServer) -> dict[int, int]:
+    """process id -> times that process built the served policy (its start-up log line)."""
+    import re
+
+    builds: dict[int, int] = {}
+    for match in re.finditer(r"vllm-kvevict: serving .*\(process (\d+), build (\d+)\)",
+                             server.log_path.read_text(errors="replace")):
+        pid = int(match.group(1))
+        builds[pid] = builds.get(pid, 0) + 1
+    return builds
+
+
 def pytest_sessionfinish(session, exitstatus):
     while _current:
         _current.pop().stop()

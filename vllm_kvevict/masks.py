@@ -391,8 +391,15 @@ def default_mask_path(model_name_or_path: str, policy: str, sparsity: float | No
 
 def resolve_full_heads(cfg, model_name_or_path: str, num_layers: int, num_kv_heads: int):
     """(bool [L, H] full-head mask at `cfg.sparsity`, the mask file it came from) for a duo or
-    prulong `KVPolicyConfig`: `cfg.mask_path`, else the mask shipped for the model. A missing
-    or mismatched mask raises `KVPolicyError` (the server refuses to start)."""
+    prulong `KVPolicyConfig` (see `resolve_head_mask`)."""
+    full_heads, path, _meta = resolve_head_mask(cfg, model_name_or_path, num_layers, num_kv_heads)
+    return full_heads, path
+
+
+def resolve_head_mask(cfg, model_name_or_path: str, num_layers: int, num_kv_heads: int):
+    """(full-head mask, mask file, the file's metadata), reading the file once:
+    `cfg.mask_path`, else the mask shipped for the model. A missing or mismatched mask raises
+    `KVPolicyError` (the server refuses to start)."""
     from vllm_kvevict.config import KVPolicyError
 
     path = cfg.mask_path or default_mask_path(model_name_or_path, cfg.policy, cfg.sparsity)
@@ -406,4 +413,4 @@ def resolve_full_heads(cfg, model_name_or_path: str, num_layers: int, num_kv_hea
         full_heads = full_heads_at_sparsity(gates, cfg.sparsity)
     except MaskError as exc:
         raise KVPolicyError(str(exc)) from None
-    return full_heads, str(path)
+    return full_heads, str(path), dict(gates.meta)

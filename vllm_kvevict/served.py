@@ -25,7 +25,7 @@ from vllm_kvevict.config import HEAD_MASK_POLICIES, KVPolicyConfig
 from vllm_kvevict.overrides import effective_config
 from vllm_kvevict.policies import KVPolicy, build_policy
 
-logger = logging.getLogger("vllm_kvevict")
+logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
 
 ADDITIONAL_CONFIG_KEY = "kv_policy"
 MAX_VARIANTS = 64  # distinct per-request settings kept built (oldest dropped first)
@@ -76,9 +76,8 @@ class ServedPolicy:
         if config.policy in HEAD_MASK_POLICIES:
             from vllm_kvevict import masks
 
-            full_heads, source = masks.resolve_full_heads(config, model, shape.num_layers,
-                                                          shape.num_kv_heads)
-            meta = masks.load_head_gates(source).meta
+            full_heads, source, meta = masks.resolve_head_mask(config, model, shape.num_layers,
+                                                               shape.num_kv_heads)
         policy = build_policy(config, shape.num_layers, shape.num_kv_heads,
                               full_heads=full_heads, mask_source=source)
         return cls(config, model, shape, policy, full_heads, source, meta)

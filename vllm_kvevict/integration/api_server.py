@@ -18,7 +18,7 @@ from typing import Any, Callable
 from vllm_kvevict.overrides import check_vllm_xargs
 from vllm_kvevict.stats import STATS_KEY
 
-logger = logging.getLogger("vllm_kvevict")
+logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
 
 ENTRY_POINT_GROUP = "vllm_kvevict.server"
 

@@ -36,7 +36,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from vllm_kvevict.ledger import LayerGroups
 
-logger = logging.getLogger("vllm_kvevict")
+logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
 
 
 @dataclass(frozen=True)

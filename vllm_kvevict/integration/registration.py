@@ -14,7 +14,7 @@ import importlib
 import logging
 from dataclasses import dataclass
 
-logger = logging.getLogger("vllm_kvevict")
+logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from vllm_kvevict.integration.admission import GrowthReserve
 from vllm_kvevict.integration.token_ledger import TokenEvictionLedger
 from vllm_kvevict.served import served_policy
 
-logger = logging.getLogger("vllm_kvevict")
+logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
 
 _reserve: GrowthReserve | None = None
 

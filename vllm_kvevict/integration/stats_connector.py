@@ -38,7 +38,7 @@ from vllm_kvevict.served import ServedPolicy, served_policy
 from vllm_kvevict.stats import (STATS_KEY, ByteLayout, RequestRecord, finite_or_none,
                                 footprint_function)
 
-logger = logging.getLogger("vllm_kvevict")
+logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
 
 CONNECTOR_CLASS = "KVEvictStatsConnector"
 CONNECTOR_MODULE = "vllm_kvevict.integration.stats_connector"

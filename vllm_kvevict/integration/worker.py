@@ -18,7 +18,7 @@ from vllm_kvevict.integration.token_eviction_worker import TokenEvictionWorker, 
 from vllm_kvevict.policies import KVPolicy
 from vllm_kvevict.served import ServedPolicy, served_policy
 
-logger = logging.getLogger("vllm_kvevict")
+logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
 
 
 @dataclass
