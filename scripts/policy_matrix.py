@@ -204,7 +204,7 @@ def run_reference(args, model_dir: str, jobs, prompts, out: Path) -> None:
     for cell, i in tqdm(todo, desc="reference", unit="prompt"):
         cfg = KVPolicyConfig.from_dict(cell.policy_dict())
         full_heads = mask_path = None
-        if cfg.policy in ("duo", "prulong"):
+        if cfg.uses_head_mask and cfg.policy != "streaming":
             full_heads, mask_path = resolve_full_heads(cfg, model_dir, NUM_LAYERS, NUM_KV_HEADS)
         runner = ReferenceRunner(model, build_policy(cfg, NUM_LAYERS, NUM_KV_HEADS,
                                                      full_heads=full_heads))

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from conftest import SERVED_NAME, served_policy_builds, start_server
-from vllm_kvevict.config import KVPolicyConfig
+from vllm_kvevict.config import HEAD_MASK_POLICIES, KVPolicyConfig
 from vllm_kvevict.footprint import eviction_boundaries
 from vllm_kvevict.launch import policy_flags
 from vllm_kvevict.masks import resolve_full_heads
@@ -66,7 +66,7 @@ def source_prompts(tokenizer, lengths) -> list[list[int]]:
 def reference(hf_model, bundled_model_dir, policy: dict, prompt, chunk, new_tokens=NEW_TOKENS):
     cfg = KVPolicyConfig.from_dict(policy)
     full_heads = None
-    if cfg.policy in ("duo", "prulong"):
+    if cfg.policy in HEAD_MASK_POLICIES:
         full_heads, _ = resolve_full_heads(cfg, str(bundled_model_dir), 30, 3)
     runner = ReferenceRunner(hf_model, build_policy(cfg, 30, 3, full_heads=full_heads))
     return runner.generate(prompt, new_tokens, chunk)

@@ -1,5 +1,5 @@
 """The reference oracle on a tiny random Llama: full equals transformers, streaming and token
-eviction follow DESIGN.md section 2, and the scoring equals a slow loop written from the paper."""
+eviction follow the paper's semantics (`policies/streaming.py`), and the scoring equals a slow loop written from the paper."""
 
 from __future__ import annotations
 

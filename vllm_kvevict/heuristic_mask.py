@@ -16,7 +16,7 @@ evaluation (`vllm_kvevict.train.evaluate`) compares it with the trained ones.
 
 The measure. A streaming head at query position q keeps the keys [0, sink) and
 [q - window, q] (the sink, the last `window` tokens before q and q itself: the project's decode
-semantics, DESIGN.md section 2 and `policies/streaming.py`), so it evicts [sink, q - window).
+semantics, `policies/streaming.py`), so it evicts [sink, q - window).
 For a query head, the long-range mass at q is the softmax probability on those evicted keys
 under full causal attention. A KV head's score is its mean over the query positions whose
 evicted range is not empty (q > sink + window) and over the query heads of its GQA group.

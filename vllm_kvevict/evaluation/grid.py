@@ -17,9 +17,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-HEAD_MASK = ("duo", "prulong")
-TOKEN_EVICTION = ("snapkv", "pyramidkv")
-EVICTIONS = ("naive", "patched")
+from vllm_kvevict.config import EVICTION_MODES
+from vllm_kvevict.config import HEAD_MASK_POLICIES as HEAD_MASK
+from vllm_kvevict.config import TOKEN_EVICTION_POLICIES as TOKEN_EVICTION
+
+EVICTIONS = tuple(sorted(EVICTION_MODES))  # ("naive", "patched")
 METHODS = ("full", "streaming") + HEAD_MASK + TOKEN_EVICTION
 OBS_WINDOW = 64  # patched eviction runs the last 64 prompt tokens with every non-final chunk
 

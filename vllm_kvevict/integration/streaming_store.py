@@ -1,6 +1,6 @@
 """Sink + window K/V of streaming heads, per request, outside vLLM's paged pool.
 
-Semantics (DESIGN.md section 2): a streaming head running a chunk [a, a + c) sees the sink (first
+Semantics (`policies/streaming.py`): a streaming head running a chunk [a, a + c) sees the sink (first
 s tokens), the last W tokens before a, and the chunk causally; afterwards it keeps sink + last W.
 The tokens it may see before a are exactly positions [0, a) if a <= s + W, else [0, s) and
 [a - W, a): v = min(a, s + W) tokens.

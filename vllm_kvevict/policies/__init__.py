@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_kvevict.config import KVPolicyConfig
+from vllm_kvevict.config import HEAD_MASK_POLICIES, KVPolicyConfig
 from vllm_kvevict.policies.base import ChunkKeep, KVPolicy
 from vllm_kvevict.policies.full import FullPolicy
 from vllm_kvevict.policies.head_mask import HeadMaskPolicy
@@ -25,7 +25,7 @@ def build_policy(config: KVPolicyConfig, num_layers: int, num_kv_heads: int,
         return FullPolicy(**args)
     if config.policy == "streaming":
         return StreamingPolicy(**args)
-    if config.policy in ("duo", "prulong"):
+    if config.policy in HEAD_MASK_POLICIES:
         return HeadMaskPolicy(**args, full_heads=full_heads, mask_source=mask_source)
     if config.policy == "snapkv":
         return SnapKVPolicy(**args)

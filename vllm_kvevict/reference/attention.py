@@ -4,7 +4,7 @@ Plain PyTorch, one sequence, no batch; nothing here is shared with the vLLM path
 queries [num_q_heads, T, d]; keys and values [num_kv_heads, N, d]. Query head h reads KV head
 h // group (group = num_q_heads // num_kv_heads), as transformers' `repeat_kv` lays them out.
 
-Which key a query sees is decided by true token positions only (DESIGN.md section 2):
+Which key a query sees is decided by true token positions only (`policies/streaming.py`):
 - full head: every cached key and the current chunk causally;
 - streaming head: while chunk [a, b) runs, the sink (positions < sink), the last `window`
   positions before a (a - window <= p < a) and the whole chunk causally; a decode step at t is
