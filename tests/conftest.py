@@ -23,13 +23,14 @@ class VLLMServer(ServerProcess):
     """One `vllm serve` subprocess of the bundled model (eager, 512 MiB pool, 8K context)."""
 
     def __init__(self, model_dir: Path, extra_args: list[str], env: dict | None = None,
-                 log_dir: Path | None = None):
+                 log_dir: Path | None = None, eager: bool = True):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         log_dir = log_dir or Path(os.environ.get("KVEVICT_TEST_LOGS", "/tmp"))
         argv = [str(VENV_BIN / "vllm"), "serve", str(model_dir),
                 "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
-                "--port", str(self.port), "--enforce-eager", "--max-model-len", "8192",
+                "--port", str(self.port), *(["--enforce-eager"] if eager else []),
+                "--max-model-len", "8192",
                 "--kv-cache-memory-bytes", str(512 << 20), "--seed", "0", "--dtype", "float32",
                 *extra_args]
         super().__init__(argv, log_dir / f"vllm-serve-{self.port}.log", env=env or {})
@@ -69,13 +70,14 @@ def hf_model(bundled_model_dir):
     return AutoModelForCausalLM.from_pretrained(bundled_model_dir, dtype=torch.float32).eval()
 
 
-def start_server(model_dir: Path, extra_args: list[str], env: dict | None = None) -> VLLMServer:
+def start_server(model_dir: Path, extra_args: list[str], env: dict | None = None,
+                 eager: bool = True) -> VLLMServer:
     """Start a server after stopping any other (two cores: one server at a time)."""
     while _current:
         _current.pop().stop()
-    server = VLLMServer(model_dir, extra_args, env)
+    server = VLLMServer(model_dir, extra_args, env, eager=eager)
     _current.append(server)
-    return server.wait_ready()
+    return server.wait_ready(300.0 if eager else 900.0)
 
 
 def served_policy_builds(server: VLLMServer) -> dict[int, int]:

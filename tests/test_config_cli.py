@@ -90,7 +90,22 @@ def test_fold_into_engine_args_exits_with_one_line(capsys):
         cli.fold_into_engine_args(Args(), parse(["--kv-policy", "nope"]))
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "unknown kv policy 'nope'" in err[0]
+    assert len(err) == 1 and "--kv-policy 'nope' is unknown" in err[0]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--kv-policy", "prulong", "--kv-sparsity", "1.5"],
+     "--kv-sparsity must be a number in [0, 1], got 1.5"),
+    (["--kv-policy", "streaming", "--kv-window", "0"], "--kv-window must be an integer >= 1, got 0"),
+    (["--kv-policy", "snapkv", "--kv-eviction", "sometimes"],
+     "--kv-eviction 'sometimes' is unknown; valid modes: patched, naive"),
+    (["--kv-policy", "prulong", "--kv-tiers", "2"],
+     "--kv-tiers only applies to snapkv, pyramidkv, not 'prulong'"),
+])
+def test_flag_errors_name_the_flag(argv, message):
+    with pytest.raises(KVPolicyError) as exc:
+        cli.policy_from_args(parse(argv), {})
+    assert str(exc.value) == message
 
 
 def test_vllm_serve_rejects_bogus_policy_before_loading(bundled_model_dir):
@@ -99,7 +114,7 @@ def test_vllm_serve_rejects_bogus_policy_before_loading(bundled_model_dir):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
-    assert last == ("vllm-kvevict: error: unknown kv policy 'bogus'; valid policies: "
+    assert last == ("vllm-kvevict: error: --kv-policy 'bogus' is unknown; valid policies: "
                     + ", ".join(POLICIES))
     assert "Loading weights" not in proc.stderr + proc.stdout
 

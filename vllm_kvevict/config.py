@@ -35,7 +35,12 @@ DEFAULT_SPARSITY = 0.7
 
 
 class KVPolicyError(ValueError):
-    """A policy setting that cannot be served; the message names the valid values."""
+    """A policy setting that cannot be served; the message names the valid values and, first,
+    the setting (`field`), which the CLI shows as its flag (`--kv-sparsity must be ...`)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -126,41 +131,44 @@ class KVPolicyConfig:
 
 def _check_int(name: str, value: Any, lo: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise KVPolicyError(f"{name} must be an integer >= {lo}, got {value!r}")
+        raise KVPolicyError(f"{name} must be an integer >= {lo}, got {value!r}", name)
 
 
 def validate(cfg: KVPolicyConfig) -> None:
     if cfg.policy not in POLICIES:
         raise KVPolicyError(
-            f"unknown kv policy {cfg.policy!r}; valid policies: {', '.join(POLICIES)}")
+            f"policy {cfg.policy!r} is unknown; valid policies: {', '.join(POLICIES)}", "policy")
     s = cfg.sparsity
     if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) \
             or not 0.0 <= s <= 1.0:
-        raise KVPolicyError(f"sparsity must be a number in [0, 1], got {s!r}")
+        raise KVPolicyError(f"sparsity must be a number in [0, 1], got {s!r}", "sparsity")
     _check_int("sink", cfg.sink, 0)
     _check_int("window", cfg.window, 1)
     _check_int("obs_window", cfg.obs_window, 1)
     _check_int("pool_kernel", cfg.pool_kernel, 1)
     if cfg.pool_kernel % 2 == 0:
-        raise KVPolicyError(f"pool_kernel must be odd, got {cfg.pool_kernel}")
+        raise KVPolicyError(f"pool_kernel must be odd, got {cfg.pool_kernel}", "pool_kernel")
     if cfg.eviction not in EVICTION_MODES:
-        raise KVPolicyError(
-            f"unknown eviction mode {cfg.eviction!r}; valid modes: {', '.join(EVICTION_MODES)}")
+        raise KVPolicyError(f"eviction {cfg.eviction!r} is unknown; valid modes: "
+                            f"{', '.join(EVICTION_MODES)}", "eviction")
     if cfg.admission not in ADMISSION_MODES:
-        raise KVPolicyError(f"unknown admission mode {cfg.admission!r}; valid modes: "
-                            f"{', '.join(ADMISSION_MODES)}")
+        raise KVPolicyError(f"admission {cfg.admission!r} is unknown; valid modes: "
+                            f"{', '.join(ADMISSION_MODES)}", "admission")
     if cfg.mask_path is not None and not isinstance(cfg.mask_path, str):
-        raise KVPolicyError(f"mask_path must be a path string, got {cfg.mask_path!r}")
+        raise KVPolicyError(f"mask_path must be a path string, got {cfg.mask_path!r}",
+                            "mask_path")
     if cfg.tiers is not None:
         _check_int("tiers", cfg.tiers, 1)
         if cfg.policy not in TOKEN_EVICTION_POLICIES:
-            raise KVPolicyError(
-                f"tiers only applies to {', '.join(TOKEN_EVICTION_POLICIES)}, not {cfg.policy!r}")
+            raise KVPolicyError(f"tiers only applies to {', '.join(TOKEN_EVICTION_POLICIES)}, "
+                                f"not {cfg.policy!r}", "tiers")
     if cfg.eviction_chunk is not None:
         _check_int("eviction_chunk", cfg.eviction_chunk, 1)
         if cfg.policy not in TOKEN_EVICTION_POLICIES:
             raise KVPolicyError(f"eviction_chunk only applies to "
-                                f"{', '.join(TOKEN_EVICTION_POLICIES)}, not {cfg.policy!r}")
+                                f"{', '.join(TOKEN_EVICTION_POLICIES)}, not {cfg.policy!r}",
+                                "eviction_chunk")
     if cfg.mask_path is not None and cfg.policy not in HEAD_MASK_POLICIES:
         raise KVPolicyError(
-            f"mask_path only applies to {', '.join(HEAD_MASK_POLICIES)}, not {cfg.policy!r}")
+            f"mask_path only applies to {', '.join(HEAD_MASK_POLICIES)}, not {cfg.policy!r}",
+            "mask_path")

@@ -155,6 +155,19 @@ def _key(vllm_config) -> tuple:
             str(vllm_config.model_config.model))
 
 
+def serving(served: ServedPolicy, vllm_config) -> dict[str, Any]:
+    """Everything the server serves: the policy (`describe`) and the engine settings that
+    decide its chunks and memory. The start-up line and `GET /v1/kv_stats` params."""
+    out = served.describe()
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    cache = getattr(vllm_config, "cache_config", None)
+    out["chunk"] = getattr(scheduler, "max_num_batched_tokens", None)
+    out["prefix_caching"] = getattr(cache, "enable_prefix_caching", None)
+    out["block_size"] = getattr(cache, "block_size", None)
+    out["kv_cache_dtype"] = str(getattr(cache, "cache_dtype", "auto"))
+    return out
+
+
 def served_policy(vllm_config) -> ServedPolicy:
     """This process's ServedPolicy (built on first use; raises KVPolicyError)."""
     global _served, _served_key, builds
@@ -172,7 +185,11 @@ def served_policy(vllm_config) -> ServedPolicy:
     builds += 1
     _served, _served_key = served, key
     if config.policy != "full":
+        cache = getattr(vllm_config, "cache_config", None)
+        if cache is not None:
+            # Per-request eviction state starts at token 0: a prefix-cache hit would skip it.
+            cache.enable_prefix_caching = False
         logger.info("vllm-kvevict: serving %s (process %d, build %d)",
-                    " ".join(f"{k}={v}" for k, v in served.describe().items()), os.getpid(),
-                    builds)
+                    " ".join(f"{k}={v}" for k, v in serving(served, vllm_config).items()),
+                    os.getpid(), builds)
     return served

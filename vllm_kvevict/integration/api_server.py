@@ -52,14 +52,14 @@ def remember_config(vllm_config) -> None:
 
 def server_context(model_config=None) -> ServerContext:
     from vllm_kvevict.integration.stats_connector import stats_status
-    from vllm_kvevict.served import served_policy
+    from vllm_kvevict.served import served_policy, serving
 
     if _vllm_config is None:
         return ServerContext()
     served = served_policy(_vllm_config)
     enabled, reason = stats_status(_vllm_config)
     model_config = model_config or _vllm_config.model_config
-    return ServerContext(policy=served.config.policy, params=served.describe(),
+    return ServerContext(policy=served.config.policy, params=serving(served, _vllm_config),
                          max_model_len=getattr(model_config, "max_model_len", None),
                          stats_enabled=enabled, stats_disabled_reason=reason)
 

@@ -57,6 +57,9 @@ FLAGS = {
 }
 
 
+FLAG_OF_FIELD = {field: flag for flag, (field, _type, _help) in FLAGS.items()}
+
+
 def add_kv_policy_args(parser: argparse.ArgumentParser) -> None:
     if any(a.dest == "kv_policy" for a in parser._actions):  # idempotent
         return
@@ -81,7 +84,18 @@ def policy_from_args(args: argparse.Namespace, additional_config: dict | None) -
             base[field] = value
     if not base:
         return None
-    return KVPolicyConfig.from_dict(base).to_dict()
+    try:
+        return KVPolicyConfig.from_dict(base).to_dict()
+    except KVPolicyError as exc:
+        raise KVPolicyError(flag_message(exc), exc.field) from None
+
+
+def flag_message(exc: KVPolicyError) -> str:
+    """The error with its setting named as the flag a user typed (`--kv-sparsity must ...`)."""
+    import re
+
+    message, flag = str(exc), FLAG_OF_FIELD.get(exc.field or "")
+    return re.sub(rf"^{re.escape(exc.field)}\b", flag, message) if flag else message
 
 
 def fail(message: str) -> "None":
@@ -91,6 +105,8 @@ def fail(message: str) -> "None":
 
 
 def fold_into_engine_args(engine_args, args: argparse.Namespace) -> None:
+    from vllm_kvevict.integration import registration
+
     additional = engine_args.additional_config
     if additional is None or not isinstance(additional, dict):
         additional = {}
@@ -98,6 +114,9 @@ def fold_into_engine_args(engine_args, args: argparse.Namespace) -> None:
         policy = policy_from_args(args, additional)
     except KVPolicyError as exc:
         fail(str(exc))
+    if policy is not None and registration.inactive_reason is not None:
+        fail(f"--kv-* flags need an active plugin, and it is inactive here: "
+             f"{registration.inactive_reason}")
     if policy is not None:
         additional = {**additional, ADDITIONAL_CONFIG_KEY: policy}
         engine_args.additional_config = additional

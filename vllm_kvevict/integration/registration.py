@@ -83,15 +83,56 @@ RELIED_ON = (
 
 PATCHED = tuple(w.target.replace(":", ".") for w in WRAPS)
 
+# What this release is built and tested for. Anywhere else the plugin stays inert: `vllm serve`
+# without --kv-* flags is stock vLLM (one log line says why), and a --kv-* flag (or
+# `additional_config["kv_policy"]`) stops the server at start-up with that reason.
+SUPPORTED_VLLM = ("0.32.0",)
+SUPPORTED_PLATFORMS = ("cpu",)
+INERT_WRAPS = ("vllm.engine.arg_utils:EngineArgs.add_cli_args",
+               "vllm.engine.arg_utils:EngineArgs.from_cli_args")
+
 _registered = False
+inactive_reason: str | None = None
 applied: dict[str, object] = {}  # target -> vLLM's original (tests check every row applied)
 
 
+def vllm_version() -> str:
+    import vllm
+
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+def platform_name() -> str:
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_type)
+
+
+def support_problem(version: str, platform: str) -> str | None:
+    """Why this vLLM cannot be served by this release (None: it can)."""
+    base = version.split("+")[0]
+    if base not in SUPPORTED_VLLM:
+        return (f"vLLM {version} is not supported (supported: {', '.join(SUPPORTED_VLLM)}): "
+                "the plugin patches vLLM internals checked only for those versions")
+    if platform not in SUPPORTED_PLATFORMS:
+        return (f"platform {platform!r} is not supported (supported: "
+                f"{', '.join(SUPPORTED_PLATFORMS)}); docs/design.md, 'The CUDA path', says "
+                "how the policies would map onto vLLM's GPU backends")
+    return None
+
+
 def register() -> None:
-    global _registered
+    global _registered, inactive_reason
     if _registered:
         return
     _registered = True
+    inactive_reason = support_problem(vllm_version(), platform_name())
+    if inactive_reason is not None:
+        logger.info("vllm-kvevict: plugin inactive: %s", inactive_reason)
+        for wrap in WRAPS:
+            if wrap.target in INERT_WRAPS:  # so a --kv-* flag gets our error, not argparse's
+                _apply(wrap)
+        return
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     register_backend(AttentionBackendEnum.CPU_ATTN,

@@ -47,42 +47,76 @@ ENV_DISABLE = "VLLM_KVEVICT_STATS"  # "0" turns the stats connector off
 
 # -- configuration (API-server process, before the engine starts) ---------------------------------
 
+OURS = {"kv_connector": CONNECTOR_CLASS, "kv_connector_module_path": CONNECTOR_MODULE}
+MULTI = "MultiConnector"  # vLLM's: runs several connectors in one engine
+
+
+def _children(ktc) -> list[dict]:
+    if ktc is None or ktc.kv_connector != MULTI:
+        return []
+    return list((ktc.kv_connector_extra_config or {}).get("connectors") or [])
+
+
+def _is_ours(entry) -> bool:
+    get = entry.get if isinstance(entry, dict) else lambda k: getattr(entry, k, None)
+    return (get("kv_connector") == CONNECTOR_CLASS
+            and get("kv_connector_module_path") == CONNECTOR_MODULE)
+
+
 def is_ours(kv_transfer_config) -> bool:
-    return (kv_transfer_config is not None
-            and kv_transfer_config.kv_connector == CONNECTOR_CLASS
-            and kv_transfer_config.kv_connector_module_path == CONNECTOR_MODULE)
+    """Our stats connector is the engine's connector or one of MultiConnector's."""
+    return kv_transfer_config is not None and (
+        _is_ours(kv_transfer_config) or any(_is_ours(c) for c in _children(kv_transfer_config)))
+
+
+def user_connectors(kv_transfer_config) -> list[str]:
+    """The KV connectors the user configured (ours excluded)."""
+    ktc = kv_transfer_config
+    if ktc is None or not ktc.kv_connector or _is_ours(ktc):
+        return []
+    if ktc.kv_connector == MULTI:
+        return [c.get("kv_connector", "?") for c in _children(ktc) if not _is_ours(c)]
+    return [ktc.kv_connector]
 
 
 def stats_status(vllm_config) -> tuple[bool, str]:
     """(kv_stats enabled on this server, why not)."""
-    ktc = getattr(vllm_config, "kv_transfer_config", None)
-    if is_ours(ktc):
+    if is_ours(getattr(vllm_config, "kv_transfer_config", None)):
         return True, ""
-    if ktc is not None and ktc.kv_connector:
-        return False, (f"--kv-transfer-config selects connector {ktc.kv_connector!r}; per-request "
-                       f"kv_stats need vllm-kvevict's {CONNECTOR_CLASS}")
     if os.environ.get(ENV_DISABLE, "1") == "0":
         return False, f"{ENV_DISABLE}=0"
     return False, "stats connector not configured"
 
 
 def inject_config(engine_args) -> None:
-    """Give the engine our stats connector unless the user chose a KV connector of their own."""
+    """Give the engine our stats connector: alone, or beside the user's connector(s) through
+    vLLM's MultiConnector (which runs each, and merges their kv_transfer_params)."""
     from vllm.config.kv_transfer import KVTransferConfig
 
     if os.environ.get(ENV_DISABLE, "1") == "0":
         return
     ktc = engine_args.kv_transfer_config
-    if ktc is None:
-        engine_args.kv_transfer_config = KVTransferConfig(
-            kv_connector=CONNECTOR_CLASS, kv_connector_module_path=CONNECTOR_MODULE,
-            kv_role="kv_producer")
-    elif not is_ours(ktc) and ktc.kv_connector:
-        logger.warning(
-            "vllm-kvevict: --kv-transfer-config selects KV connector %r, and vLLM runs one "
-            "connector per engine, so per-request kv_stats are OFF on this server (responses "
-            "carry \"kv_stats\": null, GET /v1/kv_stats reports enabled=false). Drop "
-            "--kv-transfer-config to get them back.", ktc.kv_connector)
+    if isinstance(ktc, dict):
+        ktc = KVTransferConfig(**ktc)
+    if ktc is None or not ktc.kv_connector:
+        engine_args.kv_transfer_config = KVTransferConfig(**OURS, kv_role="kv_producer")
+        return
+    if is_ours(ktc):
+        return
+    extra = dict(ktc.kv_connector_extra_config or {})
+    if ktc.kv_connector == MULTI:
+        extra["connectors"] = [*_children(ktc), dict(OURS, kv_role=ktc.kv_role)]
+    else:
+        import dataclasses
+
+        user = {f.name: getattr(ktc, f.name) for f in dataclasses.fields(ktc)
+                if f.init and f.name != "engine_id"}
+        extra = {"connectors": [user, dict(OURS, kv_role=ktc.kv_role)]}
+    engine_args.kv_transfer_config = KVTransferConfig(
+        kv_connector=MULTI, kv_role=ktc.kv_role, kv_connector_extra_config=extra,
+        engine_id=ktc.engine_id)
+    logger.info("vllm-kvevict: kv_stats beside the user's KV connector(s) %s through vLLM's "
+                "MultiConnector", user_connectors(ktc))
 
 
 # -- the connector ------------------------------------------------------------------------------
@@ -148,10 +182,20 @@ class KVEvictStatsConnector(KVConnectorBase_V1, SupportsHMA):
         return False, ({STATS_KEY: stats} if stats is not None else None)
 
 
+def ours_in(connector) -> "KVEvictStatsConnector | None":
+    """Our connector: the scheduler's, or among a MultiConnector's children."""
+    if isinstance(connector, KVEvictStatsConnector):
+        return connector
+    for child in getattr(connector, "sub_connectors", None) or ():
+        if isinstance(child, KVEvictStatsConnector):
+            return child
+    return None
+
+
 def on_step_output(scheduler, scheduler_output) -> None:
     """`Scheduler.update_from_output` (before vLLM's own): a step's output is back."""
-    connector = getattr(scheduler, "connector", None)
-    if isinstance(connector, KVEvictStatsConnector):
+    connector = ours_in(getattr(scheduler, "connector", None))
+    if connector is not None:
         connector.on_step_output(scheduler_output)
 
 

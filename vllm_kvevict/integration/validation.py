@@ -24,8 +24,17 @@ def validate_against_model(vllm_config) -> None:
         if cfg.policy == "full":
             return
         num_layers = served.shape.num_layers
-        # Per-request eviction state starts at token 0: a prefix-cache hit would skip it.
-        vllm_config.cache_config.enable_prefix_caching = False
+        from vllm_kvevict.integration.stats_connector import user_connectors
+
+        users = user_connectors(getattr(vllm_config, "kv_transfer_config", None))
+        if users:
+            # A connector saves and loads whole KV blocks by token position; eviction rewrites
+            # them (compacted, or streaming heads outside the pool). Loaded blocks would have to
+            # be what the policy kept at the same chunk boundaries: not built, so refused.
+            raise KVPolicyError(
+                f"--kv-transfer-config connector(s) {', '.join(users)} cannot be combined with "
+                f"--kv-policy {cfg.policy}: a KV connector saves and loads KV blocks that "
+                "eviction rewrites; with a connector use --kv-policy full (kv_stats stay on)")
         tiers = cfg.num_tiers(num_layers)
         if num_layers % tiers:
             # vLLM's hybrid allocator makes groups of equal layer counts: it would pad the

