@@ -192,9 +192,9 @@ def create_engine_config(engine_args, stock_create, *args, **kwargs):
     """`EngineArgs.create_engine_config`: our stats connector in the engine's KV-transfer
     config (unless the user chose one), then vLLM's config, then validation against the model
     (which builds this process's served policy)."""
-    from vllm_kvevict.integration import api_server, stats_connector, validation
+    from vllm_kvevict.integration import api_server, kv_transfer, validation
 
-    stats_connector.inject_config(engine_args)
+    kv_transfer.inject_config(engine_args)
     vllm_config = stock_create(engine_args, *args, **kwargs)
     validation.validate_against_model(vllm_config)
     api_server.remember_config(vllm_config)

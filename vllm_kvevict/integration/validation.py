@@ -24,7 +24,7 @@ def validate_against_model(vllm_config) -> None:
         if cfg.policy == "full":
             return
         num_layers = served.shape.num_layers
-        from vllm_kvevict.integration.stats_connector import user_connectors
+        from vllm_kvevict.integration.kv_transfer import user_connectors
 
         users = user_connectors(getattr(vllm_config, "kv_transfer_config", None))
         if users:
