@@ -151,7 +151,8 @@ def run_served(args, model_dir: str, jobs, prompts, out: Path) -> None:
     for key, group in groups.items():
         argv = [str(Path(sys.executable).parent / "vllm"), "serve", model_dir,
                 "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
-                "--enforce-eager", "--dtype", "float32", "--max-model-len", "8192", "--seed", "0",
+                *([] if args.compiled else ["--enforce-eager"]), "--dtype", "float32",
+                "--max-model-len", "8192", "--seed", "0",
                 "--kv-cache-memory-bytes", str(512 << 20), *server_flags(group[0][0])]
         log = Path(args.out_dir) / "logs" / f"server_{'_'.join(map(str, key))}.log"
         with ServerProcess(argv, log, env={"VLLM_CPU_NUM_OF_RESERVED_CPU":
@@ -284,6 +285,8 @@ def main(argv=None) -> int:
     p.add_argument("--logprob-tol", type=float, default=2e-3)
     p.add_argument("--policies", nargs="+", default=None, help="only these policy names")
     p.add_argument("--port", type=int, default=8310)
+    p.add_argument("--compiled", action="store_true",
+                   help="serve in vLLM's compile mode (no --enforce-eager)")
     p.add_argument("--reserved-cpus", type=int, default=1,
                    help="VLLM_CPU_NUM_OF_RESERVED_CPU for the servers (1: one worker thread on "
                         "2 cores, leaving the other for --part reference)")

@@ -96,7 +96,7 @@ def parse_policy(text: str) -> PolicySpec:
 def build_server_command(model: str, spec: PolicySpec, *, kv_cache_bytes: int,
                          max_batched_tokens: int, host: str = "127.0.0.1", port: int = 8000,
                          extra_args: list[str] | tuple[str, ...] = (),
-                         executable: str = "vllm") -> list[str]:
+                         executable: str = "vllm", eager: bool = True) -> list[str]:
     """argv of `vllm serve` for one policy; every policy gets the same pool and batch size."""
     policy = {"policy": spec.policy, "sparsity": spec.sparsity, "eviction": spec.eviction,
               "tiers": spec.tiers}
@@ -104,7 +104,7 @@ def build_server_command(model: str, spec: PolicySpec, *, kv_cache_bytes: int,
             *policy_flags({k: v for k, v in policy.items() if v is not None})]
     argv += ["--kv-cache-memory-bytes", str(kv_cache_bytes),
              "--max-num-batched-tokens", str(max_batched_tokens),
-             "--enforce-eager", "--host", host, "--port", str(port)]
+             *(["--enforce-eager"] if eager else []), "--host", host, "--port", str(port)]
     return argv + list(extra_args)
 
 

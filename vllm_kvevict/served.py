@@ -116,13 +116,13 @@ class ServedPolicy:
     def streaming_kv_heads(self) -> int:
         return int(self.policy.streaming_heads().sum())
 
-    def streaming_bytes_per_request(self, dtype: torch.dtype) -> int:
-        """The streaming store of one running request: K and V of sink + window tokens for
-        every streaming head (head-mask policies; 0 otherwise)."""
+    def streaming_bytes_per_request(self, dtype: torch.dtype, slack: int = 0) -> int:
+        """The streaming store of one running request: K and V of sink + window (+ `slack`,
+        the speculative K) tokens for every streaming head (head-mask policies; else 0)."""
         if not self.config.uses_head_mask:
             return 0
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return (2 * (self.config.sink + self.config.window) * self.streaming_kv_heads
+        return (2 * (self.config.sink + self.config.window + slack) * self.streaming_kv_heads
                 * self.shape.head_dim * itemsize)
 
     def describe(self) -> dict[str, Any]:

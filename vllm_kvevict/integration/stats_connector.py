@@ -32,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorMetadata,
                                                                KVConnectorRole, SupportsHMA)
 
+from vllm_kvevict.features import speculative_slack
 from vllm_kvevict.overrides import effective_config
 from vllm_kvevict.served import ServedPolicy, served_policy
 from vllm_kvevict.stats import (STATS_KEY, ByteLayout, RequestRecord, finite_or_none,
@@ -175,7 +176,8 @@ class RequestStatsTracker:
         head_size = getattr(spec, "head_size", None) or shape.head_dim
         full_bytes_per_block = (shape.num_layers * 2 * block_size * shape.num_kv_heads
                                 * head_size * _dtype_bytes(kv_dtype))
-        streaming_bytes = served.streaming_bytes_per_request(vllm_config.model_config.dtype)
+        streaming_bytes = served.streaming_bytes_per_request(vllm_config.model_config.dtype,
+                                                             speculative_slack(vllm_config))
         self.layout = ByteLayout(
             block_size=block_size,
             group_bytes_per_block=_group_bytes_per_block(kv_cache_config),

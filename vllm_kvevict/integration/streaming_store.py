@@ -1,18 +1,27 @@
 """Sink + window K/V of streaming heads, per request, outside vLLM's paged pool.
 
-Semantics (`policies/streaming.py`): a streaming head running a chunk [a, a + c) sees the sink (first
-s tokens), the last W tokens before a, and the chunk causally; afterwards it keeps sink + last W.
-The tokens it may see before a are exactly positions [0, a) if a <= s + W, else [0, s) and
-[a - W, a): v = min(a, s + W) tokens.
+Semantics (`policies/streaming.py`): a streaming head running a prefill chunk [a, a + c) sees
+the sink (first s tokens), the last W tokens before a, and the chunk causally; afterwards it keeps
+sink + last W. The tokens it may see before a are exactly positions [0, a) if a <= s + W, else
+[0, s) and [a - W, a). A decode query at position q (q >= the prompt length) sees the sink,
+[q - W, q) and itself, as when tokens are decoded one at a time; so a step that runs several
+decode queries of one request (speculative decoding: the last sampled token and K drafts) gives
+each its own kernel row (below).
 
-Layout: per layer a plain tensor [slots * (s + W), heads, head_dim] for K and for V. Position p of a
-request lives at ring slot p (p < s) or s + (p - s) mod W, so before every step the visible tokens
-fill ring slots [0, v) exactly, whatever the step sizes were (attention does not care about key
-order; RoPE is already in the keys). Each step:
-  1. lay out [visible prefix | chunk] per request in a zeroed scratch paged cache (through vLLM's
-     reshape-and-cache op, which knows the kernel's packed layouts) and run vLLM's own CPU kernel
-     causally: it places query i at seq_len - q_len + i, which is exactly the streaming mask;
-  2. write the chunk tokens that stay visible into their ring slots.
+Layout: per layer a plain tensor [slots * (s + W + K), heads, head_dim] for K and for V, where
+K is the speculative slack (num_speculative_tokens, 0 without speculation). Position p of a
+request lives at ring slot p (p < s) or s + (p - s) mod (W + K). A verification step writes all
+its 1 + K tokens, and vLLM then rolls back the rejected ones; a rejected position p lands on the
+slot of p - (W + K), which every later step's window has already left (with a ring of W slots it
+would land on p - W, still inside the next step's window). Reads therefore go by the ring slot
+of each visible position. Each step:
+  1. lay out, per kernel row, [visible past tokens | this step's visible tokens] in a zeroed
+     scratch paged cache (through vLLM's reshape-and-cache op, which knows the kernel's packed
+     layouts) and run vLLM's own CPU kernel causally: it places query i at seq_len - q_len + i.
+     A prefill chunk is one row of its c queries (exactly the chunk's streaming mask); each
+     decode query of a multi-query step is a row of its own with one query, holding only what
+     that query sees;
+  2. write this step's tokens that may stay visible into their ring slots.
 The index bookkeeping (`StepPlan`) is computed once per engine step and shared by all layers.
 """
 
@@ -25,17 +34,19 @@ import torch
 
 @dataclass
 class StepPlan:
-    """Per-step indices shared by every layer (built from the batch's rows)."""
+    """Per-step indices shared by every layer (built from the batch's rows). A batch row (one
+    request) gives one kernel row, or several when it runs more than one decode query."""
 
-    num_reqs: int
-    seq_lens: torch.Tensor          # int32 [num_reqs]: visible prefix + chunk, per row
-    query_start_loc: torch.Tensor   # int32 [num_reqs + 1]
+    num_reqs: int                   # kernel rows
+    seq_lens: torch.Tensor          # int32 [num_reqs]: laid-out tokens per kernel row
+    query_start_loc: torch.Tensor   # int32 [num_reqs + 1] (queries stay in batch order)
     block_table: torch.Tensor       # int32 [num_reqs, max_blocks] into the scratch cache
     scratch_slots: torch.Tensor     # int64 [sum(seq_lens)]: scratch slot of each laid-out token
     prefix_dst: torch.Tensor        # long: rows of the laid-out tensor that come from the store
     prefix_src: torch.Tensor        # long: their store rows
-    chunk_dst: torch.Tensor         # long: rows of the laid-out tensor that come from the chunk
-    keep_src: torch.Tensor          # long: chunk token indices (in the batch) kept after the step
+    chunk_dst: torch.Tensor         # long: rows of the laid-out tensor that come from the step
+    chunk_src: torch.Tensor         # long: their token indices in the batch
+    keep_src: torch.Tensor          # long: step token indices (in the batch) kept after the step
     keep_dst: torch.Tensor          # long: their store rows
     max_seq_len: int
     valid: bool = True
@@ -43,53 +54,83 @@ class StepPlan:
     kernel_schedules: dict = field(default_factory=dict)
 
 
-def ring_slot(positions: torch.Tensor, sink: int, window: int) -> torch.Tensor:
-    return torch.where(positions < sink, positions, sink + (positions - sink) % window)
+def ring_slot(positions: torch.Tensor, sink: int, ring: int) -> torch.Tensor:
+    """Store slot (within a request) of each position: sink slots, then a ring of `ring`."""
+    return torch.where(positions < sink, positions, sink + (positions - sink) % ring)
+
+
+def visible_before(a: int, sink: int, window: int) -> torch.Tensor:
+    """Positions < a that a streaming head sees from a query at a: sink and [a - W, a)."""
+    if a <= sink + window:
+        return torch.arange(a)
+    return torch.cat([torch.arange(sink), torch.arange(a - window, a)])
 
 
 def build_step_plan(slots: list[int], computed: list[int], query_lens: list[int],
-                    sink: int, window: int, block_size: int) -> StepPlan:
+                    sink: int, window: int, block_size: int,
+                    prompt_lens: list[int] | None = None, slack: int = 0) -> StepPlan:
     """Indices for one step. Row r: request in store slot `slots[r]`, `computed[r]` tokens
-    already processed, `query_lens[r]` tokens in this step (a prefill chunk or one decode)."""
-    cap = sink + window
-    num_reqs = len(slots)
+    already processed, `query_lens[r]` tokens in this step (a prefill chunk, one decode token,
+    or a verification step of 1 + K decode tokens). Queries at positions >= `prompt_lens[r]`
+    of a multi-query row each get their own kernel row (None: every row is a chunk, as
+    without speculation). `slack`: the ring's K extra slots (see the module docstring)."""
+    ring = window + slack
+    cap = sink + ring
     seq_lens, q_start, blocks = [], [0], []
-    scratch_slots, prefix_dst, prefix_src, chunk_dst, keep_src, keep_dst = [], [], [], [], [], []
-    laid = 0       # rows of the laid-out tensor so far
+    scratch_slots, prefix_dst, prefix_src, chunk_dst, chunk_src = [], [], [], [], []
+    keep_src, keep_dst = [], []
+    laid = 0        # rows of the laid-out tensor so far
     next_block = 1  # block 0 stays unused (mirrors vLLM's null block)
-    token_base = 0  # first batch token of this row
-    for slot, a, c in zip(slots, computed, query_lens):
-        v = min(a, cap)
-        n = v + c
+
+    def kernel_row(past_src: torch.Tensor, step_src: torch.Tensor, q_len: int) -> None:
+        nonlocal laid, next_block
+        v, n = len(past_src), len(past_src) + len(step_src)
         nblocks = -(-n // block_size)
         row_blocks = list(range(next_block, next_block + nblocks))
         next_block += nblocks
         blocks.append(row_blocks)
-        pos = torch.arange(n)
         scratch_slots.append(torch.tensor(row_blocks).repeat_interleave(block_size)[:n]
-                             * block_size + pos % block_size)
+                             * block_size + torch.arange(n) % block_size)
         prefix_dst.append(laid + torch.arange(v))
-        prefix_src.append(slot * cap + torch.arange(v))
-        chunk_dst.append(laid + v + torch.arange(c))
-        # chunk tokens p in [a, a + c) visible after the step: p < s or p >= a + c - W
-        p = a + torch.arange(c)
-        keep = (p < sink) | (p >= a + c - window)
-        keep_src.append(token_base + torch.arange(c)[keep])
-        keep_dst.append(slot * cap + ring_slot(p[keep], sink, window))
+        prefix_src.append(past_src)
+        chunk_dst.append(laid + v + torch.arange(n - v))
+        chunk_src.append(step_src)
         seq_lens.append(n)
-        q_start.append(q_start[-1] + c)
+        q_start.append(q_start[-1] + q_len)
         laid += n
+
+    token_base = 0  # first batch token of this row
+    for r, (slot, a, c) in enumerate(zip(slots, computed, query_lens)):
+        past = visible_before(a, sink, window)
+        past_src = slot * cap + ring_slot(past, sink, ring)
+        p = a + torch.arange(c)
+        tokens = token_base + torch.arange(c)
+        # queries before the prompt's end: one chunk row (the paper's chunk semantics)
+        m = c if prompt_lens is None or c == 1 else min(c, max(prompt_lens[r] - a, 0))
+        if m:
+            kernel_row(past_src, tokens[:m], m)
+        for i in range(m, c):  # decode queries: a row each, with their own window
+            lo = p[i] - window
+            kernel_row(past_src[(past < sink) | (past >= lo)],
+                       tokens[: i + 1][(p[: i + 1] < sink) | (p[: i + 1] >= lo)], 1)
+        # tokens of this step that a later step may still see: the sink, and the last W + K
+        # (a rejected draft moves the next step back by at most K)
+        keep = (p < sink) | (p >= a + c - ring)
+        keep_src.append(tokens[keep])
+        keep_dst.append(slot * cap + ring_slot(p[keep], sink, ring))
         token_base += c
+    num_rows = len(blocks)
     width = max((len(b) for b in blocks), default=1)
-    table = torch.zeros(num_reqs, width, dtype=torch.int32)
+    table = torch.zeros(num_rows, width, dtype=torch.int32)
     for r, b in enumerate(blocks):
         table[r, : len(b)] = torch.tensor(b, dtype=torch.int32)
     cat = lambda xs: torch.cat(xs).long() if xs else torch.zeros(0, dtype=torch.long)
-    return StepPlan(num_reqs=num_reqs, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+    return StepPlan(num_reqs=num_rows, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
                     query_start_loc=torch.tensor(q_start, dtype=torch.int32),
                     block_table=table, scratch_slots=cat(scratch_slots),
                     prefix_dst=cat(prefix_dst), prefix_src=cat(prefix_src),
-                    chunk_dst=cat(chunk_dst), keep_src=cat(keep_src), keep_dst=cat(keep_dst),
+                    chunk_dst=cat(chunk_dst), chunk_src=cat(chunk_src),
+                    keep_src=cat(keep_src), keep_dst=cat(keep_dst),
                     max_seq_len=max(seq_lens, default=0))
 
 
@@ -97,9 +138,9 @@ class StreamingStore:
     """Sink + window K/V of one layer's streaming heads for every running request."""
 
     def __init__(self, num_heads: int, head_dim: int, sink: int, window: int,
-                 dtype: torch.dtype, slots: int = 8):
+                 dtype: torch.dtype, slots: int = 8, slack: int = 0):
         self.num_heads, self.head_dim = num_heads, head_dim
-        self.cap = sink + window
+        self.cap = sink + window + slack  # slack: speculative K (see the module docstring)
         self.dtype = dtype
         self.k = torch.zeros(slots * self.cap, num_heads, head_dim, dtype=dtype)
         self.v = torch.zeros_like(self.k)
@@ -120,17 +161,17 @@ class StreamingStore:
         return 2 * self.cap * self.num_heads * self.head_dim * self.k.element_size()
 
     def lay_out(self, plan: StepPlan, key: torch.Tensor, value: torch.Tensor):
-        """[visible prefix | chunk] per row, as token-major K and V tensors."""
+        """[visible past | visible step tokens] per kernel row, as token-major K and V."""
         total = int(plan.seq_lens.sum())
         k = key.new_empty(total, self.num_heads, self.head_dim)
         v = value.new_empty(total, self.num_heads, self.head_dim)
         k[plan.prefix_dst] = self.k[plan.prefix_src]
         v[plan.prefix_dst] = self.v[plan.prefix_src]
-        k[plan.chunk_dst] = key
-        v[plan.chunk_dst] = value
+        k[plan.chunk_dst] = key[plan.chunk_src]
+        v[plan.chunk_dst] = value[plan.chunk_src]
         return k, v
 
     def commit(self, plan: StepPlan, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Keep the chunk tokens that stay visible (sink, last W) in their ring slots."""
+        """Keep the step's tokens that may stay visible (sink, last W + K) in their slots."""
         self.k[plan.keep_dst] = key[plan.keep_src]
         self.v[plan.keep_dst] = value[plan.keep_src]

@@ -9,6 +9,7 @@ import os
 import sys
 
 from vllm_kvevict.config import KVPolicyError
+from vllm_kvevict.features import speculative_error
 from vllm_kvevict.integration.cli import fail
 from vllm_kvevict.served import served_policy
 
@@ -24,6 +25,9 @@ def validate_against_model(vllm_config) -> None:
         if cfg.policy == "full":
             return
         num_layers = served.shape.num_layers
+        method = getattr(getattr(vllm_config, "speculative_config", None), "method", None)
+        if error := speculative_error(cfg, method):  # features.py: what is served exactly
+            raise KVPolicyError(error)
         from vllm_kvevict.integration.kv_transfer import user_connectors
 
         users = user_connectors(getattr(vllm_config, "kv_transfer_config", None))

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_kvevict.config import KVPolicyConfig
+from vllm_kvevict.features import speculative_slack
 from vllm_kvevict.integration.kv_cache_specs import (LayerHeads, declare_specs, layer_groups,
                                                      layer_heads)
 from vllm_kvevict.integration.streaming_store import StepPlan, StreamingStore, build_step_plan
@@ -28,6 +29,7 @@ class WorkerState:
     head_dim: int
     dtype: torch.dtype
     block_size: int
+    slack: int = 0  # speculative K: extra streaming-store ring slots (streaming_store.py)
     stores: dict[int, StreamingStore] = field(default_factory=dict)
     slot_of: dict[str, int] = field(default_factory=dict)
     free_slots: list[int] = field(default_factory=list)
@@ -86,8 +88,10 @@ class WorkerState:
             self._plan_key, self.plan = key, plan
             return plan
         slots = [self.slot_for(r) for r in req_ids[:num_reqs]] if valid else [0] * num_reqs
+        prompt_lens = ([int(x) for x in self.runner.input_batch.num_prompt_tokens[:num_reqs]]
+                       if valid else None)
         plan = build_step_plan(slots, computed, q_lens, self.config.sink, self.config.window,
-                               self.block_size)
+                               self.block_size, prompt_lens, self.slack)
         plan.valid = valid
         self._plan_key, self.plan = key, plan
         return plan
@@ -144,11 +148,11 @@ class WorkerState:
             heads = self.heads[layer]
             self.stores[layer] = StreamingStore(
                 len(heads.streaming_kv), self.head_dim, self.config.sink, self.config.window,
-                self.dtype, slots=max(8, len(self.slot_of)))
+                self.dtype, slots=max(8, len(self.slot_of)), slack=self.slack)
         return self.stores[layer]
 
     def streaming_bytes_per_request(self) -> int:
-        return self.served.streaming_bytes_per_request(self.dtype)
+        return self.served.streaming_bytes_per_request(self.dtype, self.slack)
 
 
 _state: WorkerState | None = None
@@ -176,7 +180,7 @@ def init_state(vllm_config) -> WorkerState | None:
         served=served, heads=layer_heads(served.policy.streaming_heads(),
                                          served.shape.queries_per_kv),
         head_dim=served.shape.head_dim, dtype=vllm_config.model_config.dtype,
-        block_size=block_size,
+        block_size=block_size, slack=speculative_slack(vllm_config),
         token=TokenEvictionWorker(served.policy, block_size, for_request=served.for_request)
         if served.policy.evicts_tokens else None)
     return _state
