@@ -5,7 +5,7 @@ POLICY ?= prulong
 SPARSITY ?= 0.7
 CHUNK ?= 1024
 KV_POOL_BYTES ?= 2147483648
-SERVE_FLAGS ?= --served-model-name smollm2 --dtype float32 --enforce-eager \
+SERVE_FLAGS ?= --served-model-name smollm2 --dtype float32 \
 	--host 127.0.0.1 --port $(PORT) --max-num-batched-tokens $(CHUNK) \
 	--kv-cache-memory-bytes $(KV_POOL_BYTES)
 
