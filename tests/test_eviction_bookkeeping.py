@@ -223,3 +223,25 @@ def test_replay_follows_the_recorded_chunks():
     assert reserve._chunks["r"] == [256, 100, 256, 88]      # replays are not recorded again
     reserve.forget_finished(SimpleNamespace(finished_req_ids={"r"}))
     assert "r" not in reserve._chunks
+
+
+def test_growth_reserve_counts_the_draft_slots_of_speculative_decoding():
+    """A last verification step holds K draft slots past max_tokens: the reserve counts them,
+    so an admitted request is not preempted for them (capped at the model length)."""
+    from types import SimpleNamespace
+
+    from vllm_kvevict.integration.admission import GrowthReserve
+
+    def need(num_spec_tokens, max_model_len=8192):
+        reserve = GrowthReserve()
+        request = SimpleNamespace(request_id="r", num_prompt_tokens=700,
+                                  sampling_params=SimpleNamespace(max_tokens=64))
+        reserve.scheduler = SimpleNamespace(
+            requests={"r": request}, num_spec_tokens=num_spec_tokens, max_model_len=max_model_len,
+            kv_cache_manager=SimpleNamespace(coordinator=SimpleNamespace(
+                single_type_managers=[object()])))
+        return reserve.final_need(request)
+
+    assert need(0) == [764]
+    assert need(3) == [767]
+    assert need(3, max_model_len=765) == [765]

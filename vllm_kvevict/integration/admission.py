@@ -41,13 +41,16 @@ class GrowthReserve:
         return [num_tokens] * self.num_groups()
 
     def final_need(self, request) -> list[int]:
-        """Per group, the slots a request needs at its largest: prompt and every one of its
-        max_tokens outputs, capped at the model length (memoised until it finishes)."""
+        """Per group, the slots a request needs at its largest: prompt, every one of its
+        max_tokens outputs and, with speculative decoding, the K draft slots of a last
+        verification step, capped at the model length (memoised until it finishes)."""
         need = self._final_need.get(request.request_id)
         if need is None:
             params = getattr(request, "sampling_params", None)
             max_new = getattr(params, "max_tokens", None) or 0
-            total = request.num_prompt_tokens + max_new
+            # a last verification step also holds slots for its K draft tokens
+            drafts = getattr(self.scheduler, "num_spec_tokens", 0) or 0
+            total = request.num_prompt_tokens + max_new + drafts
             max_len = getattr(self.scheduler, "max_model_len", None)
             if max_len:
                 total = min(total, max_len)
