@@ -19,9 +19,7 @@ from pathlib import Path
 import httpx
 
 from vllm_kvevict.config import EVICTION_MODES
-from vllm_kvevict.integration.cli import FLAGS
-
-FLAG_OF = {field: flag for flag, (field, _type, _help) in FLAGS.items()}
+from vllm_kvevict.integration.cli import FLAG_OF_FIELD as FLAG_OF
 
 
 def policy_flags(policy: dict) -> list[str]:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from vllm_kvevict.config import HEAD_MASK_POLICIES, KVPolicyConfig
-from vllm_kvevict.overrides import effective_config
+from vllm_kvevict.overrides import OVERRIDE_KEYS, effective_config
 from vllm_kvevict.policies import KVPolicy, build_policy
 
 logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
@@ -93,7 +93,7 @@ class ServedPolicy:
         key = tuple(sorted(overrides.items()))
         policy = self._variants.get(key)
         if policy is None:
-            cfg = self.config.replace(**{_FIELD[k]: v for k, v in overrides.items()})
+            cfg = self.config.replace(**{OVERRIDE_KEYS[k][0]: v for k, v in overrides.items()})
             policy = build_policy(cfg, self.shape.num_layers, self.shape.num_kv_heads,
                                   full_heads=self.full_heads, mask_source=self.mask_source)
             self._variants[key] = policy
@@ -139,8 +139,6 @@ class ServedPolicy:
             out["kv_cache_groups"] = self.config.num_tiers(self.shape.num_layers)
         return out
 
-
-_FIELD = {"kv_sparsity": "sparsity", "kv_obs_window": "obs_window"}
 
 # One per process; rebuilt only if a process serves another configuration (unit tests do).
 _served: ServedPolicy | None = None
