@@ -49,10 +49,11 @@ async def complete_all(base_url: str, prompts: list[list[int]]) -> list[dict]:
     # 48 MiB of full-head KV = 28 blocks of 128 tokens with the shipped 0.7 mask (27 full KV
     # heads): all 6 prompts (4 blocks each) would be admitted, their growth (6 blocks each)
     # does not fit
-    ({"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64}, 48),
+    pytest.param({"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64}, 48,
+                 id="prulong"),
     # token eviction: 100 MiB = 17 blocks of all 30 layers x 3 KV heads (vLLM's minimum for
     # the 2048-token model length); a request needs 4 blocks at its largest
-    ({"policy": "snapkv", "sparsity": 0.7, "eviction": "patched"}, 100),
+    pytest.param({"policy": "snapkv", "sparsity": 0.7, "eviction": "patched"}, 100, id="snapkv"),
 ])
 def test_no_preemption_and_exact_outputs_under_pressure(bundled_model_dir, tokenizer, hf_model,
                                                         policy, pool_mib):
@@ -73,11 +74,29 @@ def test_no_preemption_and_exact_outputs_under_pressure(bundled_model_dir, token
         assert served["choices"][0]["text"] == tokenizer.decode(ref.token_ids), ends
 
 
+SLOW = pytest.mark.slow  # the rest of the compatibility matrix's preemption row
+
+
 @pytest.mark.parametrize("policy, pool_mib, max_len", [
-    ({"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64}, 48, 2048),
+    pytest.param({"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64}, 48, 2048,
+                 id="prulong"),
     # 11 blocks (vLLM's minimum for 1024 tokens is 8): several requests preempted, in
     # prefill and in decode
-    ({"policy": "snapkv", "sparsity": 0.9, "eviction": "patched"}, 64, 1024),
+    pytest.param({"policy": "snapkv", "sparsity": 0.9, "eviction": "patched"}, 64, 1024,
+                 id="snapkv"),
+    # stock vLLM's recompute (prefix caching on): 46 KiB of KV per token
+    pytest.param({"policy": "full"}, 64, 1024, id="full", marks=SLOW),
+    # every head streaming: the pool holds one placeholder head of one layer (64 KiB a block)
+    pytest.param({"policy": "streaming", "sink": 16, "window": 64}, 1, 1024, id="streaming",
+                 marks=SLOW),
+    pytest.param({"policy": "duo", "sparsity": 0.3, "sink": 16, "window": 64}, 48, 1024,
+                 id="duo", marks=SLOW),
+    pytest.param({"policy": "snapkv", "sparsity": 0.9, "eviction": "naive"}, 64, 1024,
+                 id="snapkv-naive", marks=SLOW),
+    pytest.param({"policy": "pyramidkv", "sparsity": 0.9, "eviction": "naive", "tiers": 3}, 64,
+                 1024, id="pyramidkv-naive", marks=SLOW),
+    pytest.param({"policy": "pyramidkv", "sparsity": 0.9, "eviction": "patched"}, 64, 1024,
+                 id="pyramidkv-patched", marks=SLOW),
 ])
 def test_forced_preemption_replays_exactly(bundled_model_dir, tokenizer, hf_model, policy,
                                            pool_mib, max_len):

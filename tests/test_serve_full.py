@@ -53,3 +53,14 @@ def test_full_policy_is_bit_identical_to_stock(full_server, stock_outputs):
     for (tok_a, lp_a), (tok_b, lp_b) in zip(ours, stock_outputs):
         assert tok_a == tok_b
         assert lp_a == lp_b  # bit for bit, not approximately
+
+
+@pytest.mark.slow
+def test_full_policy_fp8_is_stock(bundled_model_dir):
+    """An fp8 KV cache under `full` is stock vLLM's (same quantized attention), tokens and
+    log-probs bit for bit; the evicting policies refuse fp8 at start-up (test_features.py)."""
+    fp8 = ["--kv-cache-dtype", "fp8"]
+    stock = greedy(start_server(bundled_model_dir, fp8,
+                                env={"VLLM_PLUGINS": "no-such-plugin"}).base_url)
+    ours = greedy(start_server(bundled_model_dir, ["--kv-policy", "full", *fp8]).base_url)
+    assert ours == stock

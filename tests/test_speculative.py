@@ -44,6 +44,9 @@ CASES = {
     "snapkv-naive-0.5": {"policy": "snapkv", "sparsity": 0.5, "eviction": "naive"},
     "snapkv-patched-0.5": {"policy": "snapkv", "sparsity": 0.5, "eviction": "patched"},
     "pyramidkv-patched-0.7": {"policy": "pyramidkv", "sparsity": 0.7, "eviction": "patched"},
+    # slow tier (tests/compat_matrix.py names them): the rest of the compatibility matrix
+    "full": {"policy": "full"},
+    "pyramidkv-naive-0.5": {"policy": "pyramidkv", "sparsity": 0.5, "eviction": "naive"},
 }
 
 
@@ -169,8 +172,9 @@ def test_speculative_methods_refused_or_served():
     for method in ("eagle", "eagle3", "mtp", "medusa", "suffix", "custom_class", "ngram_gpu"):
         assert "not supported with --kv-policy snapkv" in speculative_error(
             KVPolicyConfig(policy="snapkv"), method)
-        # full is stock vLLM: whatever vLLM serves
-        assert speculative_error(KVPolicyConfig(), method) is None
+        # full too: a drafter's layers would run through the plugin untested
+        assert "not supported with --kv-policy full" in speculative_error(KVPolicyConfig(),
+                                                                          method)
 
 
 def test_vllm_serve_refuses_draft_model_before_loading(bundled_model_dir):

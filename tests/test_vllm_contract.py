@@ -224,3 +224,26 @@ def test_paged_layout_reads_back_what_reshape_and_cache_wrote(dtype_name, block_
     got_k, got_v = layout.read(key_cache, value_cache, row, start, count)
     assert torch.equal(got_k, key[start:start + count])
     assert torch.equal(got_v, value[start:start + count])
+
+
+def test_cpu_platform_turns_async_scheduling_off():
+    """The compatibility matrix's async-scheduling row is n/a because vLLM's CPU platform
+    switches it off; when a vLLM version stops doing so, the row needs a real test."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    source = inspect.getsource(CpuPlatform.check_and_update_config)
+    assert "scheduler_config.async_scheduling = False" in source
+
+
+def test_seeded_partial_prefill_needs_a_generator_offset():
+    """Why the compatibility matrix's `seed` row is n/a: vLLM 0.32 rewinds a seeded request's
+    generator after a partial-prefill step with `set_offset`, which a CPU torch.Generator does
+    not have, so the worker stops (stock vLLM too, checked by hand: HTTP 500, "CPU Generator
+    does not use offset"). When either side changes, the row needs a real test."""
+    import torch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert "gen.set_offset(gen.get_offset() - 4)" in inspect.getsource(
+        GPUModelRunner._bookkeeping_sync)
+    with pytest.raises(RuntimeError, match="does not use offset"):
+        torch.Generator(device="cpu").get_offset()

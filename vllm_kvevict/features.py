@@ -7,7 +7,8 @@ exact. `ngram` is such a proposer and is tested (tests/test_speculative.py). Pro
 layers of their own (a draft model, EAGLE, MTP, ...) would send those layers through our
 attention backend with the target model's policy (head mask, token ledger) and are refused;
 `suffix` and custom proposers are refused too, as untested (`suffix` also needs a package this
-build does not ship). `full` is stock vLLM: every method vLLM supports.
+build does not ship). The same holds under `full`: a drafter's layers would run through the
+plugin's stats path untested, so only ngram is served there too.
 """
 
 from __future__ import annotations
@@ -19,9 +20,7 @@ def speculative_error(policy_config, method: str | None) -> str | None:
     """The one-line refusal for serving `policy_config` (a KVPolicyConfig) with speculative
     method `method` (vLLM's resolved `speculative_config.method`; None: no speculation), or
     None when the pair is served exactly."""
-    if method is None or policy_config.policy == "full":
-        return None
-    if method in SUPPORTED_SPECULATIVE_METHODS:
+    if method is None or method in SUPPORTED_SPECULATIVE_METHODS:
         return None
     return (f"--speculative-config method {method!r} is not supported with --kv-policy "
             f"{policy_config.policy}; supported: {', '.join(SUPPORTED_SPECULATIVE_METHODS)}")
@@ -33,3 +32,46 @@ def speculative_slack(vllm_config) -> int:
     inside the window."""
     spec = getattr(vllm_config, "speculative_config", None)
     return int(getattr(spec, "num_speculative_tokens", None) or 0)
+
+
+def connector_error(policy_config, connectors: list[str]) -> str | None:
+    """A user's KV connector saves and loads whole KV blocks by token position; eviction rewrites
+    them (compacted, or streaming heads outside the pool), so loaded blocks would have to be
+    what the policy kept at the same chunk boundaries: not built, so refused."""
+    if not connectors or policy_config.policy == "full":
+        return None
+    return (f"--kv-transfer-config connector(s) {', '.join(connectors)} cannot be combined "
+            f"with --kv-policy {policy_config.policy}: a KV connector saves and loads KV blocks "
+            "that eviction rewrites; with a connector use --kv-policy full (kv_stats stay on)")
+
+
+# What the evicting path reads and writes: K/V in the model's dtype (the paged read-back and the
+# streaming ring assume it). A quantized cache would be read back as raw bytes.
+SUPPORTED_KV_CACHE_DTYPES = ("auto",)
+
+
+def kv_cache_dtype_error(policy_config, cache_dtype: str | None) -> str | None:
+    if policy_config.policy == "full" or (cache_dtype or "auto") in SUPPORTED_KV_CACHE_DTYPES:
+        return None
+    return (f"--kv-cache-dtype {cache_dtype} is not supported with --kv-policy "
+            f"{policy_config.policy}; valid: {', '.join(SUPPORTED_KV_CACHE_DTYPES)} "
+            "(--kv-policy full serves any cache dtype vLLM does)")
+
+
+# Parallel layouts tested so far: one engine, one worker. A head mask names global KV heads,
+# which a tensor-parallel rank holds only a slice of; per-request stats count one worker's
+# bytes. Until those are built and tested, every other layout is refused (full included: its
+# kv_stats would count one rank).
+PARALLEL_FLAGS = (("tensor_parallel_size", "--tensor-parallel-size"),
+                  ("pipeline_parallel_size", "--pipeline-parallel-size"),
+                  ("data_parallel_size", "--data-parallel-size"))
+
+
+def parallel_error(policy_config, sizes: dict[str, int]) -> str | None:
+    """`sizes`: vLLM ParallelConfig field -> value."""
+    for field, flag in PARALLEL_FLAGS:
+        size = int(sizes.get(field) or 1)
+        if size != 1:
+            return (f"{flag} {size} is not supported with --kv-policy {policy_config.policy} "
+                    "yet; valid: 1")
+    return None

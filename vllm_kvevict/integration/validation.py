@@ -9,7 +9,8 @@ import os
 import sys
 
 from vllm_kvevict.config import KVPolicyError
-from vllm_kvevict.features import speculative_error
+from vllm_kvevict.features import (PARALLEL_FLAGS, connector_error, kv_cache_dtype_error,
+                                     parallel_error, speculative_error)
 from vllm_kvevict.integration.cli import fail
 from vllm_kvevict.served import served_policy
 
@@ -22,23 +23,21 @@ def validate_against_model(vllm_config) -> None:
     try:
         served = served_policy(vllm_config)  # raises on a missing or mismatched mask
         cfg = served.config
-        if cfg.policy == "full":
-            return
-        num_layers = served.shape.num_layers
-        method = getattr(getattr(vllm_config, "speculative_config", None), "method", None)
-        if error := speculative_error(cfg, method):  # features.py: what is served exactly
-            raise KVPolicyError(error)
+        parallel = vllm_config.parallel_config
+        sizes = {field: getattr(parallel, field, 1) for field, _ in PARALLEL_FLAGS}
+        cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
         from vllm_kvevict.integration.kv_transfer import user_connectors
 
         users = user_connectors(getattr(vllm_config, "kv_transfer_config", None))
-        if users:
-            # A connector saves and loads whole KV blocks by token position; eviction rewrites
-            # them (compacted, or streaming heads outside the pool). Loaded blocks would have to
-            # be what the policy kept at the same chunk boundaries: not built, so refused.
-            raise KVPolicyError(
-                f"--kv-transfer-config connector(s) {', '.join(users)} cannot be combined with "
-                f"--kv-policy {cfg.policy}: a KV connector saves and loads KV blocks that "
-                "eviction rewrites; with a connector use --kv-policy full (kv_stats stay on)")
+        method = getattr(getattr(vllm_config, "speculative_config", None), "method", None)
+        # features.py: which vLLM features each policy is served exactly with
+        for error in (parallel_error(cfg, sizes), kv_cache_dtype_error(cfg, str(cache_dtype)),
+                      speculative_error(cfg, method), connector_error(cfg, users)):
+            if error:
+                raise KVPolicyError(error)
+        if cfg.policy == "full":
+            return
+        num_layers = served.shape.num_layers
         tiers = cfg.num_tiers(num_layers)
         if num_layers % tiers:
             # vLLM's hybrid allocator makes groups of equal layer counts: it would pad the

@@ -1,0 +1,195 @@
+"""The compatibility matrix: vLLM features a user turns on (rows) x KV policies (columns). Each
+cell is "exact" (tests compare the served tokens with the feature on against the reference
+oracle doing the same), "refused" (tests check the one-line start-up error) or "n/a" (with
+why, and a test that pins the reason). Every cell names its tests; `tests/test_compat_doc.py`
+checks that each named test exists and that docs/results/compat.md is this table, and CI runs
+the tests (slow-tier ones, marked (s), run with `pytest -m slow`).
+
+    python tests/compat_matrix.py > docs/results/compat.md     # regenerate the page
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# column -> the parameter id its per-policy tests use
+COLUMNS = {
+    "full": "full",
+    "streaming": "streaming",
+    "duo 0.3": "duo-0.3",
+    "prulong 0.7": "prulong-0.7",
+    "snapkv naive": "snapkv-naive-0.5",
+    "snapkv patched": "snapkv-patched-0.5",
+    "pyramidkv naive": "pyramidkv-naive-0.5-tiers3",
+    "pyramidkv patched": "pyramidkv-patched-0.7",
+}
+EVICTING = [c for c in COLUMNS if c != "full"]
+STATUSES = ("exact", "refused", "n/a")
+
+
+@dataclass(frozen=True)
+class Cell:
+    status: str
+    tests: tuple[str, ...]  # pytest node ids; "(s)" prefix: slow tier
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class Row:
+    feature: str
+    cells: dict[str, Cell]
+
+
+def each(status: str, test: str, columns=tuple(COLUMNS), why: str = "",
+         ids: dict[str, str] | None = None) -> dict[str, Cell]:
+    """One cell per column; `{id}` in `test` is the column's parameter id."""
+    ids = ids or COLUMNS
+    return {c: Cell(status, (test.format(id=ids[c]),), why) for c in columns}
+
+
+C = "tests/test_compat.py::"
+SPEC_IDS = {**COLUMNS, "pyramidkv naive": "pyramidkv-naive-0.5"}
+SLOW_SPEC = ("full", "pyramidkv naive")
+ADMISSION = "tests/test_admission.py::"
+ADMISSION_IDS = {"full": "full", "streaming": "streaming", "duo 0.3": "duo",
+                 "prulong 0.7": "prulong", "snapkv naive": "snapkv-naive",
+                 "snapkv patched": "snapkv", "pyramidkv naive": "pyramidkv-naive",
+                 "pyramidkv patched": "pyramidkv-patched"}
+TESTED_ADMISSION = ("prulong 0.7", "snapkv patched")  # both modes in CI; the rest: slow tier
+
+ROWS = [
+    Row("feature off (greedy, 128-token chunks)",
+        each("exact", C + "test_baseline_matches_reference[{id}]")),
+    Row("structured outputs (JSON schema)",
+        each("exact", C + "test_structured_output_matches_constrained_reference[{id}]")),
+    Row("`prompt_logprobs`",
+        each("exact", C + "test_prompt_logprobs_match_reference[{id}]")),
+    Row("`echo` + `logprobs`",
+        each("exact", C + "test_echo_with_logprobs_matches_reference[{id}]")),
+    Row("`n` > 1",
+        each("exact", C + "test_n_children_are_each_the_reference[{id}]")),
+    Row("`best_of`",
+        each("n/a", "tests/test_compat_doc.py::test_vllm_api_has_no_best_of",
+             why="vLLM 0.32's OpenAI API has no `best_of` (it ignores the field)")),
+    Row("beam search (`use_beam_search`)",
+        each("exact", C + "test_beam_search_matches_reference_beam_search[{id}]")),
+    Row("LoRA adapter (`--enable-lora`)",
+        each("exact", C + "test_lora_adapter_matches_merged_reference[{id}]")),
+    Row("`--max-num-seqs 1` (queued requests)",
+        each("exact", C + "test_queued_requests_each_match_reference[{id}]")),
+    Row("preemption (pool too small; `--kv-admission reserve` and `vllm`)", {
+        **{c: Cell("exact", (
+            f"{ADMISSION}test_no_preemption_and_exact_outputs_under_pressure[{ADMISSION_IDS[c]}]",
+            f"{ADMISSION}test_forced_preemption_replays_exactly[{ADMISSION_IDS[c]}]"))
+           for c in TESTED_ADMISSION},
+        **{c: Cell("exact", (
+            f"(s){ADMISSION}test_forced_preemption_replays_exactly[{ADMISSION_IDS[c]}]",))
+           for c in COLUMNS if c not in TESTED_ADMISSION}}),
+    Row("prefix caching (vLLM's default)", {
+        "full": Cell("exact", (C + "test_repeated_prompt_prefix_cache[full]",)),
+        **each("n/a", C + "test_repeated_prompt_prefix_cache[{id}]", EVICTING,
+               why="switched off at start-up for evicting policies (logged; "
+                   "`/v1/kv_stats` shows it): issue 16")}),
+    Row("KV connector (`--kv-transfer-config`)", {
+        "full": Cell("exact", ("tests/test_vllm_features.py::"
+                               "test_full_policy_with_the_users_kv_connector_keeps_kv_stats",)),
+        **{c: Cell("refused", (
+            f"tests/test_features.py::test_connector_refused[{COLUMNS[c]}]",
+            "tests/test_vllm_features.py::"
+            "test_evicting_policy_with_a_kv_connector_is_refused_at_startup"))
+           for c in EVICTING}}),
+    Row("fp8 KV cache (`--kv-cache-dtype fp8`)", {
+        "full": Cell("exact", ("(s)tests/test_serve_full.py::test_full_policy_fp8_is_stock",)),
+        **{c: Cell("refused", (f"tests/test_features.py::test_fp8_refused[{COLUMNS[c]}]",
+                               "tests/test_features.py::test_vllm_serve_refuses_fp8_and_tp[fp8]"))
+           for c in EVICTING}}),
+    Row("compile mode (no `--enforce-eager`)", {
+        **{c: Cell("exact", (f"tests/test_vllm_features.py::"
+                             f"test_compiled_mode_matches_reference[{COLUMNS[c]}]",))
+           for c in ("prulong 0.7", "pyramidkv patched")},
+        **{c: Cell("exact", ("(s)scripts/policy_matrix.py --compiled",))
+           for c in COLUMNS if c not in ("prulong 0.7", "pyramidkv patched")}}),
+    Row("speculative decoding, ngram", {
+        c: Cell("exact", (("(s)" if c in SLOW_SPEC else "") + "tests/test_speculative.py::"
+                          f"test_ngram_speculation_matches_one_token_decode[{SPEC_IDS[c]}]",))
+        for c in COLUMNS}),
+    Row("speculative decoding, draft model / EAGLE / MTP / medusa / suffix",
+        each("refused", "tests/test_speculative.py::test_speculative_methods_refused_or_served",
+             why="a drafter's own layers would run through the policy's attention")),
+    Row("per-request `seed` with a prompt longer than one step",
+        each("n/a", "tests/test_vllm_contract.py::test_seeded_partial_prefill_needs_a_generator_offset",
+             why="stock vLLM 0.32 CPU stops its worker on it (\"CPU Generator does not use "
+                 "offset\") when a seeded prompt prefills over several steps")),
+    Row("async scheduling (`--async-scheduling`)",
+        each("n/a", "tests/test_vllm_contract.py::test_cpu_platform_turns_async_scheduling_off",
+             why="vLLM 0.32's CPU platform turns it off")),
+    Row("tensor / pipeline / data parallel (> 1)",
+        {c: Cell("refused", (f"tests/test_features.py::test_parallel_refused[{COLUMNS[c]}]",
+                             "tests/test_features.py::test_vllm_serve_refuses_fp8_and_tp[tp]"),
+                 "not built yet (issue 17): a head mask names global KV heads, a tensor-parallel "
+                 "rank holds a slice; kv_stats would count one worker")
+         for c in COLUMNS}),
+]
+
+
+def node_ids() -> list[str]:
+    """Every pytest node id the matrix names (slow ones included, scripts excluded)."""
+    out = []
+    for row in ROWS:
+        for cell in row.cells.values():
+            out += [t.removeprefix("(s)") for t in cell.tests if "::" in t]
+    return sorted(set(out))
+
+
+def render() -> str:
+    names = list(COLUMNS)
+    lines = [
+        "# Compatibility: vLLM features x KV policies",
+        "",
+        "Generated by `python tests/compat_matrix.py` (the table's source; "
+        "`tests/test_compat_doc.py` keeps this page equal to it and checks every test it names "
+        "exists). **exact**: the served tokens with the feature on equal the plain-PyTorch "
+        "reference doing the same (greedy; log-probs within 2e-3 where compared). **refused**: "
+        "the server stops at start-up with one line naming the flag. **n/a**: see the note. "
+        "Cells marked ° are checked by slow-tier tests (`pytest -m slow`) or a script run "
+        "(`docs/results/policy_matrix-compiled/`), not in CI; the rest run in CI (`make test`).",
+        "",
+        "Policies as tested: streaming sink 16 / window 64; duo and prulong at sparsity 0.3 / 0.7 "
+        "with the shipped masks; snapkv at 0.5; pyramidkv naive at 0.5 with 3 tiers, patched "
+        "at 0.7; the bundled SmolLM2-135M-Instruct in float32, vLLM CPU 0.32.0.",
+        "",
+        "| feature | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    notes: list[str] = []
+    for row in ROWS:
+        cells = []
+        for name in names:
+            cell = row.cells[name]
+            mark = "°" if any(t.startswith("(s)") for t in cell.tests) else ""
+            text = cell.status + mark
+            if cell.why:
+                if cell.why not in notes:
+                    notes.append(cell.why)
+                text += f" [{notes.index(cell.why) + 1}]"
+            cells.append(text)
+        lines.append(f"| {row.feature} | " + " | ".join(cells) + " |")
+    lines += ["", *[f"[{i + 1}] {n}" for i, n in enumerate(notes)], "", "## Tests per cell", ""]
+    for row in ROWS:
+        lines.append(f"- {row.feature}:")
+        by_test: dict[str, list[str]] = {}  # test (without its parameter) -> columns
+        for name in names:
+            for test in row.cells[name].tests:
+                slow = test.startswith("(s)")
+                shown = f"`{test.removeprefix('(s)').split('[')[0]}`"
+                if slow:
+                    shown += (" (slow)" if "::" in test else
+                              " (script run, `docs/results/policy_matrix-compiled/`)")
+                by_test.setdefault(shown, []).append(name)
+        for shown, cols in by_test.items():
+            lines.append(f"  - {shown}: {'all' if cols == names else ', '.join(cols)}")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(render(), end="")

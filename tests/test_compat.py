@@ -1,0 +1,301 @@
+"""The compatibility matrix's per-request rows (docs/results/compat.md, tests/compat_matrix.py):
+one server per policy column, started with the start-up features these rows need (a LoRA
+adapter, `--max-num-seqs 1`, a 128-token step budget so prompts prefill in several chunks),
+and per feature the served tokens against the plain-PyTorch reference doing the same thing:
+- baseline: greedy decode; also the served policy is built once per process;
+- structured outputs: the reference decodes under the same JSON-schema grammar (xgrammar, the
+  library vLLM's backend uses, so the constraint is the same; attention is what is tested);
+- prompt_logprobs / echo: every prompt position's log-prob, from the reference's chunked
+  prefill (all positions' logits, the KV evicted at each chunk boundary);
+- n > 1: vLLM refuses n > 1 with greedy sampling, so n = 2 with top_k = 1 (both children are
+  greedy decodes of the same prompt, prefilled separately);
+- beam search: vLLM runs it as one-token requests of prompt + beam; the reference runs the same
+  algorithm on its own chunked prefills;
+- LoRA: the reference model with the adapter merged into its weights;
+- queued requests: three at once through `--max-num-seqs 1` (each runs alone, so its chunks
+  are the regular ones);
+- a repeated prompt: prefix caching serves it from cache under `full`; evicting policies run
+  with prefix caching off (issue 16) and recompute.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import copy
+import json
+
+import openai
+import pytest
+import torch
+
+from conftest import SERVED_NAME, served_policy_builds, start_server
+from test_policies_vllm import CASES, LOGPROB_TOL, flags, reference, source_prompts
+from vllm_kvevict.config import HEAD_MASK_POLICIES, KVPolicyConfig
+from vllm_kvevict.masks import resolve_full_heads
+from vllm_kvevict.policies import build_policy
+from vllm_kvevict.reference import ReferenceRunner
+
+pytestmark = pytest.mark.server
+
+CHUNK = 128  # short prompts still prefill in several chunks
+COLUMNS = {  # column -> policy: test_policies_vllm's cases, and full
+    "full": {"policy": "full"},
+    **{name: CASES[name][0] for name in ("streaming", "duo-0.3", "prulong-0.7",
+                                         "snapkv-naive-0.5", "snapkv-patched-0.5",
+                                         "pyramidkv-naive-0.5-tiers3", "pyramidkv-patched-0.7")},
+}
+LORA_NAME, LORA_RANK, LORA_ALPHA = "tiny-lora", 8, 16
+NEW_TOKENS = 8
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"},
+                                           "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+
+
+# -- fixtures ------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def lora_adapter(tmp_path_factory):
+    """A random rank-8 adapter on q_proj and v_proj of every layer, in PEFT's file layout."""
+    from safetensors.torch import save_file
+
+    out = tmp_path_factory.mktemp("lora")
+    g = torch.Generator().manual_seed(0)
+    hidden, kv = 576, 3 * 64
+    tensors = {}
+    for i in range(30):
+        for module, rows in (("q_proj", hidden), ("v_proj", kv)):
+            name = f"base_model.model.model.layers.{i}.self_attn.{module}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(LORA_RANK, hidden, generator=g) / 24
+            tensors[f"{name}.lora_B.weight"] = torch.randn(rows, LORA_RANK, generator=g) * 0.5
+    save_file(tensors, out / "adapter_model.safetensors")
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": LORA_RANK, "lora_alpha": LORA_ALPHA, "bias": "none",
+        "target_modules": ["q_proj", "v_proj"]}))
+    return out, tensors
+
+
+@pytest.fixture(scope="session")
+def lora_model(hf_model, lora_adapter):
+    """The bundled model with the adapter merged: W += (alpha / r) B A."""
+    _, tensors = lora_adapter
+    merged = copy.deepcopy(hf_model)
+    scale = LORA_ALPHA / LORA_RANK
+    with torch.no_grad():
+        for i, layer in enumerate(merged.model.layers):
+            for module in ("q_proj", "v_proj"):
+                name = f"base_model.model.model.layers.{i}.self_attn.{module}"
+                delta = tensors[f"{name}.lora_B.weight"] @ tensors[f"{name}.lora_A.weight"]
+                getattr(layer.self_attn, module).weight += scale * delta
+    return merged
+
+
+@pytest.fixture(scope="module", params=list(COLUMNS))
+def column(request, bundled_model_dir, lora_adapter):
+    """(column name, policy dict, server); pytest groups the tests by column: one start each."""
+    policy = COLUMNS[request.param]
+    _MEMO.clear()  # the previous column's reference results (logits of whole prompts)
+    server = start_server(bundled_model_dir, [
+        *flags(policy, CHUNK), "--max-num-seqs", "1", "--enable-lora",
+        "--max-lora-rank", str(LORA_RANK), "--lora-modules", f"{LORA_NAME}={lora_adapter[0]}"])
+    return request.param, policy, server
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
+
+
+def runner(model, bundled_model_dir, policy: dict) -> ReferenceRunner:
+    cfg = KVPolicyConfig.from_dict(policy)
+    full_heads = None
+    if cfg.policy in HEAD_MASK_POLICIES:
+        full_heads, _ = resolve_full_heads(cfg, str(bundled_model_dir), 30, 3)
+    return ReferenceRunner(model, build_policy(cfg, 30, 3, full_heads=full_heads))
+
+
+_MEMO: dict = {}
+
+
+def ref_generate(model, bundled_model_dir, policy: dict, ids, new_tokens=NEW_TOKENS):
+    """The reference's greedy decode at the regular 128-token chunks, computed once per
+    (model, policy, prompt): several rows ask for the same one."""
+    key = ("generate", id(model), json.dumps(policy, sort_keys=True), tuple(ids), new_tokens)
+    if key not in _MEMO:
+        _MEMO[key] = reference(model, bundled_model_dir, policy, list(ids), CHUNK, new_tokens)
+    return _MEMO[key]
+
+
+def greedy(server, prompt, model=SERVED_NAME, **extra):
+    r = client(server).completions.create(model=model, prompt=prompt, max_tokens=NEW_TOKENS,
+                                          temperature=0, extra_body=extra or None)
+    return r.choices[0].text, r.model_extra.get("kv_stats")
+
+
+@pytest.fixture(scope="module")
+def prompt(tokenizer):
+    return source_prompts(tokenizer, (320,))[0]  # three chunks: evictions at 128 and 256
+
+
+# -- rows ----------------------------------------------------------------------------------------
+def test_baseline_matches_reference(column, bundled_model_dir, tokenizer, hf_model):
+    name, policy, server = column
+    for ids in source_prompts(tokenizer, (600, 1200)):
+        r = client(server).completions.create(model=SERVED_NAME, prompt=ids, max_tokens=12,
+                                              temperature=0, logprobs=1)
+        ref = reference(hf_model, bundled_model_dir, policy, ids, CHUNK)
+        assert r.choices[0].text == tokenizer.decode(ref.token_ids), (name, len(ids))
+        first = r.choices[0].logprobs.token_logprobs[0]
+        assert abs(first - float(ref.first_token_logprobs.max())) < LOGPROB_TOL
+    # the served policy (and its mask file) is built once in each process: API server
+    # (start-up validation), engine core (scheduler, stats connector) and worker (backend)
+    builds = served_policy_builds(server)
+    assert len(builds) == 3 and set(builds.values()) == {1}, builds
+
+
+def test_structured_output_matches_constrained_reference(column, bundled_model_dir, tokenizer,
+                                                         hf_model, prompt):
+    import xgrammar as xgr
+
+    name, policy, server = column
+    ids = prompt[:280] + tokenizer("\nA JSON object with a name and an age: ")["input_ids"]
+    r = client(server).completions.create(
+        model=SERVED_NAME, prompt=ids, max_tokens=40, temperature=0,
+        extra_body={"structured_outputs": {"json": SCHEMA}})
+    served_text = r.choices[0].text
+    json.loads(served_text)  # the grammar held: a whole JSON object
+
+    vocab = hf_model.config.vocab_size
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab)
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_json_schema(
+        json.dumps(SCHEMA), any_whitespace=True))
+    bitmask = xgr.allocate_token_bitmask(1, vocab)
+    ref = runner(hf_model, bundled_model_dir, policy)
+    pre = ref.prefill(ids, CHUNK)
+    logits, tokens = pre.logits[-1].clone(), []
+    for i in range(40):
+        matcher.fill_next_token_bitmask(bitmask)
+        xgr.apply_token_bitmask_inplace(logits.view(1, -1), bitmask)
+        token = int(torch.argmax(logits))
+        if token == tokenizer.eos_token_id:
+            break
+        assert matcher.accept_token(token)
+        tokens.append(token)
+        logits = ref.decode_step(pre.cache, token, len(ids) + i).clone()
+    assert served_text == tokenizer.decode(tokens), name
+
+
+def reference_prompt_logprobs(hf_model, bundled_model_dir, policy, ids) -> list[float]:
+    """log p(ids[i] | ids[:i]) for i >= 1 from the reference's chunked prefill."""
+    logprobs = torch.log_softmax(ref_prefill_logits(hf_model, bundled_model_dir, policy, ids)[:-1],
+                                 dim=-1)
+    return logprobs.gather(1, torch.tensor(ids[1:]).view(-1, 1)).flatten().tolist()
+
+
+def ref_prefill_logits(hf_model, bundled_model_dir, policy, ids) -> torch.Tensor:
+    """Every prompt position's logits from the reference's chunked prefill (memoized)."""
+    key = ("prefill", json.dumps(policy, sort_keys=True), tuple(ids))
+    if key not in _MEMO:
+        _MEMO[key] = runner(hf_model, bundled_model_dir, policy).prefill(
+            list(ids), CHUNK, all_logits=True).logits
+    return _MEMO[key]
+
+
+def test_prompt_logprobs_match_reference(column, bundled_model_dir, hf_model, prompt):
+    name, policy, server = column
+    r = client(server).completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=1,
+                                          temperature=0, extra_body={"prompt_logprobs": 0})
+    served = r.choices[0].model_extra["prompt_logprobs"]
+    assert served[0] is None and len(served) == len(prompt)
+    got = [entry[str(t)]["logprob"] for entry, t in zip(served[1:], prompt[1:])]
+    want = reference_prompt_logprobs(hf_model, bundled_model_dir, policy, prompt)
+    worst = max(range(len(want)), key=lambda i: abs(got[i] - want[i]))
+    assert abs(got[worst] - want[worst]) < LOGPROB_TOL, (name, worst + 1, got[worst], want[worst])
+
+
+def test_echo_with_logprobs_matches_reference(column, bundled_model_dir, tokenizer, hf_model,
+                                              prompt):
+    name, policy, server = column
+    r = client(server).completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=NEW_TOKENS,
+                                          temperature=0, echo=True, logprobs=0)
+    lp = r.choices[0].logprobs.token_logprobs
+    assert lp[0] is None and len(lp) == len(prompt) + NEW_TOKENS
+    want = reference_prompt_logprobs(hf_model, bundled_model_dir, policy, prompt)
+    assert max(abs(a - b) for a, b in zip(lp[1:len(prompt)], want)) < LOGPROB_TOL, name
+    ref = ref_generate(hf_model, bundled_model_dir, policy, prompt)
+    assert r.choices[0].text == tokenizer.decode(prompt) + tokenizer.decode(ref.token_ids)
+
+
+def test_n_children_are_each_the_reference(column, bundled_model_dir, tokenizer, hf_model,
+                                           prompt):
+    name, policy, server = column
+    # (no `seed`: a seeded request whose prefill spans several steps stops vLLM 0.32's CPU
+    # worker, "CPU Generator does not use offset", with or without the plugin)
+    r = client(server).completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=NEW_TOKENS,
+                                          n=2, temperature=1.0, extra_body={"top_k": 1})
+    ref = tokenizer.decode(ref_generate(hf_model, bundled_model_dir, policy, prompt).token_ids)
+    assert [c.text for c in r.choices] == [ref, ref], name
+    assert r.model_extra.get("kv_stats") is not None
+
+
+def reference_beam_search(hf_model, bundled_model_dir, policy, ids, width, steps):
+    """vLLM's online beam search (entrypoints/generate/beam_search/online.py) over reference
+    prefills: per beam the top 2 * width next tokens, the best `width` continuations by
+    cumulative log-prob; without EOS every beam has one length, so the final order is by
+    cumulative log-prob too."""
+    beams = [(0.0, [])]
+    for _ in range(steps):
+        candidates = []
+        for cum, toks in beams:
+            logits = ref_prefill_logits(hf_model, bundled_model_dir, policy, ids + toks)[-1]
+            logprobs = torch.log_softmax(logits, dim=-1)
+            top = torch.topk(logprobs, 2 * width)
+            candidates += [(cum + float(v), toks + [int(t)])
+                           for v, t in zip(top.values, top.indices)]
+        beams = sorted(candidates, key=lambda c: -c[0])[:width]
+    return [toks for _, toks in beams]
+
+
+def test_beam_search_matches_reference_beam_search(column, bundled_model_dir, tokenizer,
+                                                   hf_model, prompt):
+    name, policy, server = column
+    r = client(server).completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=2, n=2,
+                                          temperature=0, extra_body={"use_beam_search": True})
+    beams = reference_beam_search(hf_model, bundled_model_dir, policy, prompt, 2, 2)
+    assert tokenizer.eos_token_id not in sum(beams, [])
+    assert [c.text for c in r.choices] == [tokenizer.decode(b) for b in beams], name
+
+
+def test_lora_adapter_matches_merged_reference(column, bundled_model_dir, tokenizer, hf_model,
+                                               lora_model, prompt):
+    name, policy, server = column
+    text, stats = greedy(server, prompt, model=LORA_NAME)
+    ref = ref_generate(lora_model, bundled_model_dir, policy, prompt)
+    assert text == tokenizer.decode(ref.token_ids), name
+    base = ref_generate(hf_model, bundled_model_dir, policy, prompt)
+    assert ref.token_ids != base.token_ids, "the adapter changes nothing: this checked nothing"
+    assert stats is not None and stats["policy"] == policy["policy"]
+
+
+def test_queued_requests_each_match_reference(column, bundled_model_dir, tokenizer, hf_model,
+                                              prompt):
+    name, policy, server = column
+    prompts = [prompt[:200], prompt, prompt[:260]]
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(lambda p: greedy(server, p), prompts))
+    for ids, (text, stats) in zip(prompts, results):
+        ends = list(range(CHUNK, len(ids), CHUNK)) + [len(ids)]
+        assert stats["chunk_boundaries"] == ends, (name, stats["chunk_boundaries"])
+        ref = ref_generate(hf_model, bundled_model_dir, policy, ids)
+        assert text == tokenizer.decode(ref.token_ids), (name, len(ids))
+    assert max(s["queue_s"] for _, s in results) > 0.0
+
+
+def test_repeated_prompt_prefix_cache(column, bundled_model_dir, prompt):
+    name, policy, server = column
+    first, a = greedy(server, prompt)
+    again, b = greedy(server, prompt)
+    assert again == first
+    serving = client(server).get("/kv_stats", cast_to=dict)["params"]
+    assert serving["prefix_caching"] is (policy["policy"] == "full"), serving
+    if policy["policy"] == "full":
+        assert b["cached_tokens"] > 0, b
+    else:
+        assert b["cached_tokens"] == 0, b

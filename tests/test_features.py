@@ -1,0 +1,70 @@
+"""Start-up refusals for vLLM features a policy is not served exactly with (features.py), per
+policy column of the compatibility matrix, and `vllm serve` stopping with the line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from compat_matrix import COLUMNS
+from test_policies_vllm import CASES
+from vllm_kvevict.config import KVPolicyConfig
+from vllm_kvevict.features import connector_error, kv_cache_dtype_error, parallel_error
+
+POLICIES = {"full": {"policy": "full"}, **{p: CASES[p][0] for p in COLUMNS.values() if p != "full"}}
+EVICTING = [p for p in POLICIES if p != "full"]
+
+
+def config(name: str) -> KVPolicyConfig:
+    return KVPolicyConfig.from_dict(POLICIES[name])
+
+
+@pytest.mark.parametrize("name", EVICTING)
+def test_connector_refused(name):
+    cfg = config(name)
+    assert connector_error(cfg, []) is None
+    assert connector_error(cfg, ["ExampleConnector"]).startswith(
+        f"--kv-transfer-config connector(s) ExampleConnector cannot be combined with "
+        f"--kv-policy {cfg.policy}")
+    assert connector_error(config("full"), ["ExampleConnector"]) is None
+
+
+@pytest.mark.parametrize("name", EVICTING)
+def test_fp8_refused(name):
+    cfg = config(name)
+    assert kv_cache_dtype_error(cfg, "auto") is None
+    for dtype in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+        assert kv_cache_dtype_error(cfg, dtype) == (
+            f"--kv-cache-dtype {dtype} is not supported with --kv-policy {cfg.policy}; "
+            "valid: auto (--kv-policy full serves any cache dtype vLLM does)")
+    assert kv_cache_dtype_error(config("full"), "fp8") is None
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_parallel_refused(name):
+    cfg = config(name)
+    assert parallel_error(cfg, {"tensor_parallel_size": 1, "pipeline_parallel_size": 1}) is None
+    for field, flag in (("tensor_parallel_size", "--tensor-parallel-size"),
+                        ("pipeline_parallel_size", "--pipeline-parallel-size"),
+                        ("data_parallel_size", "--data-parallel-size")):
+        assert parallel_error(cfg, {field: 2}) == (
+            f"{flag} 2 is not supported with --kv-policy {cfg.policy} yet; valid: 1")
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--kv-policy", "prulong", "--kv-cache-dtype", "fp8"],
+     "--kv-cache-dtype fp8 is not supported with --kv-policy prulong; valid: auto"),
+    (["--kv-policy", "full", "--tensor-parallel-size", "2"],
+     "--tensor-parallel-size 2 is not supported with --kv-policy full yet; valid: 1"),
+], ids=["fp8", "tp"])
+def test_vllm_serve_refuses_fp8_and_tp(bundled_model_dir, argv, line):
+    vllm = Path(sys.executable).parent / "vllm"
+    proc = subprocess.run([str(vllm), "serve", str(bundled_model_dir), "--dtype", "float32",
+                           *argv], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"vllm-kvevict: error: {line}"), proc.stderr[-3000:]
+    assert "Loading weights" not in proc.stderr + proc.stdout
