@@ -116,6 +116,10 @@ ROWS = [
     Row("speculative decoding, draft model / EAGLE / MTP / medusa / suffix",
         each("refused", "tests/test_speculative.py::test_speculative_methods_refused_or_served",
              why="a drafter's own layers would run through the policy's attention")),
+    Row("prompt embeddings (`--enable-prompt-embeds`)",
+        {c: Cell("refused", (f"tests/test_features.py::test_prompt_embeds_refused[{COLUMNS[c]}]",),
+                 "untested: patched eviction appends question rows to the input ids that "
+                 "embeddings replace") for c in COLUMNS}),
     Row("per-request `seed` with a prompt longer than one step",
         each("n/a", "tests/test_vllm_contract.py::test_seeded_partial_prefill_needs_a_generator_offset",
              why="stock vLLM 0.32 CPU stops its worker on it (\"CPU Generator does not use "

@@ -281,8 +281,9 @@ def test_queued_requests_each_match_reference(column, bundled_model_dir, tokeniz
     with cf.ThreadPoolExecutor(len(prompts)) as pool:
         results = list(pool.map(lambda p: greedy(server, p), prompts))
     for ids, (text, stats) in zip(prompts, results):
-        ends = list(range(CHUNK, len(ids), CHUNK)) + [len(ids)]
-        assert stats["chunk_boundaries"] == ends, (name, stats["chunk_boundaries"])
+        if policy["policy"] != "full":  # (full: prefix-cache hits start later; no eviction)
+            ends = list(range(CHUNK, len(ids), CHUNK)) + [len(ids)]
+            assert stats["chunk_boundaries"] == ends, (name, stats["chunk_boundaries"])
         ref = ref_generate(hf_model, bundled_model_dir, policy, ids)
         assert text == tokenizer.decode(ref.token_ids), (name, len(ids))
     assert max(s["queue_s"] for _, s in results) > 0.0

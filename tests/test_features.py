@@ -12,7 +12,8 @@ import pytest
 from compat_matrix import COLUMNS
 from test_policies_vllm import CASES
 from vllm_kvevict.config import KVPolicyConfig
-from vllm_kvevict.features import connector_error, kv_cache_dtype_error, parallel_error
+from vllm_kvevict.features import (connector_error, kv_cache_dtype_error, parallel_error,
+                                   prompt_embeds_error)
 
 POLICIES = {"full": {"policy": "full"}, **{p: CASES[p][0] for p in COLUMNS.values() if p != "full"}}
 EVICTING = [p for p in POLICIES if p != "full"]
@@ -52,6 +53,14 @@ def test_parallel_refused(name):
                         ("data_parallel_size", "--data-parallel-size")):
         assert parallel_error(cfg, {field: 2}) == (
             f"{flag} 2 is not supported with --kv-policy {cfg.policy} yet; valid: 1")
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_prompt_embeds_refused(name):
+    cfg = config(name)
+    assert prompt_embeds_error(cfg, False) is None
+    assert prompt_embeds_error(cfg, True) == (
+        f"--enable-prompt-embeds is not supported with --kv-policy {cfg.policy}")
 
 
 @pytest.mark.parametrize("argv, line", [

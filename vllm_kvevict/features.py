@@ -75,3 +75,11 @@ def parallel_error(policy_config, sizes: dict[str, int]) -> str | None:
             return (f"{flag} {size} is not supported with --kv-policy {policy_config.policy} "
                     "yet; valid: 1")
     return None
+
+
+def prompt_embeds_error(policy_config, enabled: bool) -> str | None:
+    """Prompt embeddings replace input ids, which patched eviction appends its question rows
+    to; untested under every policy, so refused."""
+    if not enabled:
+        return None
+    return f"--enable-prompt-embeds is not supported with --kv-policy {policy_config.policy}"

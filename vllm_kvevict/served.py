@@ -182,12 +182,11 @@ def served_policy(vllm_config) -> ServedPolicy:
         key = _key(vllm_config)
     builds += 1
     _served, _served_key = served, key
-    if config.policy != "full":
-        cache = getattr(vllm_config, "cache_config", None)
-        if cache is not None:
-            # Per-request eviction state starts at token 0: a prefix-cache hit would skip it.
-            cache.enable_prefix_caching = False
-        logger.info("vllm-kvevict: serving %s (process %d, build %d)",
-                    " ".join(f"{k}={v}" for k, v in serving(served, vllm_config).items()),
-                    os.getpid(), builds)
+    cache = getattr(vllm_config, "cache_config", None)
+    if config.policy != "full" and cache is not None:
+        # Per-request eviction state starts at token 0: a prefix-cache hit would skip it.
+        cache.enable_prefix_caching = False
+    logger.info("vllm-kvevict: serving %s (process %d, build %d)",
+                " ".join(f"{k}={v}" for k, v in serving(served, vllm_config).items()),
+                os.getpid(), builds)
     return served

@@ -10,7 +10,7 @@ import sys
 
 from vllm_kvevict.config import KVPolicyError
 from vllm_kvevict.features import (PARALLEL_FLAGS, connector_error, kv_cache_dtype_error,
-                                     parallel_error, speculative_error)
+                                     parallel_error, prompt_embeds_error, speculative_error)
 from vllm_kvevict.integration.cli import fail
 from vllm_kvevict.served import served_policy
 
@@ -31,8 +31,10 @@ def validate_against_model(vllm_config) -> None:
         users = user_connectors(getattr(vllm_config, "kv_transfer_config", None))
         method = getattr(getattr(vllm_config, "speculative_config", None), "method", None)
         # features.py: which vLLM features each policy is served exactly with
+        embeds = bool(getattr(vllm_config.model_config, "enable_prompt_embeds", False))
         for error in (parallel_error(cfg, sizes), kv_cache_dtype_error(cfg, str(cache_dtype)),
-                      speculative_error(cfg, method), connector_error(cfg, users)):
+                      speculative_error(cfg, method), connector_error(cfg, users),
+                      prompt_embeds_error(cfg, embeds)):
             if error:
                 raise KVPolicyError(error)
         if cfg.policy == "full":
