@@ -24,6 +24,10 @@ COLUMNS = {
     "pyramidkv patched": "pyramidkv-patched-0.7",
 }
 EVICTING = [c for c in COLUMNS if c != "full"]
+# The per-request rows (tests/test_compat.py) cost a server start and reference decodes per
+# column; CI runs the columns that cover each mechanism (full; head masks; token eviction in one
+# KV-cache group, patched; in tiers of groups, naive), the slow tier the other four.
+SLOW_COLUMNS = ("streaming", "duo 0.3", "snapkv naive", "pyramidkv patched")
 STATUSES = ("exact", "refused", "n/a")
 
 
@@ -40,14 +44,17 @@ class Row:
     cells: dict[str, Cell]
 
 
+C = "tests/test_compat.py::"
+
+
 def each(status: str, test: str, columns=tuple(COLUMNS), why: str = "",
          ids: dict[str, str] | None = None) -> dict[str, Cell]:
     """One cell per column; `{id}` in `test` is the column's parameter id."""
     ids = ids or COLUMNS
-    return {c: Cell(status, (test.format(id=ids[c]),), why) for c in columns}
+    slow = lambda c: "(s)" if test.startswith(C) and c in SLOW_COLUMNS else ""
+    return {c: Cell(status, (slow(c) + test.format(id=ids[c]),), why) for c in columns}
 
 
-C = "tests/test_compat.py::"
 SPEC_IDS = {**COLUMNS, "pyramidkv naive": "pyramidkv-naive-0.5"}
 SLOW_SPEC = ("full", "pyramidkv naive")
 ADMISSION = "tests/test_admission.py::"

@@ -28,6 +28,7 @@ import openai
 import pytest
 import torch
 
+from compat_matrix import COLUMNS as MATRIX_COLUMNS, SLOW_COLUMNS
 from conftest import SERVED_NAME, served_policy_builds, start_server
 from test_policies_vllm import CASES, LOGPROB_TOL, flags, reference, source_prompts
 from vllm_kvevict.config import HEAD_MASK_POLICIES, KVPolicyConfig
@@ -44,6 +45,7 @@ COLUMNS = {  # column -> policy: test_policies_vllm's cases, and full
                                          "snapkv-naive-0.5", "snapkv-patched-0.5",
                                          "pyramidkv-naive-0.5-tiers3", "pyramidkv-patched-0.7")},
 }
+SLOW = {MATRIX_COLUMNS[c] for c in SLOW_COLUMNS}  # their per-request rows: slow tier
 LORA_NAME, LORA_RANK, LORA_ALPHA = "tiny-lora", 8, 16
 NEW_TOKENS = 8
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"},
@@ -88,7 +90,8 @@ def lora_model(hf_model, lora_adapter):
     return merged
 
 
-@pytest.fixture(scope="module", params=list(COLUMNS))
+@pytest.fixture(scope="module", params=[
+    pytest.param(name, marks=[pytest.mark.slow] if name in SLOW else []) for name in COLUMNS])
 def column(request, bundled_model_dir, lora_adapter):
     """(column name, policy dict, server); pytest groups the tests by column: one start each."""
     policy = COLUMNS[request.param]
@@ -137,7 +140,7 @@ def prompt(tokenizer):
 # -- rows ----------------------------------------------------------------------------------------
 def test_baseline_matches_reference(column, bundled_model_dir, tokenizer, hf_model):
     name, policy, server = column
-    for ids in source_prompts(tokenizer, (600, 1200)):
+    for ids in source_prompts(tokenizer, (1000,)):
         r = client(server).completions.create(model=SERVED_NAME, prompt=ids, max_tokens=12,
                                               temperature=0, logprobs=1)
         ref = reference(hf_model, bundled_model_dir, policy, ids, CHUNK)
