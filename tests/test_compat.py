@@ -102,6 +102,16 @@ def column(request, bundled_model_dir, lora_adapter):
     return request.param, policy, server
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The reference on one thread: beside a server's OpenMP pool on two cores, two pools slow
+    each other down many times over (tests/test_speculative.py measured ~10x)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
 
