@@ -12,8 +12,8 @@ import pytest
 from compat_matrix import COLUMNS
 from test_policies_vllm import CASES
 from vllm_kvevict.config import KVPolicyConfig
-from vllm_kvevict.features import (connector_error, kv_cache_dtype_error, parallel_error,
-                                   prompt_embeds_error)
+from vllm_kvevict.features import (connector_error, kv_cache_dtype_error, lora_error,
+                                   parallel_error, prompt_embeds_error)
 
 POLICIES = {"full": {"policy": "full"}, **{p: CASES[p][0] for p in COLUMNS.values() if p != "full"}}
 EVICTING = [p for p in POLICIES if p != "full"]
@@ -63,13 +63,30 @@ def test_prompt_embeds_refused(name):
         f"--enable-prompt-embeds is not supported with --kv-policy {cfg.policy}")
 
 
+PATCHED = [p for p in EVICTING if config(p).patched]
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_lora_refused_with_patched_eviction(name):
+    cfg = config(name)
+    assert lora_error(cfg, False) is None
+    if name in PATCHED:
+        assert lora_error(cfg, True) == (
+            f"--enable-lora is not supported with --kv-policy {cfg.policy} --kv-eviction "
+            "patched; valid with LoRA: --kv-eviction naive")
+    else:
+        assert lora_error(cfg, True) is None
+
+
 @pytest.mark.parametrize("argv, line", [
     (["--kv-policy", "prulong", "--kv-cache-dtype", "fp8"],
      "--kv-cache-dtype fp8 is not supported with --kv-policy prulong; valid: auto"),
     (["--kv-policy", "full", "--tensor-parallel-size", "2"],
      "--tensor-parallel-size 2 is not supported with --kv-policy full yet; valid: 1"),
-], ids=["fp8", "tp"])
-def test_vllm_serve_refuses_fp8_and_tp(bundled_model_dir, argv, line):
+    (["--kv-policy", "snapkv", "--kv-eviction", "patched", "--enable-lora"],
+     "--enable-lora is not supported with --kv-policy snapkv --kv-eviction patched"),
+], ids=["fp8", "tp", "lora"])
+def test_vllm_serve_refuses(bundled_model_dir, argv, line):
     vllm = Path(sys.executable).parent / "vllm"
     proc = subprocess.run([str(vllm), "serve", str(bundled_model_dir), "--dtype", "float32",
                            *argv], capture_output=True, text=True, timeout=300)

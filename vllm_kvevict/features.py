@@ -83,3 +83,13 @@ def prompt_embeds_error(policy_config, enabled: bool) -> str | None:
     if not enabled:
         return None
     return f"--enable-prompt-embeds is not supported with --kv-policy {policy_config.policy}"
+
+
+def lora_error(policy_config, enabled: bool) -> str | None:
+    """Patched eviction runs its question rows as extra tokens of the step; vLLM's LoRA layers
+    index their adapters per scheduled token and do not know those rows (the worker stopped on
+    a shape mismatch in the LoRA embedding). Naive eviction and head masks add no rows."""
+    if not enabled or not policy_config.patched:
+        return None
+    return (f"--enable-lora is not supported with --kv-policy {policy_config.policy} "
+            "--kv-eviction patched; valid with LoRA: --kv-eviction naive")

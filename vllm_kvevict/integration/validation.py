@@ -10,7 +10,8 @@ import sys
 
 from vllm_kvevict.config import KVPolicyError
 from vllm_kvevict.features import (PARALLEL_FLAGS, connector_error, kv_cache_dtype_error,
-                                     parallel_error, prompt_embeds_error, speculative_error)
+                                     lora_error, parallel_error, prompt_embeds_error,
+                                     speculative_error)
 from vllm_kvevict.integration.cli import fail
 from vllm_kvevict.served import served_policy
 
@@ -34,7 +35,8 @@ def validate_against_model(vllm_config) -> None:
         embeds = bool(getattr(vllm_config.model_config, "enable_prompt_embeds", False))
         for error in (parallel_error(cfg, sizes), kv_cache_dtype_error(cfg, str(cache_dtype)),
                       speculative_error(cfg, method), connector_error(cfg, users),
-                      prompt_embeds_error(cfg, embeds)):
+                      prompt_embeds_error(cfg, embeds),
+                      lora_error(cfg, getattr(vllm_config, "lora_config", None) is not None)):
             if error:
                 raise KVPolicyError(error)
         if cfg.policy == "full":
