@@ -129,7 +129,8 @@ def reference_decode(hf_model, bundled_model_dir, policy: dict, prompt: list[int
 
 
 @pytest.mark.server
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow)
+                                  if c in ("full", "pyramidkv-naive-0.5") else c for c in CASES])
 def test_ngram_speculation_matches_one_token_decode(case, bundled_model_dir, tokenizer,
                                                     hf_model):
     policy = CASES[case]
