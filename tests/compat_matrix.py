@@ -175,7 +175,10 @@ def render() -> str:
         "",
         "Policies as tested: streaming sink 16 / window 64; duo and prulong at sparsity 0.3 / 0.7 "
         "with the shipped masks; snapkv at 0.5; pyramidkv naive at 0.5 with 3 tiers, patched "
-        "at 0.7; the bundled SmolLM2-135M-Instruct in float32, vLLM CPU 0.32.0.",
+        "at 0.7; the bundled SmolLM2-135M-Instruct in float32, vLLM CPU 0.32.0. The preemption, "
+        "speculation, connector and compile-mode rows use their own tests' settings (e.g. "
+        "sparsity 0.9 in pools of a few blocks). fp8 under `full` is compared with stock vLLM "
+        "on the same fp8 cache, bit for bit (the reference has no fp8).",
         "",
         "| feature | " + " | ".join(names) + " |",
         "|---|" + "---|" * len(names),
