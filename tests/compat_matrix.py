@@ -144,7 +144,7 @@ ROWS = [
              why="vLLM 0.32's CPU platform turns it off")),
     Row("tensor / pipeline / data parallel (> 1)",
         {c: Cell("refused", (f"tests/test_features.py::test_parallel_refused[{COLUMNS[c]}]",
-                             "tests/test_features.py::test_vllm_serve_refuses[tp]"),
+                             "tests/test_features.py::test_vllm_serve_refuses[pp]"),
                  "not built yet (issue 17): a head mask names global KV heads, a tensor-parallel "
                  "rank holds a slice; kv_stats would count one worker")
          for c in COLUMNS}),

@@ -24,15 +24,17 @@ def validate_against_model(vllm_config) -> None:
     try:
         served = served_policy(vllm_config)  # raises on a missing or mismatched mask
         cfg = served.config
-        parallel = vllm_config.parallel_config
+        # (getattr: a VllmConfig has them all; the unit tests pass partial stand-ins)
+        parallel = getattr(vllm_config, "parallel_config", None)
         sizes = {field: getattr(parallel, field, 1) for field, _ in PARALLEL_FLAGS}
-        cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
+        cache_dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto")
         from vllm_kvevict.integration.kv_transfer import user_connectors
 
         users = user_connectors(getattr(vllm_config, "kv_transfer_config", None))
         method = getattr(getattr(vllm_config, "speculative_config", None), "method", None)
         # features.py: which vLLM features each policy is served exactly with
-        embeds = bool(getattr(vllm_config.model_config, "enable_prompt_embeds", False))
+        embeds = bool(getattr(getattr(vllm_config, "model_config", None),
+                              "enable_prompt_embeds", False))
         for error in (parallel_error(cfg, sizes), kv_cache_dtype_error(cfg, str(cache_dtype)),
                       speculative_error(cfg, method), connector_error(cfg, users),
                       prompt_embeds_error(cfg, embeds),
