@@ -24,7 +24,7 @@ serve: model
 test: model
 	$(PY) -m pytest -q
 
-# the developers' tier: no server, under a minute here (the full suite starts vllm serve ~30x)
+# the developers' tier: no server, 2-3 minutes here (the full suite starts vllm serve ~35x)
 test-fast: model
 	$(PY) -m pytest -q -m "not server and not slow"
 
