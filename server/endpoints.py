@@ -11,11 +11,13 @@ Documented in server/README.md.
 
 from __future__ import annotations
 
+import time
+
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import HTMLResponse, JSONResponse
 
 from server.responses import KVStatsMiddleware
-from server.store import ServerStats, record_engine_output
+from server.store import Recorder, ServerStats
 
 
 def make_router():
@@ -39,6 +41,20 @@ def make_router():
             "aggregates": state.store.aggregates(),
             "recent": state.store.recent(limit),
         })
+
+    # Before /v1/kv_stats/{request_id}, which would take "timeline" as a request id.
+    @router.get("/v1/kv_stats/timeline")
+    async def kv_stats_timeline(since: float = 0.0) -> JSONResponse:
+        state = ServerStats.get()
+        info = state.info()
+        return JSONResponse({"now": time.time(), "policy": info["policy"],
+                             "params": info["params"], **state.timeline.view(since)})
+
+    @router.get("/kv")
+    async def live_view() -> HTMLResponse:
+        from server.live import page
+
+        return HTMLResponse(page())
 
     @router.get("/v1/kv_stats/{request_id}")
     async def kv_stats_one(request_id: str) -> JSONResponse:
@@ -69,4 +85,4 @@ def install(app, context):
         # inside build_app already; rebuild it as that bootstrap does, before serving starts.
         app.middleware_stack = app.build_middleware_stack()
     ServerStats.get().rss.start()
-    return record_engine_output
+    return Recorder()

@@ -7,7 +7,10 @@
   their signed value is in kv_stats and in GET /v1/kv_stats);
 - vllm_kvevict_blocks_freed_total{policy}: counter of KV blocks that eviction returned to vLLM's
   block pool while requests ran (counted per request by block id, preemption excluded);
-- vllm_kvevict_requests_total{policy}: counter of requests that reported kv_stats.
+- vllm_kvevict_requests_total{policy,finish_reason}: counter of requests that reported
+  kv_stats, by how they ended (stop, length, abort, error);
+- vllm_kvevict_pool_blocks_used{policy,group}, vllm_kvevict_pool_blocks{policy}: gauges of the
+  KV pool at the last engine step: distinct blocks held per KV-cache group, and the pool's size.
 
 Created lazily in the API-server process, in prometheus_client's default registry, which is the
 one vLLM's /metrics serves (with PROMETHEUS_MULTIPROC_DIR set, prometheus_client writes them to
@@ -25,7 +28,7 @@ FOOTPRINT_BUCKETS = (0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 
 
 class KVEvictMetrics:
     def __init__(self, registry=None) -> None:
-        from prometheus_client import REGISTRY, Counter, Histogram
+        from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
         registry = registry if registry is not None else REGISTRY
         labels = ["policy"]
@@ -45,12 +48,21 @@ class KVEvictMetrics:
             "vllm_kvevict_blocks_freed", "KV-cache blocks returned to vLLM's block pool by "
             "eviction while requests ran.", labels, registry=registry)
         self.requests = Counter(
-            "vllm_kvevict_requests", "Finished requests that reported kv_stats.", labels,
+            "vllm_kvevict_requests", "Finished requests that reported kv_stats, by how they "
+            "ended (stop, length, abort, error).", labels + ["finish_reason"],
             registry=registry)
+        # Gauges of the last engine step, one engine per API server: the last value wins.
+        self.pool_blocks_used = Gauge(
+            "vllm_kvevict_pool_blocks_used", "Blocks of vLLM's KV pool held by requests, per "
+            "KV-cache group.", labels + ["group"], registry=registry,
+            multiprocess_mode="mostrecent")
+        self.pool_blocks = Gauge(
+            "vllm_kvevict_pool_blocks", "Blocks in vLLM's KV pool (shared by all KV-cache "
+            "groups).", labels, registry=registry, multiprocess_mode="mostrecent")
 
     def observe(self, stats: Mapping[str, Any]) -> None:
         policy = str(stats.get("policy") or "unknown")
-        self.requests.labels(policy).inc()
+        self.requests.labels(policy, str(stats.get("finish_reason") or "unknown")).inc()
         if isinstance(stats.get("footprint"), (int, float)):
             self.footprint.labels(policy).observe(stats["footprint"])
         if isinstance(stats.get("measured_footprint"), (int, float)):
@@ -59,6 +71,13 @@ class KVEvictMetrics:
         self.bytes_saved.labels(policy).inc(max(saved, 0) if isinstance(saved, int) else 0)
         freed = stats.get("blocks_freed")
         self.blocks_freed.labels(policy).inc(max(freed, 0) if isinstance(freed, int) else 0)
+
+
+    def observe_pool(self, policy: str, snapshot: Mapping[str, Any]) -> None:
+        for group, used in enumerate(snapshot.get("blocks_used") or ()):
+            self.pool_blocks_used.labels(policy, str(group)).set(used)
+        if isinstance(snapshot.get("num_blocks"), int):
+            self.pool_blocks.labels(policy).set(snapshot["num_blocks"])
 
 
 _metrics: KVEvictMetrics | None = None

@@ -6,15 +6,20 @@ response bodies, and its pure helpers (unit-tested).
   valid keys and ranges, before the request reaches the engine);
 - non-streaming 200 JSON responses: moves `kv_transfer_params.kv_stats` to a top-level
   `kv_stats` field (`kv_transfer_params` becomes null when that was all it held);
-- streamed responses: vLLM does not carry kv_transfer_params in streams, so just before
-  `data: [DONE]` it sends one more chunk, `{"id", "object", "created", "model",
-  "choices": [], "kv_stats": {...}}`.
+- streamed responses: vLLM does not carry kv_transfer_params in streams. With
+  `stream_options.include_usage` the final usage chunk (`choices: []`) gets `kv_stats` (and
+  `kv_stats_per_request` for n > 1 or several prompts); without it one more chunk of that shape
+  goes just before `data: [DONE]`.
+- a request ended by a stop string reaches the engine as an abort, and its stats arrive a step
+  later: the response waits for them (at most `SETTLE_S`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import time
 from typing import Any
 
 from server.store import STATS_KEY, ServerStats
@@ -22,6 +27,15 @@ from server.store import STATS_KEY, ServerStats
 logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
 
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
+SETTLE_S = 1.0  # longest wait for a stop-string request's stats (one engine step, normally)
+
+
+async def settled(response_id: str | None) -> None:
+    """Wait until no request of this response still owes its stats (stop strings)."""
+    state = ServerStats.get()
+    deadline = time.monotonic() + SETTLE_S
+    while response_id and state.owes_stats(response_id) and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
 
 
 def lift_kv_stats(payload: dict[str, Any], found: list[dict[str, Any]]) -> dict[str, Any]:
@@ -40,20 +54,37 @@ def lift_kv_stats(payload: dict[str, Any], found: list[dict[str, Any]]) -> dict[
     return payload
 
 
-def stats_chunk(first_chunk: dict[str, Any] | None, response_id: str | None,
-                stats: dict[str, Any] | None) -> bytes:
-    """The extra last SSE chunk of a streamed response."""
-    first = first_chunk or {}
-    chunk = {"id": response_id or first.get("id"), "object": first.get("object"),
-             "created": first.get("created"), "model": first.get("model"), "choices": [],
-             STATS_KEY: stats}
+def with_stats(chunk: dict[str, Any], found: list[dict[str, Any]]) -> dict[str, Any]:
+    chunk[STATS_KEY] = found[0] if found else None
+    if len(found) > 1:
+        chunk["kv_stats_per_request"] = found
+    return chunk
+
+
+def _sse(chunk: dict[str, Any]) -> bytes:
     return (b"data: " + json.dumps(chunk, ensure_ascii=False, separators=(",", ":")).encode()
             + b"\n\n")
 
 
+def stats_chunk(first_chunk: dict[str, Any] | None, response_id: str | None,
+                found: list[dict[str, Any]]) -> bytes:
+    """The extra last SSE chunk of a streamed response without a usage chunk."""
+    first = first_chunk or {}
+    chunk = {"id": response_id or first.get("id"), "object": first.get("object"),
+             "created": first.get("created"), "model": first.get("model"), "choices": []}
+    return _sse(with_stats(chunk, found))
+
+
+def is_usage_chunk(chunk: Any) -> bool:
+    """vLLM's final chunk under `stream_options.include_usage`."""
+    return (isinstance(chunk, dict) and chunk.get("choices") == []
+            and isinstance(chunk.get("usage"), dict))
+
+
 class SSERewriter:
-    """Passes an SSE byte stream through event by event and inserts the kv_stats chunk before
-    `data: [DONE]` (`lookup(response_id)` gives the stats at that moment)."""
+    """Passes an SSE byte stream through event by event; puts the kv_stats into the final
+    usage chunk, or into one more chunk before `data: [DONE]` (`lookup(response_id)` gives
+    the response's stats, a list, at that moment)."""
 
     def __init__(self, lookup) -> None:
         self.lookup = lookup
@@ -85,15 +116,22 @@ class SSERewriter:
                 return event
             self.injected = True
             rid = (self.first or {}).get("id")
-            return stats_chunk(self.first, rid, self.lookup(rid) if rid else None) + event
-        if self.first is None:
+            return stats_chunk(self.first, rid, self.lookup(rid) if rid else []) + event
+        if self.first is None or (b'"usage"' in data and b'"choices":[]' in data):
             try:
                 chunk = json.loads(data)
             except ValueError:
                 return event
-            if isinstance(chunk, dict) and "id" in chunk:
+            if self.first is None and isinstance(chunk, dict) and "id" in chunk:
                 self.first = chunk
+            if is_usage_chunk(chunk) and not self.injected:
+                self.injected = True
+                rid = chunk.get("id")
+                return _sse(with_stats(chunk, self.lookup(rid) if rid else []))
         return event
+
+    def response_id(self) -> str | None:
+        return (self.first or {}).get("id")
 
 
 # -- ASGI middleware ----------------------------------------------------------------------------
@@ -176,13 +214,20 @@ class _ResponseShaper:
                 return
             if message.get("status") == 200 and ctype.startswith("text/event-stream"):
                 self.mode = "sse"
-                self.sse = SSERewriter(_lookup_first)
+                self.sse = SSERewriter(ServerStats.get().store.for_response)
             return await self._send(message)
         if kind != "http.response.body" or self.mode == "pass":
             return await self._send(message)
         more = message.get("more_body", False)
         if self.mode == "sse":
-            data = self.sse.feed(message.get("body", b""), final=not more)
+            body = message.get("body", b"")
+            if b"[DONE]" in body or b'"usage"' in body or not more:
+                self.sse.feed(b"")  # parse what is buffered so the response id is known
+                rid = self.sse.response_id()
+                if rid is None and body.startswith(b"data:"):
+                    rid = _peek_id(body)
+                await settled(rid)
+            data = self.sse.feed(body, final=not more)
             if data or not more:
                 await self._send({"type": "http.response.body", "body": data, "more_body": more})
             return
@@ -194,6 +239,7 @@ class _ResponseShaper:
             payload = json.loads(body)
             if isinstance(payload, dict) and "choices" in payload:
                 rid = payload.get("id")
+                await settled(rid)
                 found = ServerStats.get().store.for_response(rid) if rid else []
                 body = json.dumps(lift_kv_stats(payload, found), ensure_ascii=False,
                                   separators=(",", ":")).encode()
@@ -206,6 +252,9 @@ class _ResponseShaper:
         await self._send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-def _lookup_first(response_id: str) -> dict[str, Any] | None:
-    found = ServerStats.get().store.for_response(response_id)
-    return found[0] if found else None
+def _peek_id(body: bytes) -> str | None:
+    try:
+        chunk = json.loads(body.split(b"\n\n", 1)[0][len(b"data:"):])
+    except ValueError:
+        return None
+    return chunk.get("id") if isinstance(chunk, dict) else None

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any
 
 logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
@@ -123,20 +124,26 @@ class KVStatsStore:
         self._by_external: dict[str, list[str]] = {}
         self._total = _Aggregate()
         self._per_policy: dict[str, _Aggregate] = {}
+        self._per_reason: dict[str, _Aggregate] = {}
 
-    def record(self, stats: dict[str, Any], external_id: str | None = None) -> None:
+    def record(self, stats: dict[str, Any], external_id: str | None = None) -> bool:
+        """Keep one request's stats; False (and nothing counted) if that engine request was
+        already recorded."""
         engine_id = str(stats.get("engine_request_id") or external_id or id(stats))
         policy = str(stats.get("policy") or "unknown")
+        reason = str(stats.get("finish_reason") or "unknown")
         with self._lock:
+            if engine_id in self._by_engine:
+                return False
             self._total.add(stats)
             self._per_policy.setdefault(policy, _Aggregate()).add(stats)
-            if engine_id in self._by_engine:
-                self._forget(engine_id)
+            self._per_reason.setdefault(reason, _Aggregate()).add(stats)
             self._by_engine[engine_id] = stats
             if external_id:
                 self._by_external.setdefault(external_id, []).append(engine_id)
             while len(self._by_engine) > self.capacity:
                 self._forget(next(iter(self._by_engine)))
+        return True
 
     def _forget(self, engine_id: str) -> None:
         stats = self._by_engine.pop(engine_id)
@@ -187,7 +194,88 @@ class KVStatsStore:
             out = self._total.to_dict()
             out["requests_per_policy"] = {p: a.requests for p, a in self._per_policy.items()}
             out["per_policy"] = {p: a.to_dict() for p, a in self._per_policy.items()}
+            out["requests_per_finish_reason"] = {r: a.requests
+                                                 for r, a in self._per_reason.items()}
+            out["per_finish_reason"] = {r: a.to_dict() for r, a in self._per_reason.items()}
             return out
+
+# -- engine request ids --------------------------------------------------------------------------
+
+_SIBLING = re.compile(r"^(\d+)_(.+)$")
+_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+
+
+def sibling_index(engine_id: str) -> int:
+    """vLLM names the n samples of one prompt `<i>_<parent engine id>`; others are sample 0."""
+    m = _SIBLING.match(engine_id)
+    return int(m.group(1)) if m else 0
+
+
+def external_of(engine_id: str) -> str:
+    """The API id of an engine request id: vLLM appends `-<8 hex>` to the API id (and puts
+    `<i>_` before it for the n samples of one prompt). For requests that ended without an
+    output naming them (client cancel)."""
+    m = _SIBLING.match(engine_id)
+    return _SUFFIX.sub("", m.group(2) if m else engine_id)
+
+
+# -- the live view's timeline ---------------------------------------------------------------------
+
+class Timeline:
+    """Pool snapshots and per-request KV bytes over time, from the engine's connector stats
+    (`GET /v1/kv_stats/timeline`, the `/kv` page). Bounded: `max_samples` pool samples, the last
+    `max_requests` requests, at most `max_points` points each (older points thinned)."""
+
+    def __init__(self, max_samples: int = 2400, max_requests: int = 48,
+                 max_points: int = 600) -> None:
+        self.max_requests, self.max_points = max_requests, max_points
+        self._lock = threading.Lock()
+        self.samples: deque[dict[str, Any]] = deque(maxlen=max_samples)
+        self.pool: dict[str, Any] = {"num_blocks": None, "group_names": [],
+                                     "bytes_per_block": [], "block_size": None}
+        self.traces: OrderedDict[str, dict[str, Any]] = OrderedDict()
+
+    def add(self, snapshot: dict[str, Any], running: int, waiting: int,
+            usage: float | None) -> None:
+        t = float(snapshot["t"])
+        with self._lock:
+            self.pool = {k: snapshot.get(k) for k in self.pool}
+            self.samples.append({"t": t, "blocks_used": list(snapshot.get("blocks_used", ())),
+                                 "running": running, "waiting": waiting, "usage": usage})
+            live = snapshot.get("requests") or {}
+            for engine_id, (held, full) in live.items():
+                trace = self.traces.get(engine_id)
+                if trace is None:
+                    trace = self.traces[engine_id] = {
+                        "request_id": external_of(engine_id), "engine_request_id": engine_id,
+                        "index": sibling_index(engine_id), "first_t": t, "finished": False,
+                        "finish_reason": None, "points": []}
+                points = trace["points"]
+                points.append([t, held, full])
+                if len(points) > self.max_points:  # thin the older half
+                    half = len(points) // 2
+                    points[:half] = points[:half:2]
+            for engine_id, trace in self.traces.items():
+                if engine_id not in live:
+                    trace["finished"] = True
+            while len(self.traces) > self.max_requests:
+                self.traces.popitem(last=False)
+
+    def finished(self, engine_id: str, reason: str | None) -> None:
+        with self._lock:
+            trace = self.traces.get(engine_id)
+            if trace is not None:
+                trace["finished"], trace["finish_reason"] = True, reason
+
+    def view(self, since: float = 0.0) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "pool": dict(self.pool),
+                "samples": [s for s in self.samples if s["t"] > since],
+                "requests": [{**tr, "points": [p for p in tr["points"] if p[0] > since]}
+                             for tr in self.traces.values()],
+            }
+
 
 # -- the process-wide state ---------------------------------------------------------------------
 
@@ -197,7 +285,11 @@ class ServerStats:
 
     def __init__(self) -> None:
         self.store = KVStatsStore()
+        self.timeline = Timeline()
         self.rss = ProcessTreeRSS()
+        # engine id -> (API id, finish reason, stop reason) of requests that finished in the
+        # API server without kv_stats (stop strings): their stats come later, as aborted.
+        self.pending: OrderedDict[str, tuple[str, str, Any]] = OrderedDict()
         self.context = None  # what the server serves (set by endpoints.install)
         self._metrics = None
 
@@ -216,6 +308,12 @@ class ServerStats:
             self._metrics = get_metrics()
         return self._metrics
 
+    def owes_stats(self, response_id: str) -> bool:
+        """A request of this response ended in the API server and its stats are on the way."""
+        return any(external == response_id or external.startswith((response_id + "-",
+                                                                   response_id + "_"))
+                   for external, _, _ in list(self.pending.values()))
+
     def info(self) -> dict[str, Any]:
         """Policy, context length and whether kv_stats are on."""
         c = self.context
@@ -226,21 +324,64 @@ class ServerStats:
                 "enabled": c.stats_enabled, "reason": c.stats_disabled_reason}
 
 
+def _record(engine_id: str, external_id: str, stats: dict[str, Any]) -> dict[str, Any]:
+    state = ServerStats.get()
+    state.rss.sample()
+    full = {"request_id": external_id, **stats, "engine_request_id": engine_id,
+            "index": sibling_index(engine_id), "server_peak_rss_bytes": state.rss.peak}
+    pending = state.pending.pop(engine_id, None)
+    if pending is not None:  # the API server ended it (stop string): its reason wins
+        full["finish_reason"], full["stop_reason"] = pending[1], pending[2]
+    if state.store.record(full, external_id):
+        state.timeline.finished(engine_id, full.get("finish_reason"))
+        try:
+            state.metrics.observe(full)
+        except Exception:  # metrics must never break a response
+            logger.exception("vllm-kvevict: Prometheus update failed")
+    return full
+
+
 def record_engine_output(engine_id: str, external_id: str,
                          kv_transfer_params: dict[str, Any]) -> None:
     """A finished request's kv_transfer_params arrived from the engine core (called by the
     output-processor hook, in the event loop, before the response is built). Completes the
     dict in place, so the response body carries the same numbers as the store."""
     stats = kv_transfer_params.get(STATS_KEY)
-    if not isinstance(stats, dict):
-        return
+    if isinstance(stats, dict):
+        kv_transfer_params[STATS_KEY] = _record(engine_id, external_id, stats)
+
+
+def record_output_finished(engine_id: str, external_id: str, finish_reason: str,
+                           stop_reason: Any) -> None:
+    """A request ended in the API server with no kv_stats yet (a stop string)."""
+    pending = ServerStats.get().pending
+    pending[engine_id] = (external_id, finish_reason, stop_reason)
+    while len(pending) > 4096:
+        pending.popitem(last=False)
+
+
+def record_engine_stats(payload: dict[str, Any], running: int, waiting: int,
+                        usage: float | None) -> None:
+    """One engine step's connector payload: pool snapshots and aborted requests' kv_stats."""
     state = ServerStats.get()
-    state.rss.sample()
-    full = {"request_id": external_id, **stats, "engine_request_id": engine_id,
-            "server_peak_rss_bytes": state.rss.peak}
-    kv_transfer_params[STATS_KEY] = full
-    state.store.record(full, external_id)
-    try:
-        state.metrics.observe(full)
-    except Exception:  # metrics must never break a response
-        logger.exception("vllm-kvevict: Prometheus update failed")
+    snapshots = payload.get("snapshots") or ()
+    for snapshot in snapshots:
+        state.timeline.add(snapshot, running, waiting, usage)
+    for stats in payload.get("finished") or ():
+        engine_id = str(stats.get("engine_request_id"))
+        pending = state.pending.get(engine_id)
+        _record(engine_id, pending[0] if pending else external_of(engine_id), stats)
+    if snapshots:
+        try:
+            policy = state.context.policy if state.context is not None else "unknown"
+            state.metrics.observe_pool(policy, snapshots[-1])
+        except Exception:
+            logger.exception("vllm-kvevict: Prometheus update failed")
+
+
+class Recorder:
+    """What `endpoints.install` returns to vllm_kvevict's API-server adapter."""
+
+    finished = staticmethod(record_engine_output)
+    output_finished = staticmethod(record_output_finished)
+    engine_stats = staticmethod(record_engine_stats)

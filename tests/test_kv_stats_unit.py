@@ -230,7 +230,7 @@ def test_sse_rewriter_inserts_stats_chunk_before_done():
               b'data: {"id":"cmpl-9","choices":[{"text":"b"}]}\n\n', b"data: [DONE]\n\n"]
     raw = b"".join(events)
     seen = []
-    rewriter = responses.SSERewriter(lambda rid: seen.append(rid) or {"footprint": 0.5})
+    rewriter = responses.SSERewriter(lambda rid: seen.append(rid) or [{"footprint": 0.5}])
     # split the stream at awkward places: events must come out whole and in order
     out = b"".join(rewriter.feed(raw[i:i + 7], final=i + 7 >= len(raw))
                    for i in range(0, len(raw), 7))
@@ -240,6 +240,25 @@ def test_sse_rewriter_inserts_stats_chunk_before_done():
     assert extra == {"id": "cmpl-9", "object": "text_completion", "created": 5, "model": "m",
                      "choices": [], "kv_stats": {"footprint": 0.5}}
     assert parts[3] == b"data: [DONE]" and seen == ["cmpl-9"]
+
+
+def test_sse_rewriter_puts_every_requests_stats_in_the_usage_chunk():
+    """With stream_options.include_usage, kv_stats ride in vLLM's final usage chunk (where
+    OpenAI clients read usage), all of them for n > 1; no extra chunk follows."""
+    usage = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    events = [b'data: {"id":"cmpl-9","object":"text_completion","created":5,"model":"m",'
+              b'"choices":[{"index":0,"text":"a"}]}\n\n',
+              b'data: {"id":"cmpl-9","object":"text_completion","created":5,"model":"m",'
+              b'"choices":[],"usage":' + json.dumps(usage).encode() + b'}\n\n',
+              b"data: [DONE]\n\n"]
+    two = [{"index": 0, "footprint": 0.5}, {"index": 1, "footprint": 0.6}]
+    rewriter = responses.SSERewriter(lambda rid: two if rid == "cmpl-9" else [])
+    out = rewriter.feed(b"".join(events), final=True)
+    parts = [p for p in out.split(b"\n\n") if p]
+    assert len(parts) == 3 and parts[2] == b"data: [DONE]"
+    last = json.loads(parts[1][len(b"data: "):])
+    assert last["usage"] == usage and last["choices"] == []
+    assert last["kv_stats"] == two[0] and last["kv_stats_per_request"] == two
 
 
 # -- the middleware, on a fake inner app ---------------------------------------------------------
@@ -352,12 +371,64 @@ def test_metrics_series():
     registry = CollectorRegistry()
     metrics = KVEvictMetrics(registry)
     metrics.observe({"policy": "snapkv", "footprint": 0.3, "measured_footprint": 0.4,
-                     "kv_bytes_saved": 1000, "blocks_freed": 7})
+                     "kv_bytes_saved": 1000, "blocks_freed": 7, "finish_reason": "length"})
     metrics.observe({"policy": "snapkv", "footprint": 0.5, "kv_bytes_saved": -50,
-                     "blocks_freed": 0})
+                     "blocks_freed": 0, "finish_reason": "abort"})
+    metrics.observe_pool("snapkv", {"blocks_used": [12, 3], "num_blocks": 100})
     text = generate_latest(registry).decode()
     assert 'vllm_kvevict_footprint_count{policy="snapkv"} 2.0' in text
     assert 'vllm_kvevict_footprint_sum{policy="snapkv"} 0.8' in text
     assert 'vllm_kvevict_kv_bytes_saved_total{policy="snapkv"} 1000.0' in text
     assert 'vllm_kvevict_blocks_freed_total{policy="snapkv"} 7.0' in text
-    assert 'vllm_kvevict_requests_total{policy="snapkv"} 2.0' in text
+    assert 'vllm_kvevict_requests_total{finish_reason="length",policy="snapkv"} 1.0' in text
+    assert 'vllm_kvevict_requests_total{finish_reason="abort",policy="snapkv"} 1.0' in text
+    assert 'vllm_kvevict_pool_blocks_used{group="1",policy="snapkv"} 3.0' in text
+    assert 'vllm_kvevict_pool_blocks{policy="snapkv"} 100.0' in text
+
+
+def test_engine_request_ids():
+    """vLLM's engine ids: `<API id>-<8 hex>`, and `<i>_` before it for the n samples of one
+    prompt (tests/test_vllm_contract.py pins both)."""
+    from server.store import external_of, sibling_index
+
+    assert external_of("cmpl-ab12-0-1a2b3c4d") == "cmpl-ab12-0"
+    assert external_of("1_chatcmpl-77-deadbeef") == "chatcmpl-77"
+    assert (sibling_index("1_chatcmpl-77-deadbeef"), sibling_index("cmpl-ab12-0-1a2b3c4d")) \
+        == (1, 0)
+
+
+def test_aborted_and_stop_string_requests_are_recorded_once_with_their_reason():
+    """A stop string ends a request in the API server (finish "stop"), the engine sees an
+    abort and sends the stats a step later with its scheduler stats; a client cancel is only
+    the engine's abort. Both land in the store once, with the API server's reason winning."""
+    from server import store as st
+
+    st.ServerStats._instance = None
+    state = st.ServerStats.get()
+    try:
+        st.record_output_finished("cmpl-1-0-aaaaaaaa", "cmpl-1-0", "stop", "\n\n")
+        assert state.owes_stats("cmpl-1") and not state.owes_stats("cmpl-2")
+        snap = {"t": 10.0, "blocks_used": [4], "num_blocks": 50, "group_names": ["g"],
+                "bytes_per_block": [100], "block_size": 16,
+                "requests": {"cmpl-2-0-bbbbbbbb": [400, 800]}}
+        late = [{"engine_request_id": "cmpl-1-0-aaaaaaaa", "policy": "full",
+                 "finish_reason": "abort", "kv_bytes_peak": 1},
+                {"engine_request_id": "cmpl-2-0-bbbbbbbb", "policy": "full",
+                 "finish_reason": "abort", "kv_bytes_peak": 2}]
+        st.record_engine_stats({"snapshots": [snap], "finished": late}, 1, 0, 0.08)
+        st.record_engine_stats({"finished": late[:1]}, 0, 0, 0.0)  # a duplicate: ignored
+        assert not state.owes_stats("cmpl-1")
+        one, two = state.store.get("cmpl-1-0"), state.store.get("cmpl-2-0")
+        assert (one["finish_reason"], one["stop_reason"]) == ("stop", "\n\n")
+        assert two["finish_reason"] == "abort" and two["request_id"] == "cmpl-2-0"
+        agg = state.store.aggregates()
+        assert agg["requests"] == 2
+        assert agg["requests_per_finish_reason"] == {"stop": 1, "abort": 1}
+        view = state.timeline.view(0.0)
+        assert view["pool"]["num_blocks"] == 50 and view["samples"][0]["running"] == 1
+        (trace,) = view["requests"]
+        assert trace["request_id"] == "cmpl-2-0" and trace["points"] == [[10.0, 400, 800]]
+        assert trace["finished"] and trace["finish_reason"] == "abort"
+        assert state.timeline.view(10.0)["samples"] == []
+    finally:
+        st.ServerStats._instance = None

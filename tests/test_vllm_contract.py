@@ -247,3 +247,30 @@ def test_seeded_partial_prefill_needs_a_generator_offset():
         GPUModelRunner._bookkeeping_sync)
     with pytest.raises(RuntimeError, match="does not use offset"):
         torch.Generator(device="cpu").get_offset()
+
+
+def test_engine_request_id_naming():
+    """server/store.py's `external_of` / `sibling_index` read vLLM's engine ids: the API id plus
+    `-<8 chars of a uuid4 hex>`, and `<i>_` before the parent's id for the n samples of a
+    prompt. Late stats (client cancels) are filed under the API id derived that way."""
+    import inspect
+
+    from vllm.v1.engine import input_processor, parallel_sampling
+
+    assert 'f"{request.external_req_id}-{random_uuid():.8}"' in inspect.getsource(input_processor)
+    assert 'f"{index}_{self.request_id}"' in inspect.getsource(parallel_sampling)
+
+
+def test_connector_stats_channel():
+    """stats_connector -> stat_logger: vLLM asks the scheduler-side connector for its stats
+    after every step and ships them in SchedulerStats; a stat-logger plugin turns stats on."""
+    import inspect
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine import async_llm
+
+    assert "self.connector.get_kv_connector_stats()" in inspect.getsource(
+        Scheduler.update_from_output)
+    src = inspect.getsource(async_llm.AsyncLLM.__init__)
+    assert "load_stat_logger_plugin_factories()" in src
+    assert "self.log_stats = log_stats or has_custom_loggers" in src

@@ -77,6 +77,8 @@ class RequestRecord:
     full_bytes_integral: int = 0
     blocks_held_peak: int = 0
     blocks_held: int = 0
+    bytes_now: int = 0       # bytes held at the last step (live view)
+    full_bytes_now: int = 0  # full attention's at the last step
     full_blocks: int = 0
     blocks_freed: int = 0
     preemptions: int = 0
@@ -124,6 +126,7 @@ class RequestRecord:
         self.steps += 1
         self.tokens += scheduled
         self.blocks_held = held_blocks
+        self.bytes_now, self.full_bytes_now = held_bytes, full_bytes
         self.blocks_held_peak = max(self.blocks_held_peak, held_blocks)
         self.full_blocks = -(-total // self.layout.block_size)
         self.bytes_peak = max(self.bytes_peak, held_bytes)

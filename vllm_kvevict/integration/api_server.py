@@ -2,10 +2,10 @@
 
 `server/` (endpoints, response shaping, Prometheus) imports nothing from vLLM or from us: it is
 found through the entry-point group `vllm_kvevict.server` and installed on vLLM's FastAPI app
-with a `ServerContext` (what it needs to know, fixed at start-up). Its installer returns the
-function that records a finished request's kv_stats, which the output-processor hook below
-calls. Data flows one way: engine core (stats connector) -> kv_transfer_params -> here ->
-server/ -> the response.
+with a `ServerContext` (what it needs to know, fixed at start-up). Its installer returns its
+recorder (`finished`, `output_finished`, `engine_stats`), which the output-processor hook below
+and the stat-logger plugin (`stat_logger.py`) call. Data flows one way: engine core (stats
+connector) -> kv_transfer_params / scheduler stats -> here -> server/ -> the response.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Any, Callable
+from typing import Any, Protocol
 
 from vllm_kvevict.overrides import check_vllm_xargs
 from vllm_kvevict.stats import STATS_KEY
@@ -22,7 +22,22 @@ logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler a
 
 ENTRY_POINT_GROUP = "vllm_kvevict.server"
 
-Recorder = Callable[[str, str, dict], None]  # (engine id, response id, kv_transfer_params)
+
+class Recorder(Protocol):
+    """What a server/ extension's installer returns."""
+
+    def finished(self, engine_id: str, external_id: str, kv_transfer_params: dict) -> None:
+        """A finished request's output carries its kv_stats."""
+
+    def output_finished(self, engine_id: str, external_id: str, finish_reason: str,
+                        stop_reason: Any) -> None:
+        """A request finished in the API server without kv_stats (a stop string: the
+        engine reports the request as aborted, later, through `engine_stats`)."""
+
+    def engine_stats(self, payload: dict, running: int, waiting: int,
+                     usage: float | None) -> None:
+        """Our connector's payload of one engine step (pool snapshots, aborted requests'
+        kv_stats) with vLLM's running / waiting counts and KV-cache usage."""
 
 
 @dataclass(frozen=True)
@@ -80,16 +95,32 @@ def build_app(stock_build_app, *args, **kwargs):
     return app
 
 
+def _arg(args, kwargs, index: int, name: str):
+    return kwargs[name] if name in kwargs else (args[index] if len(args) > index else None)
+
+
 def make_request_output(state, stock_make_request_output, *args, **kwargs):
     """`RequestState.make_request_output`: vLLM passes (new_token_ids, pooling_output,
-    finish_reason, stop_reason, kv_transfer_params, ...); only a finished request carries
-    kv_transfer_params. The recorders complete the dict in place before the response is
-    built, so the response body carries the same numbers as the server's store."""
-    params = kwargs.get("kv_transfer_params", args[4] if len(args) > 4 else None)
-    if isinstance(params, dict) and STATS_KEY in params:
-        for record in _recorders:
+    finish_reason, stop_reason, kv_transfer_params, ...); only a request the engine finished
+    carries kv_transfer_params. The recorders complete the dict in place before the response
+    is built, so the response body carries the same numbers as the server's store."""
+    finish_reason = _arg(args, kwargs, 2, "finish_reason")
+    if finish_reason is not None and _recorders:
+        params = _arg(args, kwargs, 4, "kv_transfer_params")
+        for recorder in _recorders:
             try:
-                record(state.request_id, state.external_req_id, params)
+                if isinstance(params, dict) and STATS_KEY in params:
+                    recorder.finished(state.request_id, state.external_req_id, params)
+                else:
+                    recorder.output_finished(state.request_id, state.external_req_id,
+                                             str(finish_reason), _arg(args, kwargs, 3,
+                                                                      "stop_reason"))
             except Exception:
                 logger.exception("vllm-kvevict: recording kv_stats failed")
     return stock_make_request_output(state, *args, **kwargs)
+
+
+def engine_stats(payload: dict, running: int, waiting: int, usage: float | None) -> None:
+    """From the stat-logger plugin: our connector's payload of one engine step."""
+    for recorder in _recorders:
+        recorder.engine_stats(payload, running, waiting, usage)

@@ -79,6 +79,11 @@ RELIED_ON = (
     "vllm.v1.kv_cache_interface.KVCacheSpec.is_uniform_with_collection",
     "vllm.v1.core.kv_cache_utils._get_kv_cache_groups_uniform_page_size",
     "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinatorNoPrefixCache",
+    # the stats connector's channel to the API server (stats_connector.py, stat_logger.py):
+    # scheduler-side connector stats ride in SchedulerStats to the stat-logger plugins
+    "vllm.distributed.kv_transfer.kv_connector.factory.KVConnectorFactory.register_connector",
+    "vllm.v1.metrics.loggers.StatLoggerBase.record",
+    "vllm.plugins.STAT_LOGGER_PLUGINS_GROUP",
 )
 
 PATCHED = tuple(w.target.replace(":", ".") for w in WRAPS)
@@ -137,6 +142,14 @@ def register() -> None:
 
     register_backend(AttentionBackendEnum.CPU_ATTN,
                      "vllm_kvevict.integration.backend.KVEvictAttentionBackend")
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    # By name, so a MultiConnector (ours beside a user's) can rebuild our stats in the API
+    # server's stat loggers (MultiConnector.build_kv_connector_stats looks children up by name).
+    if "KVEvictStatsConnector" not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(
+            "KVEvictStatsConnector", "vllm_kvevict.integration.stats_connector",
+            "KVEvictStatsConnector")
     import sys
 
     api_server = "vllm.entrypoints.launchers.api_server.entry" in sys.modules

@@ -14,7 +14,14 @@ transfers nothing: its worker-side methods are no-ops, and its scheduler side on
   when the step's output is back, the time of the first token of requests whose prefill ended
   in that step (under async scheduling the next step is scheduled before that, so
   build_connector_meta alone cannot time it);
-- `request_finished_all_groups`: returns `{"kv_stats": {...}}` (see `vllm_kvevict/stats.py`).
+- `request_finished_all_groups`: returns `{"kv_stats": {...}}` (see `vllm_kvevict/stats.py`),
+  with the engine's finish reason;
+- `get_kv_connector_stats` (vLLM calls it after every step and ships the result with its
+  scheduler stats to the API server, where `integration/stat_logger.py` receives it): pool
+  snapshots for the live view (blocks held per KV-cache group, every running request's bytes
+  against full attention's; at most every 0.25 s and whenever a request ended), and the kv_stats
+  of aborted requests (client cancel, stop string: vLLM drops an aborted request's
+  kv_transfer_params, so this is their only way out).
 
 It declares `SupportsHMA`, so vLLM keeps the hybrid KV-cache manager, and role `kv_producer`
 (`kv_consumer` would make the scheduler defer block frees under async scheduling).
@@ -31,6 +38,9 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
                                                                KVConnectorMetadata,
                                                                KVConnectorRole, SupportsHMA)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from vllm.v1.request import RequestStatus
 
 from vllm_kvevict.features import speculative_slack
 from vllm_kvevict.overrides import effective_config
@@ -39,6 +49,32 @@ from vllm_kvevict.stats import (STATS_KEY, ByteLayout, RequestRecord, finite_or_
                                 footprint_function)
 
 logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
+
+
+SNAPSHOT_INTERVAL_S = 0.25  # live view resolution; a snapshot costs one pass over held blocks
+PENDING_LIMIT = 256  # snapshots / aborted stats kept while no one collects them (stats off)
+
+
+@dataclass
+class KVEvictConnectorStats(KVConnectorStats):
+    """`data = {"snapshots": [...], "finished": [...]}`, the payload vLLM carries from the
+    scheduler to the API server's stat loggers (as a plain dict across processes)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "KVEvictConnectorStats":
+        for key in ("snapshots", "finished"):
+            self.data.setdefault(key, []).extend(other.data.get(key, ()))
+        return self
+
+    def reduce(self) -> dict[str, int]:
+        last = (self.data.get("snapshots") or [{}])[-1]
+        return {"kvevict_pool_blocks_used": sum(last.get("blocks_used", ())),
+                "kvevict_aborted_requests_reported": len(self.data.get("finished", ()))}
+
+    def is_empty(self) -> bool:
+        return not (self.data.get("snapshots") or self.data.get("finished"))
 
 
 # -- the connector ------------------------------------------------------------------------------
@@ -56,6 +92,15 @@ class KVEvictStatsConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             self._stats = RequestStatsTracker(served_policy(vllm_config), vllm_config,
                                               kv_cache_config)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        return KVEvictConnectorStats(data=dict(data or {}))
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._stats is None:
+            return None
+        return self._stats.guard(self._stats.take_connector_stats)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -123,6 +168,12 @@ def on_step_output(scheduler, scheduler_output) -> None:
 
 # -- scheduler-side accounting ------------------------------------------------------------------
 
+def _group_name(group) -> str:
+    spec = group.kv_cache_spec
+    kind = type(getattr(spec, "first_spec", spec)).__name__.removesuffix("Spec")
+    return f"{kind} x{len(group.layer_names)} layers"
+
+
 def _dtype_bytes(dtype) -> int:
     import torch
 
@@ -185,6 +236,13 @@ class RequestStatsTracker:
             streaming_bytes_per_request=streaming_bytes)
         self.records: dict[str, RequestRecord] = {}
         self._requests: dict[str, Any] = {}
+        self.num_blocks = getattr(kv_cache_config, "num_blocks", None)
+        self.group_names = [_group_name(g) for g in kv_cache_config.kv_cache_groups] \
+            if kv_cache_config else []
+        self._snapshots: list[dict] = []
+        self._finished: list[dict] = []
+        self._last_snapshot = 0.0
+        self._ended_since_snapshot = False
         self._pending_first_token: dict[int, tuple[Any, list[str]]] = {}
         logger.info("vllm-kvevict: kv_stats on (policy %s): %s bytes per block per KV-cache group, "
                     "%d per block for full attention, %d streaming-store bytes per request",
@@ -239,10 +297,39 @@ class RequestStatsTracker:
             if record.on_step(request.num_computed_tokens, scheduled, held, now,
                               getattr(request, "num_preemptions", 0), new_blocks.get(req_id)):
                 ended.append(req_id)
+        if self._ended_since_snapshot or now - self._last_snapshot >= SNAPSHOT_INTERVAL_S:
+            self._snapshot(now, managers)
         if ended:
             self._pending_first_token[id(scheduler_output)] = (scheduler_output, ended)
             while len(self._pending_first_token) > 16:  # outputs that never came back
                 self._pending_first_token.pop(next(iter(self._pending_first_token)))
+
+    def _snapshot(self, now: float, managers) -> None:
+        """The pool now: distinct blocks held per KV-cache group (a prefix-cached block shared
+        by several requests counts once, as in vLLM's usage), and each running request's bytes
+        against full attention's at its last step."""
+        self._last_snapshot, self._ended_since_snapshot = now, False
+        used = []
+        for manager in managers:
+            ids = {b.block_id for blocks in manager.req_to_blocks.values() for b in blocks
+                   if not b.is_null}
+            used.append(len(ids))
+        requests = {rid: [r.bytes_now, r.full_bytes_now] for rid, r in self.records.items()
+                    if r.steps}
+        self._snapshots.append({
+            "t": now, "blocks_used": used, "num_blocks": self.num_blocks,
+            "group_names": self.group_names,
+            "bytes_per_block": list(self.layout.group_bytes_per_block),
+            "block_size": self.layout.block_size, "requests": requests})
+        del self._snapshots[:-PENDING_LIMIT]
+
+    def take_connector_stats(self) -> KVEvictConnectorStats | None:
+        if not (self._snapshots or self._finished):
+            return None
+        stats = KVEvictConnectorStats(data={"snapshots": self._snapshots,
+                                            "finished": self._finished})
+        self._snapshots, self._finished = [], []
+        return stats
 
     def on_step_done(self, scheduler_output) -> None:
         entry = self._pending_first_token.pop(id(scheduler_output), None)
@@ -264,4 +351,14 @@ class RequestStatsTracker:
                               policy_name=self.cfg.policy,
                               params=self.served.params(record.overrides),
                               footprint_of=footprint_function(policy))
-        return finite_or_none(stats)
+        reason = request.get_finished_reason()
+        stats["finish_reason"] = str(reason) if reason is not None else None
+        stats["stop_reason"] = getattr(request, "stop_reason", None)
+        stats = finite_or_none(stats)
+        self._ended_since_snapshot = True
+        if request.status == RequestStatus.FINISHED_ABORTED:
+            # vLLM drops an aborted request's kv_transfer_params (Scheduler.finish_requests):
+            # these stats go out with the next step's scheduler stats instead.
+            self._finished.append(stats)
+            del self._finished[:-PENDING_LIMIT]
+        return stats
