@@ -12,25 +12,12 @@ requests and the live view working there too.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from vllm.v1.metrics.loggers import StatLoggerBase
 
+from vllm_kvevict.integration.connector_stats import our_payload
+
 logger = logging.getLogger("vllm.kvevict")
-
-CONNECTOR_NAME = "KVEvictStatsConnector"  # MultiConnector keys its children's stats by class name
-
-
-def our_payload(kv_connector_stats: Any) -> dict | None:
-    """Our connector's dict in `SchedulerStats.kv_connector_stats`: alone, or under our class
-    name when a MultiConnector runs ours beside a user's connector."""
-    if not isinstance(kv_connector_stats, dict):
-        return None
-    if "snapshots" in kv_connector_stats or "finished" in kv_connector_stats:
-        return kv_connector_stats
-    nested = kv_connector_stats.get(CONNECTOR_NAME)
-    return nested if isinstance(nested, dict) else None
-
 
 class KVEvictStatLogger(StatLoggerBase):
     def __init__(self, vllm_config, engine_index: int = 0) -> None:

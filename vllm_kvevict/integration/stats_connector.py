@@ -16,6 +16,7 @@ transfers nothing: its worker-side methods are no-ops, and its scheduler side on
   build_connector_meta alone cannot time it);
 - `request_finished_all_groups`: returns `{"kv_stats": {...}}` (see `vllm_kvevict/stats.py`),
   with the engine's finish reason;
+  (the accounting itself: `RequestStatsTracker` in `request_stats.py`)
 - `get_kv_connector_stats` (vLLM calls it after every step and ships the result with its
   scheduler stats to the API server, where `integration/stat_logger.py` receives it): pool
   snapshots for the live view (blocks held per KV-cache group, every running request's bytes
@@ -31,7 +32,6 @@ Nothing here may raise into the engine: a failure is logged once and reported in
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,41 +40,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole, SupportsHMA)
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from vllm.v1.request import RequestStatus
-
-from vllm_kvevict.features import speculative_slack
-from vllm_kvevict.overrides import effective_config
-from vllm_kvevict.served import ServedPolicy, served_policy
-from vllm_kvevict.stats import (STATS_KEY, ByteLayout, RequestRecord, finite_or_none,
-                                footprint_function)
+from vllm_kvevict.integration.connector_stats import KVEvictConnectorStats
+from vllm_kvevict.integration.request_stats import RequestStatsTracker
+from vllm_kvevict.served import served_policy
+from vllm_kvevict.stats import STATS_KEY
 
 logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
-
-
-SNAPSHOT_INTERVAL_S = 0.25  # live view resolution; a snapshot costs one pass over held blocks
-PENDING_LIMIT = 256  # snapshots / aborted stats kept while no one collects them (stats off)
-
-
-@dataclass
-class KVEvictConnectorStats(KVConnectorStats):
-    """`data = {"snapshots": [...], "finished": [...]}`, the payload vLLM carries from the
-    scheduler to the API server's stat loggers (as a plain dict across processes)."""
-
-    def reset(self) -> None:
-        self.data = {}
-
-    def aggregate(self, other: KVConnectorStats) -> "KVEvictConnectorStats":
-        for key in ("snapshots", "finished"):
-            self.data.setdefault(key, []).extend(other.data.get(key, ()))
-        return self
-
-    def reduce(self) -> dict[str, int]:
-        last = (self.data.get("snapshots") or [{}])[-1]
-        return {"kvevict_pool_blocks_used": sum(last.get("blocks_used", ())),
-                "kvevict_aborted_requests_reported": len(self.data.get("finished", ()))}
-
-    def is_empty(self) -> bool:
-        return not (self.data.get("snapshots") or self.data.get("finished"))
 
 
 # -- the connector ------------------------------------------------------------------------------
@@ -164,201 +135,3 @@ def on_step_output(scheduler, scheduler_output) -> None:
     connector = ours_in(getattr(scheduler, "connector", None))
     if connector is not None:
         connector.on_step_output(scheduler_output)
-
-
-# -- scheduler-side accounting ------------------------------------------------------------------
-
-def _group_name(group) -> str:
-    spec = group.kv_cache_spec
-    kind = type(getattr(spec, "first_spec", spec)).__name__.removesuffix("Spec")
-    return f"{kind} x{len(group.layer_names)} layers"
-
-
-def _dtype_bytes(dtype) -> int:
-    import torch
-
-    return torch.tensor([], dtype=dtype).element_size()
-
-
-def _group_bytes_per_block(kv_cache_config) -> tuple[int, ...]:
-    """Real bytes one block of each KV-cache group reserves.
-
-    vLLM 0.32 lays all groups over one allocation (`get_kv_cache_config_from_groups`: every
-    KVCacheTensor has size = bytes_per_block x num_blocks, groups alias from byte 0, and
-    bytes_per_block is the largest group's), and block ids are global, so a block of any group
-    ties up bytes_per_block of the pool. With one group that is the sum of the group's per-layer
-    pages (UniformTypeKVCacheSpecs.page_size_bytes already sums them).
-    """
-    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
-
-    groups = kv_cache_config.kv_cache_groups
-    pages = []
-    for group in groups:
-        spec = group.kv_cache_spec
-        if isinstance(spec, UniformTypeKVCacheSpecs):
-            pages.append(spec.page_size_bytes)
-        else:
-            pages.append(spec.page_size_bytes * len(group.layer_names))
-    tensors = [t for t in kv_cache_config.kv_cache_tensors if not getattr(t, "host_resident", False)]
-    num_blocks = kv_cache_config.num_blocks
-    allocation = tensors[0].size // num_blocks if tensors and num_blocks else 0
-    if allocation and any(t.size != tensors[0].size for t in tensors):
-        allocation = 0  # not the aliasing layout this reasoning is about: use the pages
-    if len(groups) == 1:
-        if allocation and allocation != pages[0]:
-            logger.info("vllm-kvevict: KV pool reserves %d bytes per block, the group's pages "
-                        "sum to %d; reporting the reservation", allocation, pages[0])
-        return (allocation or pages[0],)
-    return tuple(allocation or p for p in pages)
-
-
-class RequestStatsTracker:
-    """Per-request records of one scheduler (engine-core process, scheduler thread only)."""
-
-    def __init__(self, served: ServedPolicy, vllm_config, kv_cache_config) -> None:
-        self._failed: set[str] = set()
-        self.served = served
-        self.cfg = served.config
-        shape = served.shape
-        block_size = vllm_config.cache_config.block_size
-        first = kv_cache_config.kv_cache_groups[0].kv_cache_spec if kv_cache_config else None
-        spec = getattr(first, "first_spec", first)  # UniformTypeKVCacheSpecs -> a layer's spec
-        kv_dtype = getattr(spec, "dtype", None) or vllm_config.model_config.dtype
-        head_size = getattr(spec, "head_size", None) or shape.head_dim
-        full_bytes_per_block = (shape.num_layers * 2 * block_size * shape.num_kv_heads
-                                * head_size * _dtype_bytes(kv_dtype))
-        streaming_bytes = served.streaming_bytes_per_request(vllm_config.model_config.dtype,
-                                                             speculative_slack(vllm_config))
-        self.layout = ByteLayout(
-            block_size=block_size,
-            group_bytes_per_block=_group_bytes_per_block(kv_cache_config),
-            full_bytes_per_block=full_bytes_per_block,
-            streaming_bytes_per_request=streaming_bytes)
-        self.records: dict[str, RequestRecord] = {}
-        self._requests: dict[str, Any] = {}
-        self.num_blocks = getattr(kv_cache_config, "num_blocks", None)
-        self.group_names = [_group_name(g) for g in kv_cache_config.kv_cache_groups] \
-            if kv_cache_config else []
-        self._snapshots: list[dict] = []
-        self._finished: list[dict] = []
-        self._last_snapshot = 0.0
-        self._ended_since_snapshot = False
-        self._pending_first_token: dict[int, tuple[Any, list[str]]] = {}
-        logger.info("vllm-kvevict: kv_stats on (policy %s): %s bytes per block per KV-cache group, "
-                    "%d per block for full attention, %d streaming-store bytes per request",
-                    self.cfg.policy, list(self.layout.group_bytes_per_block),
-                    full_bytes_per_block, streaming_bytes)
-
-    def guard(self, fn, *args):
-        try:
-            return fn(*args)
-        except Exception as exc:  # never take the engine down for a statistic
-            name = getattr(fn, "__name__", "stats")
-            if name not in self._failed:
-                self._failed.add(name)
-                logger.exception("vllm-kvevict: kv_stats %s failed (logged once): %s", name, exc)
-            if name == "finish" and args:
-                self.records.pop(args[0].request_id, None)
-                self._requests.pop(args[0].request_id, None)
-                return {"error": f"{type(exc).__name__}: {exc}"}
-            return None
-
-    # -- events ---------------------------------------------------------------------------------
-    def add(self, request) -> None:
-        params = getattr(request, "sampling_params", None)
-        _, overrides = effective_config(self.cfg, getattr(params, "extra_args", None))
-        self.records[request.request_id] = RequestRecord(
-            request_id=request.request_id, prompt_len=request.num_prompt_tokens,
-            arrival_time=getattr(request, "arrival_time", None), layout=self.layout,
-            overrides=overrides)
-        self._requests[request.request_id] = request
-
-    def on_schedule(self, scheduler_output, kv_cache_manager) -> None:
-        now = time.time()
-        managers = kv_cache_manager.coordinator.single_type_managers if kv_cache_manager else ()
-        ended: list[str] = []
-        new_blocks: dict[str, Any] = {}  # blocks allocated this step, per request and group
-        for new in scheduler_output.scheduled_new_reqs:
-            new_blocks[new.req_id] = new.block_ids
-        cached = scheduler_output.scheduled_cached_reqs
-        for req_id, ids in zip(cached.req_ids, cached.new_block_ids):
-            if ids is not None:
-                new_blocks[req_id] = ids
-        for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
-            record = self.records.get(req_id)
-            request = self._requests.get(req_id)
-            if record is None or request is None:
-                continue
-            held = []
-            for manager in managers:
-                # .get: req_to_blocks is a defaultdict; indexing would insert an entry.
-                blocks = manager.req_to_blocks.get(req_id) or ()
-                held.append({b.block_id for b in blocks if not b.is_null})
-            if record.on_step(request.num_computed_tokens, scheduled, held, now,
-                              getattr(request, "num_preemptions", 0), new_blocks.get(req_id)):
-                ended.append(req_id)
-        if self._ended_since_snapshot or now - self._last_snapshot >= SNAPSHOT_INTERVAL_S:
-            self._snapshot(now, managers)
-        if ended:
-            self._pending_first_token[id(scheduler_output)] = (scheduler_output, ended)
-            while len(self._pending_first_token) > 16:  # outputs that never came back
-                self._pending_first_token.pop(next(iter(self._pending_first_token)))
-
-    def _snapshot(self, now: float, managers) -> None:
-        """The pool now: distinct blocks held per KV-cache group (a prefix-cached block shared
-        by several requests counts once, as in vLLM's usage), and each running request's bytes
-        against full attention's at its last step."""
-        self._last_snapshot, self._ended_since_snapshot = now, False
-        used = []
-        for manager in managers:
-            ids = {b.block_id for blocks in manager.req_to_blocks.values() for b in blocks
-                   if not b.is_null}
-            used.append(len(ids))
-        requests = {rid: [r.bytes_now, r.full_bytes_now] for rid, r in self.records.items()
-                    if r.steps}
-        self._snapshots.append({
-            "t": now, "blocks_used": used, "num_blocks": self.num_blocks,
-            "group_names": self.group_names,
-            "bytes_per_block": list(self.layout.group_bytes_per_block),
-            "block_size": self.layout.block_size, "requests": requests})
-        del self._snapshots[:-PENDING_LIMIT]
-
-    def take_connector_stats(self) -> KVEvictConnectorStats | None:
-        if not (self._snapshots or self._finished):
-            return None
-        stats = KVEvictConnectorStats(data={"snapshots": self._snapshots,
-                                            "finished": self._finished})
-        self._snapshots, self._finished = [], []
-        return stats
-
-    def on_step_done(self, scheduler_output) -> None:
-        entry = self._pending_first_token.pop(id(scheduler_output), None)
-        if entry is None or entry[0] is not scheduler_output:
-            return
-        now = time.time()
-        for req_id in entry[1]:
-            record = self.records.get(req_id)
-            if record is not None:
-                record.on_first_token(now)
-
-    def finish(self, request) -> dict[str, Any] | None:
-        record = self.records.pop(request.request_id, None)
-        self._requests.pop(request.request_id, None)
-        if record is None:
-            return None
-        policy = self.served.variant(record.overrides)
-        stats = record.finish(completion_tokens=request.num_output_tokens, now=time.time(),
-                              policy_name=self.cfg.policy,
-                              params=self.served.params(record.overrides),
-                              footprint_of=footprint_function(policy))
-        reason = request.get_finished_reason()
-        stats["finish_reason"] = str(reason) if reason is not None else None
-        stats["stop_reason"] = getattr(request, "stop_reason", None)
-        stats = finite_or_none(stats)
-        self._ended_since_snapshot = True
-        if request.status == RequestStatus.FINISHED_ABORTED:
-            # vLLM drops an aborted request's kv_transfer_params (Scheduler.finish_requests):
-            # these stats go out with the next step's scheduler stats instead.
-            self._finished.append(stats)
-            del self._finished[:-PENDING_LIMIT]
-        return stats

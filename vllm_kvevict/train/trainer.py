@@ -45,7 +45,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 
 from vllm_kvevict.config import DEFAULT_SINK, DEFAULT_WINDOW, KVPolicyConfig
 from vllm_kvevict.masks import HeadGates, model_key, save_head_gates
