@@ -222,10 +222,8 @@ class _ResponseShaper:
         if self.mode == "sse":
             body = message.get("body", b"")
             if b"[DONE]" in body or b'"usage"' in body or not more:
-                self.sse.feed(b"")  # parse what is buffered so the response id is known
-                rid = self.sse.response_id()
-                if rid is None and body.startswith(b"data:"):
-                    rid = _peek_id(body)
+                # before the stats are looked up: a stop-string request's come a step later
+                rid = self.sse.response_id() or _peek_id(body)
                 await settled(rid)
             data = self.sse.feed(body, final=not more)
             if data or not more:
@@ -253,6 +251,9 @@ class _ResponseShaper:
 
 
 def _peek_id(body: bytes) -> str | None:
+    """The id of the first event in a body (when the stream's first chunk is in it)."""
+    if not body.startswith(b"data:"):
+        return None
     try:
         chunk = json.loads(body.split(b"\n\n", 1)[0][len(b"data:"):])
     except ValueError:
