@@ -13,7 +13,7 @@ from compat_matrix import COLUMNS
 from test_policies_vllm import CASES
 from vllm_kvevict.config import KVPolicyConfig
 from vllm_kvevict.features import (connector_error, kv_cache_dtype_error, lora_error,
-                                   parallel_error, prompt_embeds_error)
+                                   model_error, parallel_error, prompt_embeds_error)
 
 POLICIES = {"full": {"policy": "full"}, **{p: CASES[p][0] for p in COLUMNS.values() if p != "full"}}
 EVICTING = [p for p in POLICIES if p != "full"]
@@ -95,3 +95,61 @@ def test_vllm_serve_refuses(bundled_model_dir, argv, line):
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"vllm-kvevict: error: {line}"), proc.stderr[-3000:]
     assert "Loading weights" not in proc.stderr + proc.stdout
+
+
+@pytest.mark.parametrize("config, needle", [
+    ("LlamaConfig", None),
+    ("Qwen2Config", None),  # sliding_window is set but use_sliding_window False
+    ("Qwen3Config", None),
+    ("MistralConfig:sliding_window=None", None),
+    ("MistralConfig:sliding_window=4096", "sliding window of 4096 tokens"),
+    ("Qwen2Config:use_sliding_window=True", "sliding window"),
+    ("Gemma2Config", "sliding window"),
+    ("DeepseekV2Config", "MLA"),
+    ("GPT2Config", "architecture is not one the policies are tested on"),
+])
+def test_model_error(config, needle):
+    """Evicting policies serve plain causal GQA decoders only; full serves anything."""
+    import transformers
+
+    name, _, override = config.partition(":")
+    kwargs = {}
+    if override:
+        key, value = override.split("=")
+        kwargs[key] = None if value == "None" else (True if value == "True" else int(value))
+    hf = getattr(transformers, name)(**kwargs)
+    hf.architectures = [name.replace("Config", "ForCausalLM").replace("GPT2ForCausalLM",
+                                                                       "GPT2LMHeadModel")]
+    error = model_error(KVPolicyConfig(policy="prulong"), hf)
+    assert model_error(KVPolicyConfig(policy="full"), hf) is None
+    if needle is None:
+        assert error is None, error
+    else:
+        assert needle in error and error.startswith(f"model {hf.architectures[0]} cannot be "
+                                                    "served with --kv-policy prulong"), error
+        assert "supported: LlamaForCausalLM" in error
+
+
+def test_vllm_serve_refuses_a_sliding_window_model(bundled_model_dir, tmp_path):
+    """A Mistral whose layers use a 4096-token window: refused before any weight loads (the
+    directory has a config and a tokenizer only)."""
+    import shutil
+
+    from transformers import MistralConfig
+
+    MistralConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                  vocab_size=49152, sliding_window=4096,
+                  architectures=["MistralForCausalLM"]).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (bundled_model_dir / name).exists():
+            shutil.copy(bundled_model_dir / name, tmp_path / name)
+    vllm = Path(sys.executable).parent / "vllm"
+    proc = subprocess.run([str(vllm), "serve", str(tmp_path), "--dtype", "float32",
+                           "--kv-policy", "prulong"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("vllm-kvevict: error: model MistralForCausalLM cannot be served "
+                           "with --kv-policy prulong: its layers use a sliding window of 4096 "
+                           "tokens"), proc.stderr[-3000:]

@@ -93,3 +93,39 @@ def lora_error(policy_config, enabled: bool) -> str | None:
         return None
     return (f"--enable-lora is not supported with --kv-policy {policy_config.policy} "
             "--kv-eviction patched; valid with LoRA: --kv-eviction naive")
+
+
+# Model families served with an evicting policy, each checked token for token against the
+# reference oracle (tests/test_model_families*.py): plain causal GQA decoders whose every
+# layer attends to the whole past. Their own q/k normalisation (Qwen3) and rotary scaling
+# (Llama 3) happen before attention, where vLLM applies them too.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM")
+
+
+def model_error(policy_config, hf_config) -> str | None:
+    """Why the model (a transformers config) cannot be served exactly with the policy, or None.
+    The paper's policies evict from full causal attention: a model whose layers already use a
+    sliding window or attention sinks, MLA (compressed latent KV), or another attention
+    pattern would need policies of its own."""
+    if policy_config.policy == "full" or hf_config is None:
+        return None
+    text = getattr(hf_config, "get_text_config", lambda: hf_config)()
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    name = archs[0] if archs else type(hf_config).__name__
+    why = None
+    if getattr(text, "kv_lora_rank", None):
+        why = "it uses MLA (compressed latent KV)"
+    elif "sliding_attention" in (getattr(text, "layer_types", None) or ()):
+        why = "some of its layers use a sliding window"
+    elif getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True):
+        why = f"its layers use a sliding window of {text.sliding_window} tokens"
+    elif getattr(hf_config, "is_encoder_decoder", False):
+        why = "it is an encoder-decoder (cross attention)"
+    elif name not in SUPPORTED_ARCHITECTURES:
+        why = "its architecture is not one the policies are tested on"
+    if why is None:
+        return None
+    return (f"model {name} cannot be served with --kv-policy {policy_config.policy}: {why}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)} with full causal attention "
+            "(--kv-policy full serves any model vLLM does)")

@@ -10,10 +10,10 @@ import sys
 
 from vllm_kvevict.config import KVPolicyError
 from vllm_kvevict.features import (PARALLEL_FLAGS, connector_error, kv_cache_dtype_error,
-                                     lora_error, parallel_error, prompt_embeds_error,
-                                     speculative_error)
+                                     lora_error, model_error, parallel_error,
+                                     prompt_embeds_error, speculative_error)
 from vllm_kvevict.integration.cli import fail
-from vllm_kvevict.served import served_policy
+from vllm_kvevict.served import policy_config_of, served_policy
 
 
 def _running_vllm_cli() -> bool:
@@ -22,6 +22,11 @@ def _running_vllm_cli() -> bool:
 
 def validate_against_model(vllm_config) -> None:
     try:
+        # the model first: a mask lookup for an unsupported model would only confuse
+        model = getattr(vllm_config, "model_config", None)
+        error = model_error(policy_config_of(vllm_config), getattr(model, "hf_config", None))
+        if error:
+            raise KVPolicyError(error)
         served = served_policy(vllm_config)  # raises on a missing or mismatched mask
         cfg = served.config
         # (getattr: a VllmConfig has them all; the unit tests pass partial stand-ins)
