@@ -312,3 +312,54 @@ def test_default_mask_path_prefers_the_mask_trained_nearest_the_sparsity(tmp_pat
 def test_shipped_masks_live_in_repo_root():
     assert HEAD_MASKS_DIR == Path(__file__).resolve().parents[1] / "head_masks"
     assert default_mask_path("SmolLM2-135M-Instruct", "no-such-policy") is None
+
+
+# -- masks for real models ----------------------------------------------------------------------
+
+LLAMA31 = HEAD_MASKS_DIR / "Meta-Llama-3.1-8B-Instruct" / "duo.json"
+
+
+def test_shipped_duo_pattern_for_llama31_is_the_released_one():
+    """head_masks/Meta-Llama-3.1-8B-Instruct/duo.json holds DuoAttention's released gates
+    (../shared/data/duo_attention, MIT: its LICENSE ships beside it) exactly."""
+    from vllm_kvevict.masks import load_head_gates
+
+    released = load_head_gates(SHARED / "data" / "duo_attention" /
+                               "Meta-Llama-3.1-8B-Instruct" / "full_attention_heads.tsv")
+    shipped = load_head_gates(LLAMA31)
+    assert shipped.shape == (32, 8) and torch.equal(shipped.gates, released.gates)
+    assert (shipped.meta["objective"], shipped.meta["sink"], shipped.meta["window"]) == \
+        ("duo", 128, 256)
+    assert "MIT License" in (LLAMA31.parent / "LICENSE").read_text()
+
+
+@pytest.mark.parametrize("name", ["meta-llama/Llama-3.1-8B-Instruct",
+                                  "meta-llama/Meta-Llama-3.1-8B-Instruct",
+                                  "/models/Llama-3.1-8B-Instruct/"])
+def test_real_model_names_find_the_shipped_pattern(name):
+    from vllm_kvevict.masks import default_mask_path
+
+    assert default_mask_path(name, "duo") == LLAMA31
+    assert default_mask_path(name, "prulong") is None
+
+
+def test_a_same_named_model_of_another_shape_is_refused():
+    from vllm_kvevict.config import KVPolicyError
+    from vllm_kvevict.masks import resolve_head_mask
+
+    cfg = KVPolicyConfig(policy="duo", sparsity=0.5)
+    full, path, meta = resolve_head_mask(cfg, "meta-llama/Llama-3.1-8B-Instruct", 32, 8)
+    assert path == str(LLAMA31) and int(full.sum()) == 128 and meta["objective"] == "duo"
+    with pytest.raises(KVPolicyError, match="32 layers x 8 KV heads, but the model has 16"):
+        resolve_head_mask(cfg, "meta-llama/Llama-3.1-8B-Instruct", 16, 8)
+
+
+def test_no_shipped_mask_says_how_to_train_one():
+    from vllm_kvevict.config import KVPolicyError
+    from vllm_kvevict.masks import resolve_head_mask
+
+    with pytest.raises(KVPolicyError) as err:
+        resolve_head_mask(KVPolicyConfig(policy="prulong", sparsity=0.5),
+                          "Qwen/Qwen2.5-7B-Instruct", 28, 4)
+    assert ("python -m vllm_kvevict.train --objective prulong --model "
+            "Qwen/Qwen2.5-7B-Instruct --target-sparsity 0.5") in str(err.value)

@@ -347,6 +347,10 @@ def model_key(model_name_or_path: str) -> str:
     return name
 
 
+# Names a model is published under besides its head_masks/ directory: Meta renamed its Llama
+# 3.1 repositories (meta-llama/Meta-Llama-3.1-8B-Instruct -> meta-llama/Llama-3.1-8B-Instruct).
+MODEL_KEY_ALIASES = {"Llama-3.1-8B-Instruct": "Meta-Llama-3.1-8B-Instruct"}
+
 _TRAINED_AT = re.compile(r"-s(\d+(?:\.\d+)?)\.json$")
 
 
@@ -358,7 +362,9 @@ def default_mask_path(model_name_or_path: str, policy: str, sparsity: float | No
     nearest the requested `sparsity` is chosen (ties: the higher t; without `sparsity`: nearest
     the default 0.7). A plain `<policy>.json` is used only when no such file exists.
     The key comes from the model name or directory; if that has no masks and the directory has
-    a config.json naming the original model (`_name_or_path`), that name is tried too.
+    a config.json naming the original model (`_name_or_path`), that name is tried too, then
+    their `MODEL_KEY_ALIASES`. The file's layers x KV heads must match the model (checked by
+    `resolve_head_mask`: a same-named model of another shape is refused, never served).
     """
     if not policy or "/" in policy or "\\" in policy or policy.startswith("."):
         raise MaskError(f"invalid policy name for a mask file: {policy!r}")
@@ -371,6 +377,7 @@ def default_mask_path(model_name_or_path: str, policy: str, sparsity: float | No
             keys.append(model_key(original))
     except (OSError, ValueError, AttributeError):
         pass
+    keys += [MODEL_KEY_ALIASES[k] for k in keys if k in MODEL_KEY_ALIASES]
     want = 0.7 if sparsity is None else float(sparsity)
     for key in keys:
         if not key:
@@ -404,9 +411,12 @@ def resolve_head_mask(cfg, model_name_or_path: str, num_layers: int, num_kv_head
 
     path = cfg.mask_path or default_mask_path(model_name_or_path, cfg.policy, cfg.sparsity)
     if path is None:
+        target = f" --target-sparsity {cfg.sparsity}" if cfg.policy == "prulong" else ""
         raise KVPolicyError(
             f"no {cfg.policy} head mask is shipped for model {model_name_or_path!r}; pass one "
-            "with --kv-mask PATH (our JSON, a PruLong 0/1 TSV or a DuoAttention gate TSV)")
+            "with --kv-mask PATH (our JSON, a PruLong 0/1 TSV or a DuoAttention gate TSV), or "
+            f"train one (it lands where the server looks): python -m vllm_kvevict.train "
+            f"--objective {cfg.policy} --model {model_name_or_path}{target}")
     try:
         gates = load_head_gates(path)
         check_shape(gates, num_layers, num_kv_heads, str(path))
