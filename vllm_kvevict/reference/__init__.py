@@ -1,4 +1,5 @@
-"""The reference oracle: every policy in plain PyTorch over a transformers Llama.
+"""The reference oracle: every policy in plain PyTorch over a transformers causal decoder
+(Llama, Llama 3, Mistral, Qwen2, Qwen3; see `runner.py`).
 
 The vLLM path is tested against it (token-identical greedy outputs) and the mask trainer reuses
 its streaming attention. It shares no attention code with the vLLM path: the policy objects are

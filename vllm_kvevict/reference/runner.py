@@ -1,10 +1,14 @@
-"""The reference oracle's runner: a transformers Llama run layer by layer, chunk by chunk.
+"""The reference oracle's runner: a transformers causal decoder (Llama, Llama 3, Mistral, Qwen2,
+Qwen3) run layer by layer, chunk by chunk.
 
-Every module of the model is used as is (embedding, RMSNorms, q/k/v/o projections, rotary
-embedding, MLP, lm_head) except attention, which is `attention.attend` over the explicit
-`KVCache` with the policy's visibility. The prompt is prefilled in chunks of `chunk_size`
-(the last one shorter), then tokens are decoded greedily one by one. After each forward, each
-layer's cache is updated:
+Every module of the model is used as is (embedding, RMSNorms, q/k/v/o projections with their
+biases (Qwen2), Qwen3's per-head q/k RMSNorm, rotary embedding with the model's rope scaling
+(Llama 3), MLP, lm_head) except attention, which is `attention.attend` over the explicit
+`KVCache` with the policy's visibility, at the attention module's own `scaling`. Models whose
+layers use a sliding window are refused: the policies evict from full causal attention.
+
+The prompt is prefilled in chunks of `chunk_size` (the last one shorter), then tokens are
+decoded greedily one by one. After each forward, each layer's cache is updated:
 - token eviction (snapkv, pyramidkv), prefill chunks only: the chunk's KVs are scored and a
   layer keeps `policy.chunk_keep(layer, c, is_final)` of them per KV head (`eviction.py`);
   patched scoring appends the prompt's last k = obs_window tokens to every non-final chunk, at
@@ -86,9 +90,10 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 class ReferenceRunner:
     """Greedy generation of one prompt under a policy, in plain PyTorch.
 
-    `model` is a transformers LlamaForCausalLM; if its dtype is not `dtype` a converted copy is
-    used (the caller's model is left alone). Attention logits, softmax and eviction scores are
-    float32 whatever `dtype` is.
+    `model` is a transformers LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or
+    Qwen3ForCausalLM (any decoder with their module layout); if its dtype is not `dtype` a
+    converted copy is used (the caller's model is left alone). Attention logits, softmax and
+    eviction scores are float32 whatever `dtype` is.
     """
 
     def __init__(self, model: torch.nn.Module, policy: KVPolicy,
@@ -99,6 +104,10 @@ class ReferenceRunner:
         self.dtype = dtype
         self.device = next(model.parameters()).device
         cfg = model.config
+        if "sliding_attention" in (getattr(cfg, "layer_types", None) or ()) or (
+                getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True)):
+            raise ValueError("the reference computes full causal attention; this model's "
+                             "layers use a sliding window (set sliding_window to None)")
         self.num_layers = cfg.num_hidden_layers
         self.num_q_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -114,7 +123,8 @@ class ReferenceRunner:
     def run_layers(self, token_ids: list[int], positions: torch.Tensor,
                    attention: AttentionFn) -> torch.Tensor:
         """Final-normed hidden states [T, D] of `token_ids` at `positions`; every layer's
-        attention is `attention` (given post-RoPE queries and keys). Differentiable."""
+        attention is `attention` (given post-RoPE queries and keys). Differentiable.
+        `rotary_emb` returns cos/sin with the rope scaling and its attention factor applied."""
         inner = self.model.model
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         h = inner.embed_tokens(ids)
@@ -127,6 +137,8 @@ class ReferenceRunner:
             q = attn.q_proj(x).view(num_tokens, -1, self.head_dim).transpose(0, 1)
             k = attn.k_proj(x).view(num_tokens, -1, self.head_dim).transpose(0, 1)
             v = attn.v_proj(x).view(num_tokens, -1, self.head_dim).transpose(0, 1)
+            if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head's d, before RoPE
+                q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             out = attention(index, q, k, v, attn.scaling)
             h = h + attn.o_proj(out.transpose(0, 1).reshape(num_tokens, -1))
