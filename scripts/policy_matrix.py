@@ -6,6 +6,7 @@ prefill chunks of 256 and 1024 tokens, on real-text prompts of 1K-4K tokens.
     python scripts/policy_matrix.py --part served ...     # only the servers' answers
     python scripts/policy_matrix.py --part reference ...  # only the reference (another core)
     python scripts/policy_matrix.py --part report ...     # compare and write summary.md
+    python scripts/policy_matrix.py --model DIR --mask GATES.json ...  # another model
 
 Each policy sees `--prompts-per-policy` (default 20) distinct prompts, spread evenly over its
 (sparsity, chunk) cells; `--prompts-per-cell N` instead runs N prompts in every cell.
@@ -31,7 +32,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 SERVED_NAME = "smollm2"
-NUM_LAYERS, NUM_KV_HEADS = 30, 3
 
 
 @dataclass(frozen=True)
@@ -122,10 +122,12 @@ def append_jsonl(path: Path, row: dict) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-def server_flags(cell: Cell) -> list[str]:
+def server_flags(cell: Cell, mask: str | None = None) -> list[str]:
     from vllm_kvevict.launch import policy_flags
 
     policy = {"policy": cell.policy}
+    if mask and cell.policy in ("duo", "prulong"):
+        policy["mask_path"] = mask
     if cell.sparsity is not None and cell.policy not in ("snapkv", "pyramidkv"):
         policy["sparsity"] = cell.sparsity
     if cell.eviction:
@@ -153,7 +155,7 @@ def run_served(args, model_dir: str, jobs, prompts, out: Path) -> None:
                 "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
                 *([] if args.compiled else ["--enforce-eager"]), "--dtype", "float32",
                 "--max-model-len", "8192", "--seed", "0",
-                "--kv-cache-memory-bytes", str(512 << 20), *server_flags(group[0][0])]
+                "--kv-cache-memory-bytes", str(512 << 20), *server_flags(group[0][0], args.mask)]
         log = Path(args.out_dir) / "logs" / f"server_{'_'.join(map(str, key))}.log"
         with ServerProcess(argv, log, env={"VLLM_CPU_NUM_OF_RESERVED_CPU":
                                            str(args.reserved_cpus)}) as server:
@@ -202,12 +204,17 @@ def run_reference(args, model_dir: str, jobs, prompts, out: Path) -> None:
     done = {(r["cell"], r["prompt"]) for r in read_jsonl(out)}
     todo = [(c, i) for c, i in jobs if (c.name, i) not in done]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    layers = model.config.num_hidden_layers
+    kv_heads = model.config.num_key_value_heads
     for cell, i in tqdm(todo, desc="reference", unit="prompt"):
-        cfg = KVPolicyConfig.from_dict(cell.policy_dict())
+        policy = cell.policy_dict()
+        if args.mask and cell.policy in ("duo", "prulong"):
+            policy["mask_path"] = args.mask
+        cfg = KVPolicyConfig.from_dict(policy)
         full_heads = mask_path = None
         if cfg.uses_head_mask and cfg.policy != "streaming":
-            full_heads, mask_path = resolve_full_heads(cfg, model_dir, NUM_LAYERS, NUM_KV_HEADS)
-        runner = ReferenceRunner(model, build_policy(cfg, NUM_LAYERS, NUM_KV_HEADS,
+            full_heads, mask_path = resolve_full_heads(cfg, model_dir, layers, kv_heads)
+        runner = ReferenceRunner(model, build_policy(cfg, layers, kv_heads,
                                                      full_heads=full_heads))
         t0 = time.monotonic()
         ends = reference_boundaries(len(prompts[i]), cell.chunk)
@@ -246,6 +253,8 @@ def report(args, cells, jobs, out_dir: Path) -> int:
                                 f"{'equal' if s['chunk_boundaries'] == r['chunk_boundaries'] else 'DIFFER'}")
         rows.append((cell, n, same, bounds_ok, worst, lengths))
     lines = ["# Policy matrix: `vllm serve` vs the plain-PyTorch reference", "",
+             f"Model: `{Path(args.model).name if args.model else 'SmolLM2-135M-Instruct'}`"
+             + (f", head mask `{Path(args.mask).name}`" if args.mask else ""), "",
              f"Command: `python scripts/policy_matrix.py {' '.join(sys.argv[1:])}`", "",
              f"Greedy, {args.new_tokens} new tokens, float32, prompts sent one at a time; "
              f"log-prob tolerance {args.logprob_tol:g} on the first generated token.", "",
@@ -291,13 +300,16 @@ def main(argv=None) -> int:
                    help="VLLM_CPU_NUM_OF_RESERVED_CPU for the servers (1: one worker thread on "
                         "2 cores, leaving the other for --part reference)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the reference")
+    p.add_argument("--model", default=None, help="model directory (default: the bundled model)")
+    p.add_argument("--mask", default=None, help="head-mask file for duo / prulong (default: the "
+                   "one shipped for the model)")
     args = p.parse_args(argv)
 
     from transformers import AutoTokenizer
 
     from vllm_kvevict.model import ensure_bundled_model
 
-    model_dir = str(ensure_bundled_model())
+    model_dir = args.model or str(ensure_bundled_model())
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cells = build_cells(args.sparsities, args.chunks)

@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPromMetrics,
+                                                                  KVConnectorStats)
 
 SNAPSHOT_INTERVAL_S = 0.25  # live view resolution; a snapshot costs one pass over held blocks
 PENDING_LIMIT = 256  # snapshots / aborted stats kept while no one collects them (stats off)
@@ -34,6 +35,14 @@ class KVEvictConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not (self.data.get("snapshots") or self.data.get("finished"))
+
+
+class NoPromMetrics(KVConnectorPromMetrics):
+    """vLLM's Prometheus logger observes every connector's stats; ours become series in the
+    API server (server/metrics.py), not here."""
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        return None
 
 
 CONNECTOR_NAME = "KVEvictStatsConnector"  # MultiConnector keys its children's stats by class name

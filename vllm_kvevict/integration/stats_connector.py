@@ -40,7 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole, SupportsHMA)
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from vllm_kvevict.integration.connector_stats import KVEvictConnectorStats
+from vllm_kvevict.integration.connector_stats import KVEvictConnectorStats, NoPromMetrics
 from vllm_kvevict.integration.request_stats import RequestStatsTracker
 from vllm_kvevict.served import served_policy
 from vllm_kvevict.stats import STATS_KEY
@@ -67,6 +67,12 @@ class KVEvictStatsConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
         return KVEvictConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        # Our series come from server/metrics.py; but under a MultiConnector every child whose
+        # stats travel must have an entry here, or vLLM's Prometheus logger asserts.
+        return NoPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._stats is None:
