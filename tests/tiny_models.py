@@ -55,9 +55,10 @@ def model_config(family: str, vocab_size: int, bos: int, eos: int, num_kv_heads:
 
 
 def build_tiny_model(family: str, out_dir: Path, *, num_kv_heads: int = 2, num_layers: int = 4,
-                     seed: int = 0, name: str | None = None) -> Path:
+                     seed: int = 0, name: str | None = None, init_std: float = 0.2) -> Path:
     """Save a random `family` model with the bundled tokenizer under out_dir/<name>
-    (default tiny-<family>)."""
+    (default tiny-<family>). A deep model needs a smaller `init_std`: at 0.2 its 32 random
+    layers amplify float32 rounding until two correct implementations disagree."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vllm_kvevict.model import ensure_bundled_model
@@ -67,17 +68,18 @@ def build_tiny_model(family: str, out_dir: Path, *, num_kv_heads: int = 2, num_l
     config = model_config(family, len(tokenizer), tokenizer.bos_token_id,
                           tokenizer.eos_token_id, num_kv_heads, num_layers)
     config.dtype = torch.float32
+    config.initializer_range = init_std
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # transformers zeroes biases and sets norm weights to 1: draw them
-        for name, param in model.named_parameters():
-            if name.endswith("bias"):
+        for pname, param in model.named_parameters():
+            if pname.endswith("bias"):
                 param.normal_(0.0, 0.2)
-            elif "norm" in name:
+            elif "norm" in pname:
                 param.uniform_(0.5, 1.5)
     target = Path(out_dir) / (name or f"tiny-{family}")
     model.save_pretrained(target, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        if (tokenizer_dir / name).is_file():
-            shutil.copy(tokenizer_dir / name, target / name)
+    for file in TOKENIZER_FILES:
+        if (tokenizer_dir / file).is_file():
+            shutil.copy(tokenizer_dir / file, target / file)
     return target
