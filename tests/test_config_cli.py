@@ -142,6 +142,7 @@ def test_tiers_default_and_divisibility():
 
     def config(**policy):
         hf = SimpleNamespace(num_hidden_layers=30, num_key_value_heads=3, num_attention_heads=9,
+                             architectures=["LlamaForCausalLM"],
                               hidden_size=576)
         return SimpleNamespace(additional_config={"kv_policy": policy},
                                model_config=SimpleNamespace(hf_config=hf, model="m"),
@@ -159,6 +160,7 @@ def test_eviction_chunk_needs_a_step_budget_that_holds_the_observation_window():
 
     def config(budget, **policy):
         hf = SimpleNamespace(num_hidden_layers=30, num_key_value_heads=3, num_attention_heads=9,
+                             architectures=["LlamaForCausalLM"],
                               hidden_size=576)
         return SimpleNamespace(additional_config={"kv_policy": policy},
                                model_config=SimpleNamespace(hf_config=hf, model="m"),
