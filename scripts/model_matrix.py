@@ -31,11 +31,14 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", default=str(REPO / "docs" / "results" / "model_matrix"))
     p.add_argument("--families", nargs="+", default=list(FAMILIES))
     p.add_argument("--chunks", nargs="+", default=["128"])
+    p.add_argument("--models-dir", default=str(Path.home() / ".cache" / "vllm-kvevict" /
+                                               "tiny-models"),
+                   help="where the tiny models are built (kept out of the results)")
     args, rest = p.parse_known_args(argv)
     out = Path(args.out_dir)
     status, parts = 0, []
     for family in args.families:
-        models = out / "models"
+        models = Path(args.models_dir)
         model_dir = models / f"tiny-{family}"
         if not (model_dir / "config.json").exists():
             build_tiny_model(family, models)
@@ -56,7 +59,11 @@ def main(argv=None) -> int:
     lines = ["# Model-family matrix: `vllm serve` vs the plain-PyTorch reference", "",
              f"Command: `python scripts/model_matrix.py {' '.join(sys.argv[1:])}`", "",
              "Tiny random models (tests/tiny_models.py: 4 layers, 2 KV heads, head_dim 64, the "
-             "bundled tokenizer), random head gates for duo / prulong; one prompt per cell.", ""]
+             "bundled tokenizer), random head gates for duo / prulong; one prompt per cell. "
+             "Sink 64 and window 256 (the defaults) keep every token of a prompt up to 320 "
+             "tokens, so at prompts that short the streaming / duo / prulong cells equal full "
+             "attention: their evicting runs are tests/test_model_families_vllm.py (sink 16, "
+             "window 64). Each family's own table follows.", ""]
     for family, text in parts:
         lines += [f"## {family}", ""] + text.splitlines()[2:] + [""]
     (out / "summary.md").write_text("\n".join(lines) + "\n")

@@ -255,7 +255,7 @@ def report(args, cells, jobs, out_dir: Path) -> int:
     lines = ["# Policy matrix: `vllm serve` vs the plain-PyTorch reference", "",
              f"Model: `{Path(args.model).name if args.model else 'SmolLM2-135M-Instruct'}`"
              + (f", head mask `{Path(args.mask).name}`" if args.mask else ""), "",
-             f"Command: `python scripts/policy_matrix.py {' '.join(sys.argv[1:])}`", "",
+             f"Command: `python scripts/policy_matrix.py {args.command}`", "",
              f"Greedy, {args.new_tokens} new tokens, float32, prompts sent one at a time; "
              f"log-prob tolerance {args.logprob_tol:g} on the first generated token.", "",
              "| policy | sparsity | chunk | prompts | prompt tokens | identical tokens | "
@@ -304,6 +304,7 @@ def main(argv=None) -> int:
     p.add_argument("--mask", default=None, help="head-mask file for duo / prulong (default: the "
                    "one shipped for the model)")
     args = p.parse_args(argv)
+    args.command = " ".join(sys.argv[1:] if argv is None else argv)
 
     from transformers import AutoTokenizer
 
