@@ -59,11 +59,12 @@ def main(argv=None) -> int:
     lines = ["# Model-family matrix: `vllm serve` vs the plain-PyTorch reference", "",
              f"Command: `python scripts/model_matrix.py {' '.join(sys.argv[1:])}`", "",
              "Tiny random models (tests/tiny_models.py: 4 layers, 2 KV heads, head_dim 64, the "
-             "bundled tokenizer), random head gates for duo / prulong; one prompt per cell. "
+             "bundled tokenizer), random head gates for duo / prulong; one prompt per cell.", "",
              "Sink 64 and window 256 (the defaults) keep every token of a prompt up to 320 "
-             "tokens, so at prompts that short the streaming / duo / prulong cells equal full "
-             "attention: their evicting runs are tests/test_model_families_vllm.py (sink 16, "
-             "window 64). Each family's own table follows.", ""]
+             "tokens: with prompts that short the streaming / duo / prulong cells equal full "
+             "attention (their evicting runs are then `long-prompts/` and "
+             "tests/test_model_families_vllm.py, sink 16, window 64). Each family's own "
+             "table follows.", ""]
     for family, text in parts:
         lines += [f"## {family}", ""] + text.splitlines()[2:] + [""]
     (out / "summary.md").write_text("\n".join(lines) + "\n")
