@@ -1,6 +1,7 @@
 """The mask trainer (`vllm_kvevict.train`) on a tiny random Llama: hard-concrete math, the
 Lagrangian's ascent, the hybrid attention against the reference oracle, export/import, data
-packing, and 3-step smoke runs of both objectives with checkpoint and resume."""
+packing, and 3-step smoke runs of both objectives with checkpoint and resume; and the CLI
+(`--device cpu`) for 3 steps on tiny random Qwen3 and Mistral models (tests/tiny_models.py)."""
 
 from __future__ import annotations
 
@@ -332,3 +333,39 @@ def test_evaluate_runs_the_reference_chunked_prefill(model, tmp_path):
                                              torch.tensor(seqs)[:, 1:].reshape(-1))
     assert results[0].loss == pytest.approx(float(want), abs=1e-4)
     assert "full" in eval_mod.format_table(results, 0.5, CHUNK)
+
+
+# -- the CLI on tiny random models of other families ----------------------------------------------
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory):
+    from tiny_models import build_tiny_model
+
+    root = tmp_path_factory.mktemp("families")
+    return {family: build_tiny_model(family, root) for family in ("qwen3", "mistral")}
+
+
+@pytest.mark.parametrize("family, objective", [("qwen3", "prulong"), ("mistral", "prulong"),
+                                               ("qwen3", "duo")])
+def test_cli_trains_other_families(family_models, tmp_path, family, objective):
+    """`python -m vllm_kvevict.train` (in process) for 3 steps of a tiny random Qwen3 (q/k
+    norm, explicit head_dim) and Mistral on the CPU: the mask file loads with the model's
+    layers x KV heads and finite gates, and the log has the 3 steps."""
+    from vllm_kvevict.masks import check_shape
+    from vllm_kvevict.train.__main__ import main as train_main
+
+    model_dir = family_models[family]
+    out, ckpt = tmp_path / "mask.json", tmp_path / "ckpt"
+    argv = ["--objective", objective, "--model", str(model_dir), "--out", str(out),
+            "--seq-len", "256", "--steps", "3", "--chunk", "128", "--sink", "16",
+            "--window", "32", "--threads", "1", "--device", "cpu", "--target-sparsity", "0.5",
+            "--ckpt-dir", str(ckpt), "--max-source-chars", "20000", "--no-progress"]
+    if objective == "duo":
+        argv += ["--duo-passkeys", "2", "--duo-passkey-words", "2"]
+    assert train_main(argv) == 0
+    gates = load_head_gates(out)
+    check_shape(gates, 4, 2, str(out))  # tiny_models: 4 layers x 2 KV heads
+    assert gates.gates.shape == (4, 2) and torch.isfinite(gates.gates).all()
+    assert gates.meta["extra"]["device"] == "cpu"
+    steps = [json.loads(line)["step"] for line in
+             (ckpt / "train_log.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]

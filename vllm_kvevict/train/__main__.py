@@ -20,7 +20,8 @@ from vllm_kvevict.train.trainer import DTYPES, OBJECTIVES, TrainConfig, Trainer
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m vllm_kvevict.train",
                                 description="Train PruLong / DuoAttention head gates for a "
-                                            "local HF Llama-family model on CPU.")
+                                            "local HF Llama/Mistral/Qwen2/Qwen3 model "
+                                            "(--device: cpu by default).")
     p.add_argument("--objective", choices=OBJECTIVES, required=True)
     p.add_argument("--model", required=True, help="local model directory (transformers)")
     p.add_argument("--out", help="mask JSON to write (default head_masks/<model>/"
@@ -60,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from --ckpt-dir")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--device", default="cpu",
+                   help="torch device of the model and the gates: cpu (default), cuda, cuda:1, ...")
     p.add_argument("--text-share", type=float, default=data_mod.DEFAULT_TEXT_SHARE)
     p.add_argument("--held-out-fraction", type=float,
                    default=data_mod.DEFAULT_HELD_OUT_FRACTION)
@@ -88,13 +91,14 @@ def main(argv: list[str] | None = None) -> int:
         duo_passkeys=args.duo_passkeys, duo_passkey_words=args.duo_passkey_words,
         seed=args.seed, ckpt_every=args.ckpt_every, ckpt_dir=args.ckpt_dir,
         resume=args.resume, dtype=args.dtype, text_share=args.text_share,
-        held_out_fraction=args.held_out_fraction, max_source_chars=args.max_source_chars)
+        held_out_fraction=args.held_out_fraction, max_source_chars=args.max_source_chars,
+        device=args.device)
     torch.manual_seed(cfg.seed)
     started = time.perf_counter()
     trainer = Trainer(cfg)
     print(f"model {cfg.model}: {trainer.num_layers} layers x {trainer.num_kv_heads} KV heads; "
           f"{len(trainer.train_sources)} train / {len(trainer.held_out_sources)} held-out "
-          f"sources; {torch.get_num_threads()} threads; setup "
+          f"sources; device {cfg.device}; {torch.get_num_threads()} threads; setup "
           f"{time.perf_counter() - started:.1f} s", flush=True)
     trainer.train(progress=not args.no_progress)
     path = trainer.export(out)

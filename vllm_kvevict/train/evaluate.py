@@ -91,7 +91,10 @@ def build_methods(num_layers: int, num_kv_heads: int, sparsity: float,
                               full_heads_at_sparsity(gates, sparsity), str(path)))
     if random_seed is not None:
         g = torch.Generator().manual_seed(random_seed)
-        gates = HeadGates(gates=torch.rand(num_layers, num_kv_heads, generator=g))
+        # drawn on the CPU (a CPU generator); the policy's masks stay on the CPU, the runner
+        # moves what it needs to the model's device
+        gates = HeadGates(gates=torch.rand(num_layers, num_kv_heads, generator=g,
+                                           device="cpu"))
         methods.append(Method(f"random(seed={random_seed})", "prulong",
                               full_heads_at_sparsity(gates, sparsity)))
     if with_streaming:
@@ -102,7 +105,7 @@ def build_methods(num_layers: int, num_kv_heads: int, sparsity: float,
 def sequence_losses(runner: ReferenceRunner, ids: list[int], chunk: int) -> tuple[float, float, int]:
     """(sum of all n - 1 losses, sum over positions >= chunk, count of the latter)."""
     logits = runner.prefill(ids, chunk, all_logits=True).logits
-    targets = torch.tensor(ids[1:], dtype=torch.long)
+    targets = torch.tensor(ids[1:], dtype=torch.long, device=logits.device)
     losses = F.cross_entropy(logits[:-1].float(), targets, reduction="none")
     late = losses[chunk:]
     return float(losses.sum()), float(late.sum()), late.numel()
@@ -172,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                    default=data_mod.DEFAULT_HELD_OUT_FRACTION)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda, ...")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -181,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     model, encode, eos = load_model_and_tokenizer(args.model, DTYPES[args.dtype])
+    model = model.to(torch.device(args.device))
     cfg = model.config
     methods = build_methods(cfg.num_hidden_layers, cfg.num_key_value_heads, args.sparsity,
                             args.masks, None if args.no_random else args.random_seed,

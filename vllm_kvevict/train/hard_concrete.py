@@ -50,10 +50,13 @@ DEFAULT_GATE_LOGIT_CLAMP = 2.5
 FULL_MODEL_LOG_ALPHA = 3.0  # P(z > 0) = 0.99: the start when no clamp is used
 
 
-def uniform_noise(shape: tuple[int, ...], generator: torch.Generator | None = None) -> torch.Tensor:
-    """u ~ Uniform(EPS, 1 - EPS), float32."""
-    u = torch.rand(shape, generator=generator, dtype=torch.float32)
-    return EPS + (1.0 - 2.0 * EPS) * u
+def uniform_noise(shape: tuple[int, ...], generator: torch.Generator | None = None,
+                  device: torch.device | str | None = None) -> torch.Tensor:
+    """u ~ Uniform(EPS, 1 - EPS), float32, on `device` (default CPU). Drawn on the CPU (with
+    `generator`, a CPU generator, for the same noise on every device), then moved."""
+    u = torch.rand(shape, generator=generator, dtype=torch.float32, device="cpu")
+    u = EPS + (1.0 - 2.0 * EPS) * u
+    return u if device is None else u.to(device)
 
 
 def gates_from_noise(log_alpha: torch.Tensor, u: torch.Tensor,
@@ -66,7 +69,7 @@ def gates_from_noise(log_alpha: torch.Tensor, u: torch.Tensor,
 def sample_gates(log_alpha: torch.Tensor, generator: torch.Generator | None = None,
                  temperature: float = TEMPERATURE) -> torch.Tensor:
     """One hard-concrete sample per entry of log_alpha (differentiable in log_alpha)."""
-    u = uniform_noise(tuple(log_alpha.shape), generator).to(log_alpha.device)
+    u = uniform_noise(tuple(log_alpha.shape), generator, device=log_alpha.device)
     return gates_from_noise(log_alpha, u, temperature)
 
 
@@ -76,7 +79,7 @@ def sample_gates_with_saturation(log_alpha: torch.Tensor,
                                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(z, saturated): a sample as `sample_gates`, and bool where the stretched value lies
     strictly outside [0, 1], so that z is exactly 0 or 1 and has zero gradient."""
-    u = uniform_noise(tuple(log_alpha.shape), generator).to(log_alpha.device)
+    u = uniform_noise(tuple(log_alpha.shape), generator, device=log_alpha.device)
     g = torch.sigmoid((torch.log(u) - torch.log1p(-u) + log_alpha) / temperature)
     stretched = LIMIT_L + g * (LIMIT_R - LIMIT_L)
     with torch.no_grad():

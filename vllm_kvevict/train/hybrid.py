@@ -41,19 +41,24 @@ def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 class StreamingMask:
     """A streaming head's visibility over one sequence length, split into query blocks.
 
-    blocks: (row start, row end, key column indices [c], mask rows [end - start, c]).
+    blocks: (row start, row end, key column indices [c], mask rows [end - start, c]), the two
+    tensors on `device`; they are computed on the CPU (nonzero is data-dependent) and moved.
+    prefix[i]: c when block i's columns are 0..c-1 (sliced instead of gathered), else None.
     """
 
     def __init__(self, seq_len: int, chunk_size: int, sink: int, window: int,
-                 query_block: int = 512) -> None:
+                 query_block: int = 512, device: torch.device | str = "cpu") -> None:
         self.seq_len, self.chunk_size, self.sink, self.window = seq_len, chunk_size, sink, window
-        visible = chunked_streaming_visibility(seq_len, chunk_size, sink, window)
+        visible = chunked_streaming_visibility(seq_len, chunk_size, sink, window).to("cpu")
         self.blocks: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+        self.prefix: list[int | None] = []
         for start in range(0, seq_len, query_block):
             end = min(start + query_block, seq_len)
             rows = visible[start:end]
             cols = rows.any(dim=0).nonzero().squeeze(1)
-            self.blocks.append((start, end, cols, rows[:, cols].contiguous()))
+            contiguous = cols.numel() == int(cols[-1]) + 1
+            self.prefix.append(cols.numel() if contiguous else None)
+            self.blocks.append((start, end, cols.to(device), rows[:, cols].contiguous().to(device)))
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   scale: float) -> torch.Tensor:
@@ -61,9 +66,9 @@ class StreamingMask:
         if q.shape[1] != self.seq_len:
             raise ValueError(f"mask built for {self.seq_len} tokens, got {q.shape[1]}")
         out = []
-        for start, end, cols, mask in self.blocks:
-            if cols.numel() == cols[-1] + 1:  # a contiguous prefix: slicing avoids a copy
-                kb, vb = k[:, : cols.numel()], v[:, : cols.numel()]
+        for (start, end, cols, mask), prefix in zip(self.blocks, self.prefix):
+            if prefix is not None:  # a contiguous prefix: slicing avoids a copy
+                kb, vb = k[:, :prefix], v[:, :prefix]
             else:
                 kb, vb = k[:, cols], v[:, cols]
             out.append(F.scaled_dot_product_attention(

@@ -31,6 +31,13 @@ learning rate linearly warmed up over the first warmup_frac (10 %) of the steps,
 decayed to final_lr_frac (1 %) of the peak at the last step. Every random draw (hard-concrete
 noise, data order, passkeys) is a pure function of (seed, step), so a resumed run is identical
 to an uninterrupted one.
+
+Device (`TrainConfig.device`, `--device`: "cpu" by default, "cuda", or any torch device
+string): the model is moved there and every tensor the trainer creates (gate parameters, the
+Lagrange multipliers, positions, loss targets, the streaming masks, the hard-concrete noise) is
+created on it with an explicit `device=`, except the random draws, which come from CPU
+generators (so a run is reproducible across devices) and are then moved. CUDA placement holds
+by construction but is untested: the machine this was written on has no GPU.
 """
 
 from __future__ import annotations
@@ -99,6 +106,7 @@ class TrainConfig:
     max_source_chars: int = data_mod.DEFAULT_MAX_SOURCE_CHARS
     query_block: int = 512
     loss_block: int = 1024
+    device: str = "cpu"  # "cpu", "cuda", "cuda:1", ...: the model and every trainer tensor
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -119,6 +127,7 @@ class TrainConfig:
             self.init_log_alpha = hc.default_init_log_alpha(self.gate_logit_clamp)
         if self.sparsity_warmup_steps is None:
             self.sparsity_warmup_steps = round(0.8 * self.steps)
+        torch.device(self.device)  # raises on a malformed device string
         if self.resume and not self.ckpt_dir:
             raise ValueError("--resume needs --ckpt-dir")
 
@@ -137,7 +146,7 @@ class FusedLMLoss(torch.autograd.Function):
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                 block: int) -> torch.Tensor:
         num = hidden.shape[0]
-        total = torch.zeros((), dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad = torch.empty_like(hidden) if hidden.requires_grad else None
         for start in range(0, num, block):
             h = hidden[start:start + block]
@@ -147,7 +156,7 @@ class FusedLMLoss(torch.autograd.Function):
             total += -logp.gather(1, y[:, None]).sum()
             if grad is not None:
                 probs = logp.exp_()
-                probs[torch.arange(len(y)), y] -= 1.0
+                probs[torch.arange(len(y), device=y.device), y] -= 1.0
                 grad[start:start + block] = (probs.to(weight.dtype) @ weight) / num
         ctx.save_for_backward(grad)
         return total / num
@@ -195,6 +204,8 @@ def ascend_(lambdas: torch.nn.Parameter) -> None:
 
 
 def _generator(seed: int, step: int, micro: int) -> torch.Generator:
+    """A CPU generator whatever the device: draws are made on the CPU and then moved, so the
+    noise of (seed, step, micro) is the same on every device."""
     return torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_009 + micro)
 
 
@@ -222,6 +233,8 @@ class Trainer:
             loaded_model, encode, eos_id = load_model_and_tokenizer(cfg.model, dtype)
             model = loaded_model if model is None else model
         self.encode, self.eos_id = encode, eos_id
+        self.device = torch.device(cfg.device)
+        model = model.to(self.device)
         for p in model.parameters():
             p.requires_grad_(False)
         mcfg = model.config
@@ -229,7 +242,7 @@ class Trainer:
         policy = build_policy(KVPolicyConfig(policy="full"), self.num_layers, self.num_kv_heads)
         self.runner = ReferenceRunner(model, policy, dtype=dtype)
         self.streaming = StreamingMask(cfg.seq_len, cfg.chunk, cfg.sink, cfg.window,
-                                       cfg.query_block)
+                                       cfg.query_block, device=self.device)
         self.positions = torch.arange(cfg.seq_len, device=self.runner.device)
 
         if sources is None:
@@ -241,15 +254,16 @@ class Trainer:
 
         shape = (self.num_layers, self.num_kv_heads)
         if cfg.objective == "prulong":
-            self.log_alpha = torch.nn.Parameter(torch.full(shape, float(cfg.init_log_alpha)))
+            self.log_alpha = torch.nn.Parameter(torch.full(shape, float(cfg.init_log_alpha),
+                                                            device=self.device))
             with torch.no_grad():
                 self.start_sparsity = min(float(hc.expected_sparsity(self.log_alpha)),
                                           cfg.target_sparsity)
-            self.lambdas = torch.nn.Parameter(torch.zeros(2))
+            self.lambdas = torch.nn.Parameter(torch.zeros(2, device=self.device))
             groups = [{"params": [self.log_alpha], "lr": cfg.lr, "name": "log_alpha"},
                       {"params": [self.lambdas], "lr": cfg.lambda_lr, "name": "lambdas"}]
         else:
-            self.alpha = torch.nn.Parameter(torch.ones(shape))
+            self.alpha = torch.nn.Parameter(torch.ones(shape, device=self.device))
             groups = [{"params": [self.alpha], "lr": cfg.lr, "name": "alpha"}]
         for group in groups:
             group["peak_lr"] = group["lr"]
@@ -417,9 +431,9 @@ class Trainer:
 
     def _params(self) -> dict[str, torch.Tensor]:
         if self.cfg.objective == "prulong":
-            return {"log_alpha": self.log_alpha.detach().clone(),
-                    "lambdas": self.lambdas.detach().clone()}
-        return {"alpha": self.alpha.detach().clone()}
+            return {"log_alpha": self.log_alpha.detach().cpu().clone(),
+                    "lambdas": self.lambdas.detach().cpu().clone()}
+        return {"alpha": self.alpha.detach().cpu().clone()}
 
     def save_checkpoint(self) -> Path:
         path = self.checkpoint_path()
@@ -454,7 +468,7 @@ class Trainer:
             self.log(f"resuming with changed settings (checkpoint, now): {other}")
         with torch.no_grad():
             for name, value in state["params"].items():
-                getattr(self, name).copy_(value)
+                getattr(self, name).copy_(value.to(self.device))
         self.optimizer.load_state_dict(state["optimizer"])
         for group, peak in zip(self.optimizer.param_groups,
                                [g["peak_lr"] for g in self._fresh_groups()]):
@@ -476,13 +490,13 @@ class Trainer:
             "steps": self.step, "seq_len": cfg.seq_len, "chunk": cfg.chunk,
             "batch_size": cfg.batch_size, "wall_time_s": round(self.elapsed, 1),
             "seed": cfg.seed, "lr": cfg.lr, "warmup_frac": cfg.warmup_frac,
-            "final_lr_frac": cfg.final_lr_frac, "dtype": cfg.dtype,
+            "final_lr_frac": cfg.final_lr_frac, "dtype": cfg.dtype, "device": cfg.device,
             "torch_threads": torch.get_num_threads(),
             "data": self.data_description(),
         }
         last = self.history[-1] if self.history else {}
         if cfg.objective == "prulong":
-            log_alpha = self.log_alpha.detach().clone()
+            log_alpha = self.log_alpha.detach().cpu().clone()
             gates = hc.export_gates(log_alpha)
             extra.update(
                 gate_rule="gate = sigmoid(log_alpha) (the Bernoulli parameter pi); a head "
@@ -495,14 +509,14 @@ class Trainer:
                 final_expected_sparsity=float(hc.expected_sparsity(log_alpha)),
                 final_deterministic_zero_share=float(
                     (hc.deterministic_gates(log_alpha) == 0).float().mean()),
-                final_lambdas=[float(x) for x in self.lambdas.detach()],
+                final_lambdas=[float(x) for x in self.lambdas.detach().cpu()],
                 final_lm_loss=last.get("lm_loss"))
             notes = ("PruLong gates: hard-concrete log_alphas trained with the next-token loss "
                      "of the hybrid (full/streaming per KV head) model and a Lagrangian toward "
                      "the target sparsity; `python -m vllm_kvevict.train --objective prulong`.")
             log_alphas, train_sparsity = log_alpha, cfg.target_sparsity
         else:
-            gates = self.alpha.detach().clamp(0, 1).clone()
+            gates = self.alpha.detach().cpu().clamp(0, 1).clone()
             extra.update(duo_lambda=cfg.duo_lambda, passkeys=cfg.duo_passkeys,
                          passkey_words=cfg.duo_passkey_words,
                          final_distill_loss=last.get("distill_loss"))
