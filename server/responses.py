@@ -48,13 +48,11 @@ def lift_kv_stats(payload: dict[str, Any], found: list[dict[str, Any]]) -> dict[
         params = dict(params)
         carried = params.pop(STATS_KEY)
         payload["kv_transfer_params"] = params or None
-    payload[STATS_KEY] = found[0] if found else carried
-    if len(found) > 1:
-        payload["kv_stats_per_request"] = found
-    return payload
+    return with_stats(payload, found or ([carried] if carried is not None else []))
 
 
 def with_stats(chunk: dict[str, Any], found: list[dict[str, Any]]) -> dict[str, Any]:
+    """`kv_stats` (the first request's) and, for several, `kv_stats_per_request`."""
     chunk[STATS_KEY] = found[0] if found else None
     if len(found) > 1:
         chunk["kv_stats_per_request"] = found
