@@ -30,6 +30,13 @@ EVICTING = [c for c in COLUMNS if c != "full"]
 PATCHED_COLUMNS = ("snapkv patched", "pyramidkv patched")
 SLOW_COLUMNS = ("streaming", "duo 0.3", "snapkv naive", "pyramidkv patched")
 STATUSES = ("exact", "refused", "n/a")
+# tests/test_tensor_parallel.py: one TP = 2 server per column on a 4-KV-head model
+TP_IDS = {"full": "kv4-full", "streaming": "kv4-streaming", "duo 0.3": "kv4-duo-0.3",
+          "prulong 0.7": "kv4-prulong-0.7", "snapkv naive": "kv4-snapkv-naive-0.5",
+          "snapkv patched": "kv4-snapkv-patched-0.5",
+          "pyramidkv naive": "kv4-pyramidkv-naive-0.5-tiers2",
+          "pyramidkv patched": "kv4-pyramidkv-patched-0.7"}
+TP_CI = ("prulong 0.7", "snapkv patched")
 
 
 @dataclass(frozen=True)
@@ -142,11 +149,18 @@ ROWS = [
     Row("async scheduling (`--async-scheduling`)",
         each("n/a", "tests/test_vllm_contract.py::test_cpu_platform_turns_async_scheduling_off",
              why="vLLM 0.32's CPU platform turns it off")),
-    Row("tensor / pipeline / data parallel (> 1)",
-        {c: Cell("refused", (f"tests/test_features.py::test_parallel_refused[{COLUMNS[c]}]",
+    Row("tensor parallel (`--tensor-parallel-size 2`)",
+        {c: Cell("exact", (("" if c in TP_CI else "(s)")
+                           + f"tests/test_tensor_parallel.py::test_tp2_serves_the_reference_tokens"
+                           f"[{TP_IDS[c]}]",),
+                 "when the ranks split the KV heads evenly (else refused: "
+                 "tests/test_features.py::test_parallel_layouts)")
+         for c in COLUMNS}),
+    Row("pipeline / data parallel (> 1)",
+        {c: Cell("refused", (f"tests/test_features.py::test_parallel_layouts[{COLUMNS[c]}]",
                              "tests/test_features.py::test_vllm_serve_refuses[pp]"),
-                 "not built yet (issue 17): a head mask names global KV heads, a tensor-parallel "
-                 "rank holds a slice; kv_stats would count one worker")
+                 "not built: other layers per pipeline stage, one engine core per data-parallel "
+                 "replica")
          for c in COLUMNS}),
 ]
 

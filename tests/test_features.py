@@ -45,14 +45,20 @@ def test_fp8_refused(name):
 
 
 @pytest.mark.parametrize("name", list(POLICIES))
-def test_parallel_refused(name):
+def test_parallel_layouts(name):
+    """Tensor parallel is served when the ranks split the KV heads evenly; pipeline and data
+    parallel are refused for every policy."""
     cfg = config(name)
     assert parallel_error(cfg, {"tensor_parallel_size": 1, "pipeline_parallel_size": 1}) is None
-    for field, flag in (("tensor_parallel_size", "--tensor-parallel-size"),
-                        ("pipeline_parallel_size", "--pipeline-parallel-size"),
+    for field, flag in (("pipeline_parallel_size", "--pipeline-parallel-size"),
                         ("data_parallel_size", "--data-parallel-size")):
-        assert parallel_error(cfg, {field: 2}) == (
+        assert parallel_error(cfg, {field: 2}, 4) == (
             f"{flag} 2 is not supported with --kv-policy {cfg.policy} yet; valid: 1")
+    assert parallel_error(cfg, {"tensor_parallel_size": 2}, 4) is None
+    assert parallel_error(cfg, {"tensor_parallel_size": 4}, 4) is None
+    assert parallel_error(cfg, {"tensor_parallel_size": 2}, 3) == (
+        "--tensor-parallel-size 2 does not divide the model's 3 KV heads (vLLM would replicate "
+        f"them across ranks); valid with --kv-policy {cfg.policy}: 1, 3")
 
 
 @pytest.mark.parametrize("name", list(POLICIES))

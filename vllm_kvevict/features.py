@@ -58,22 +58,31 @@ def kv_cache_dtype_error(policy_config, cache_dtype: str | None) -> str | None:
             "(--kv-policy full serves any cache dtype vLLM does)")
 
 
-# Parallel layouts tested so far: one engine, one worker. A head mask names global KV heads,
-# which a tensor-parallel rank holds only a slice of; per-request stats count one worker's
-# bytes. Until those are built and tested, every other layout is refused (full included: its
-# kv_stats would count one rank).
+# Parallel layouts. Tensor parallel: each rank serves its contiguous slice of the KV heads, so
+# of the head mask (`kv_cache_specs.layer_heads`); kv_stats count every rank. vLLM replicates KV
+# heads when there are fewer than ranks; then a rank's bytes are not a slice of the model's, so
+# it is refused. Pipeline and data parallel are not built (other layers per stage; one engine
+# core per replica, each with its own stats): refused, full included.
 PARALLEL_FLAGS = (("tensor_parallel_size", "--tensor-parallel-size"),
                   ("pipeline_parallel_size", "--pipeline-parallel-size"),
                   ("data_parallel_size", "--data-parallel-size"))
 
 
-def parallel_error(policy_config, sizes: dict[str, int]) -> str | None:
-    """`sizes`: vLLM ParallelConfig field -> value."""
-    for field, flag in PARALLEL_FLAGS:
+def parallel_error(policy_config, sizes: dict[str, int], num_kv_heads: int | None = None
+                   ) -> str | None:
+    """`sizes`: vLLM ParallelConfig field -> value; `num_kv_heads`: the model's (None: unknown,
+    tensor parallel is then not checked against it)."""
+    for field, flag in PARALLEL_FLAGS[1:]:
         size = int(sizes.get(field) or 1)
         if size != 1:
             return (f"{flag} {size} is not supported with --kv-policy {policy_config.policy} "
                     "yet; valid: 1")
+    tp = int(sizes.get("tensor_parallel_size") or 1)
+    if tp != 1 and num_kv_heads is not None and num_kv_heads % tp:
+        valid = [d for d in range(1, num_kv_heads + 1) if num_kv_heads % d == 0]
+        return (f"--tensor-parallel-size {tp} does not divide the model's {num_kv_heads} KV "
+                f"heads (vLLM would replicate them across ranks); valid with --kv-policy "
+                f"{policy_config.policy}: {', '.join(map(str, valid))}")
     return None
 
 

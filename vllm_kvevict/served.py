@@ -119,11 +119,18 @@ class ServedPolicy:
     def streaming_bytes_per_request(self, dtype: torch.dtype, slack: int = 0) -> int:
         """The streaming store of one running request: K and V of sink + window (+ `slack`,
         the speculative K) tokens for every streaming head (head-mask policies; else 0)."""
+        return sum(self.streaming_bytes_per_rank(dtype, slack, 1))
+
+    def streaming_bytes_per_rank(self, dtype: torch.dtype, slack: int = 0,
+                                 world: int = 1) -> tuple[int, ...]:
+        """The same, per tensor-parallel rank (rank r holds KV heads [r H/world, ...))."""
         if not self.config.uses_head_mask:
-            return 0
+            return (0,) * world
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return (2 * (self.config.sink + self.config.window + slack) * self.streaming_kv_heads
-                * self.shape.head_dim * itemsize)
+        per_head = 2 * (self.config.sink + self.config.window + slack) * self.shape.head_dim
+        streaming = self.policy.streaming_heads()
+        counts = streaming.view(streaming.shape[0], world, -1).sum(dim=(0, 2)).tolist()
+        return tuple(int(c) * per_head * itemsize for c in counts)
 
     def describe(self) -> dict[str, Any]:
         """Everything this server serves, for the start-up line and `GET /v1/kv_stats`."""
@@ -163,6 +170,8 @@ def serving(served: ServedPolicy, vllm_config) -> dict[str, Any]:
     out["prefix_caching"] = getattr(cache, "enable_prefix_caching", None)
     out["block_size"] = getattr(cache, "block_size", None)
     out["kv_cache_dtype"] = str(getattr(cache, "cache_dtype", "auto"))
+    parallel = getattr(vllm_config, "parallel_config", None)
+    out["tensor_parallel_size"] = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
     return out
 
 

@@ -44,6 +44,16 @@ class ByteLayout:
     group_bytes_per_block: tuple[int, ...]  # real bytes one block of KV-cache group g reserves
     full_bytes_per_block: int              # stock vLLM: every layer and KV head, block_size tokens
     streaming_bytes_per_request: int = 0   # head-mask policies' sink + window store, per request
+    # tensor parallel: group_bytes_per_block and streaming_bytes_per_request sum every rank;
+    # each rank holds 1/ranks of a block's bytes and its own streaming heads' store
+    ranks: int = 1
+    streaming_bytes_per_rank: tuple[int, ...] = ()
+
+    def per_rank(self, total_bytes: int) -> list[int]:
+        """A request's bytes (a sum over ranks, store included) on each rank."""
+        streaming = self.streaming_bytes_per_rank or (self.streaming_bytes_per_request,)
+        pool = (total_bytes - self.streaming_bytes_per_request) // self.ranks
+        return [pool + s for s in streaming]
 
     def full_bytes(self, tokens: int) -> int:
         return -(-tokens // self.block_size) * self.full_bytes_per_block
@@ -170,6 +180,8 @@ class RequestRecord:
             "peak_kv": peak_kv,
             "footprint_chunk_held": footprint_chunk_held,
             "kv_bytes_peak": self.bytes_peak,
+            "tensor_parallel_size": self.layout.ranks,
+            "kv_bytes_peak_per_rank": self.layout.per_rank(self.bytes_peak),
             "kv_bytes_integral": self.bytes_integral,
             "full_kv_bytes_peak": self.full_bytes_peak,
             "full_kv_bytes_integral": self.full_bytes_integral,

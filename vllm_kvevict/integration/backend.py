@@ -69,8 +69,8 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         if heads.full_kv:
             full = list(heads.full_kv)
-            super().do_kv_cache_update(layer, key[:, full], value[:, full], kv_cache,
-                                       slot_mapping)
+            super().do_kv_cache_update(layer, key[:, full], value[:, full],
+                                       kv_cache[:, :len(full)], slot_mapping)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
@@ -86,11 +86,16 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
                                    output_scale, output_block_scale)
         n = attn_metadata.num_actual_tokens
         if heads.full_kv:
-            full_q = heads.full_q
+            full_q, num_full = heads.full_q, len(heads.full_kv)
+            sched = attn_metadata.scheduler_metadata
+            if num_full != kv_cache.shape[1]:
+                # tensor parallel: this rank holds fewer full heads than the layer's spec
+                # declares (`kv_cache_specs.layer_heads`); the padding heads stay unused
+                sched = self._full_head_schedule(layer, attn_metadata, num_full, output.dtype)
             out_full = torch.empty(n, len(full_q), self.head_size, dtype=output.dtype)
-            self._kernel(layer, query[:n, full_q], kv_cache, out_full, attn_metadata.query_start_loc,
-                         attn_metadata.seq_lens, attn_metadata.block_table,
-                         attn_metadata.scheduler_metadata)
+            self._kernel(layer, query[:n, full_q], kv_cache[:, :num_full], out_full,
+                         attn_metadata.query_start_loc, attn_metadata.seq_lens,
+                         attn_metadata.block_table, sched)
             output[:n, full_q] = out_full  # the kernel needs a dense output; copy after
         stream_q, stream_kv = heads.streaming_q, list(heads.streaming_kv)
         plan = attn_metadata.plan
@@ -227,6 +232,23 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
                                 dtype=dtype)
             KVEvictAttentionImpl._scratch[num_heads] = cache
         return cache
+
+    def _full_head_schedule(self, layer, attn_metadata, num_kv_heads, dtype):
+        """The kernel's work split for `num_kv_heads` full heads over the step's paged rows
+        (once per step and head count; kept on the step's metadata)."""
+        cache = attn_metadata.__dict__.setdefault("full_head_schedules", {})
+        sched = cache.get(num_kv_heads)
+        if sched is None:
+            sched = cache[num_kv_heads] = ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=attn_metadata.common.num_reqs,
+                num_heads=num_kv_heads * get_state().heads[0].queries_per_kv,
+                num_kv_heads=num_kv_heads, head_dim=self.head_size,
+                seq_lens=attn_metadata.seq_lens, dtype=dtype,
+                query_start_loc=attn_metadata.query_start_loc, causal=True,
+                sliding_window_size=self.sliding_window, isa=layer.isa,
+                enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None,
+                kv_cache_dtype=self.kv_cache_dtype)
+        return sched
 
     def _scheduler_metadata(self, layer, plan, num_kv_heads, num_q_heads, dtype):
         sched = plan.kernel_schedules.get(num_kv_heads)

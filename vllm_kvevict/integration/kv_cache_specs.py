@@ -41,17 +41,24 @@ logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler a
 
 @dataclass(frozen=True)
 class LayerHeads:
-    """Which KV heads of one layer are full / streaming, and their query heads (GQA groups)."""
+    """Which KV heads of one layer this worker holds are full / streaming (indices local to
+    the worker's slice), their query heads (GQA groups), and how many heads the layer's paged
+    cache declares (`paged_kv`: its full heads, padded under tensor parallel, below)."""
 
     layer: int
     num_kv_heads: int
     queries_per_kv: int
     full_kv: tuple[int, ...]
     streaming_kv: tuple[int, ...]
+    paged_kv: int = -1  # -1: len(full_kv)
 
     @property
     def all_full(self) -> bool:
         return not self.streaming_kv
+
+    @property
+    def paged_heads(self) -> int:
+        return len(self.full_kv) if self.paged_kv < 0 else self.paged_kv
 
     def q_heads(self, kv_heads: tuple[int, ...]) -> list[int]:
         g = self.queries_per_kv
@@ -66,22 +73,37 @@ class LayerHeads:
         return torch.tensor(self.q_heads(self.streaming_kv), dtype=torch.long)
 
 
-def layer_heads(streaming: torch.Tensor, queries_per_kv: int) -> list[LayerHeads]:
-    """Per-layer head split from a bool [L, H_kv] streaming mask."""
+def layer_heads(streaming: torch.Tensor, queries_per_kv: int, rank: int = 0,
+                world: int = 1) -> list[LayerHeads]:
+    """Per-layer head split of tensor-parallel rank `rank` of `world` from a bool [L, H_kv]
+    streaming mask over the model's KV heads. vLLM gives rank r the contiguous KV heads
+    [r H/world, (r + 1) H/world) (`QKVParallelLinear`; world divides H, `features.py`).
+
+    vLLM requires every rank to declare the same KV-cache spec per layer
+    (`get_kv_cache_configs`), but a mask gives ranks different numbers of full heads in a
+    layer: each rank declares the most any rank holds there, and a rank with fewer leaves the
+    padding heads of its paged cache unused."""
+    num_kv = streaming.shape[1]
+    if num_kv % world:
+        raise ValueError(f"{world} tensor-parallel ranks do not divide {num_kv} KV heads")
+    per_rank = num_kv // world
+    slices = streaming.view(streaming.shape[0], world, per_rank)
+    padded = (~slices).sum(dim=2).max(dim=1).values.tolist()
     out = []
-    for layer, row in enumerate(streaming.tolist()):
+    for layer, row in enumerate(slices[:, rank].tolist()):
         out.append(LayerHeads(
-            layer=layer, num_kv_heads=len(row), queries_per_kv=queries_per_kv,
+            layer=layer, num_kv_heads=per_rank, queries_per_kv=queries_per_kv,
             full_kv=tuple(h for h, s in enumerate(row) if not s),
-            streaming_kv=tuple(h for h, s in enumerate(row) if s)))
+            streaming_kv=tuple(h for h, s in enumerate(row) if s),
+            paged_kv=int(padded[layer])))
     return out
 
 
 def paged_spec(spec, heads: LayerHeads):
-    """The layer's stock spec with only its full heads (None if it has none)."""
-    if not heads.full_kv:
+    """The layer's stock spec with only its (padded) full heads (None if no rank has one)."""
+    if not heads.paged_heads:
         return None
-    return dataclasses.replace(spec, num_kv_heads=len(heads.full_kv))
+    return dataclasses.replace(spec, num_kv_heads=heads.paged_heads)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -164,12 +186,12 @@ def declare_specs(runner, stock_get_kv_cache_spec, state) -> dict:
 
     layers = get_layers_from_vllm_config(runner.vllm_config, Attention)
     index = {name: extract_layer_index(name) for name in layers}
-    with_full = [n for n in layers if state.heads[index[n]].full_kv]
+    with_full = [n for n in layers if state.heads[index[n]].paged_heads]
     # vLLM needs one paged layer to schedule blocks at all; with every head streaming,
     # the first layer keeps a 1-head placeholder (reported as held bytes, never read).
     target = with_full[0] if with_full else next(iter(layers))
     for name, layer in layers.items():
-        if name != target and not state.heads[index[name]].full_kv:
+        if name != target and not state.heads[index[name]].paged_heads:
             layer.kv_sharing_target_layer_name = target
     specs = stock_get_kv_cache_spec(runner)
     for name, spec in list(specs.items()):

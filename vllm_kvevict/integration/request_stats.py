@@ -83,13 +83,19 @@ class RequestStatsTracker:
         head_size = getattr(spec, "head_size", None) or shape.head_dim
         full_bytes_per_block = (shape.num_layers * 2 * block_size * shape.num_kv_heads
                                 * head_size * _dtype_bytes(kv_dtype))
-        streaming_bytes = served.streaming_bytes_per_request(vllm_config.model_config.dtype,
-                                                             speculative_slack(vllm_config))
+        # Tensor parallel: every rank declares the same specs (kv_cache_specs.layer_heads), so a
+        # block id ties up its bytes on each rank; the streaming store is per rank.
+        ranks = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+        per_rank = served.streaming_bytes_per_rank(vllm_config.model_config.dtype,
+                                                   speculative_slack(vllm_config), ranks)
+        streaming_bytes = sum(per_rank)
         self.layout = ByteLayout(
             block_size=block_size,
-            group_bytes_per_block=_group_bytes_per_block(kv_cache_config),
+            group_bytes_per_block=tuple(ranks * b for b in
+                                        _group_bytes_per_block(kv_cache_config)),
             full_bytes_per_block=full_bytes_per_block,
-            streaming_bytes_per_request=streaming_bytes)
+            streaming_bytes_per_request=streaming_bytes, ranks=ranks,
+            streaming_bytes_per_rank=per_rank)
         self.records: dict[str, RequestRecord] = {}
         self._requests: dict[str, Any] = {}
         self.num_blocks = getattr(kv_cache_config, "num_blocks", None)

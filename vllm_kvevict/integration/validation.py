@@ -40,7 +40,8 @@ def validate_against_model(vllm_config) -> None:
         # features.py: which vLLM features each policy is served exactly with
         embeds = bool(getattr(getattr(vllm_config, "model_config", None),
                               "enable_prompt_embeds", False))
-        for error in (parallel_error(cfg, sizes), kv_cache_dtype_error(cfg, str(cache_dtype)),
+        for error in (parallel_error(cfg, sizes, served.shape.num_kv_heads),
+                      kv_cache_dtype_error(cfg, str(cache_dtype)),
                       speculative_error(cfg, method), connector_error(cfg, users),
                       prompt_embeds_error(cfg, embeds),
                       lora_error(cfg, getattr(vllm_config, "lora_config", None) is not None)):

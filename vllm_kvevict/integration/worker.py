@@ -151,9 +151,6 @@ class WorkerState:
                 self.dtype, slots=max(8, len(self.slot_of)), slack=self.slack)
         return self.stores[layer]
 
-    def streaming_bytes_per_request(self) -> int:
-        return self.served.streaming_bytes_per_request(self.dtype, self.slack)
-
 
 _state: WorkerState | None = None
 
@@ -161,6 +158,16 @@ _state: WorkerState | None = None
 def _extra_args(request_state):
     params = getattr(request_state, "sampling_params", None)
     return getattr(params, "extra_args", None)
+
+
+def _tensor_parallel_rank(vllm_config) -> tuple[int, int]:
+    """(this worker's tensor-parallel rank, the TP size): which slice of the KV heads it holds."""
+    world = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+    if world == 1:
+        return 0, 1
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank(), world
 
 
 def get_state() -> WorkerState | None:
@@ -176,9 +183,10 @@ def init_state(vllm_config) -> WorkerState | None:
     if served.config.policy == "full":
         return None
     block_size = vllm_config.cache_config.block_size
+    rank, world = _tensor_parallel_rank(vllm_config)
     _state = WorkerState(
         served=served, heads=layer_heads(served.policy.streaming_heads(),
-                                         served.shape.queries_per_kv),
+                                         served.shape.queries_per_kv, rank, world),
         head_dim=served.shape.head_dim, dtype=vllm_config.model_config.dtype,
         block_size=block_size, slack=speculative_slack(vllm_config),
         token=TokenEvictionWorker(served.policy, block_size, for_request=served.for_request)

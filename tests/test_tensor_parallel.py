@@ -1,0 +1,190 @@
+"""Tensor parallel: each rank serves its slice of the head mask and its share of token eviction.
+
+Unit tests: the per-rank head split and its padding (vLLM wants one KV-cache spec per layer on
+every rank), and per-rank bytes. Server tests: `vllm serve --tensor-parallel-size 2` of a tiny
+random Qwen3 (4 KV heads, 2 per rank; vLLM's CPU TP on this 2-core machine with
+VLLM_CPU_OMP_THREADS_BIND="0|1", one core per rank), its greedy tokens equal to the reference
+oracle's (which the TP = 1 tests also equal), and kv_stats summing both ranks. CI runs a head
+mask and patched token eviction; duo, tiered naive pyramidkv and a 2-KV-head model are slow.
+scripts/tp_matrix.py serves each policy at TP = 1 and TP = 2 and compares them directly
+(docs/results/tensor_parallel/).
+"""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import torch
+
+from compat_matrix import TP_CI, TP_IDS
+from conftest import SERVED_NAME, start_server
+from test_model_families_vllm import NEW_TOKENS, random_mask, reference
+from test_policies_vllm import flags, source_prompts
+from tiny_models import build_tiny_model
+from vllm_kvevict.config import HEAD_MASK_POLICIES, KVPolicyConfig
+from vllm_kvevict.integration.kv_cache_specs import layer_heads, paged_spec
+from vllm_kvevict.masks import resolve_full_heads
+from vllm_kvevict.served import ModelShape, ServedPolicy
+from vllm_kvevict.stats import ByteLayout
+
+TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank (vLLM asserts without it)
+
+# -- the per-rank head split --------------------------------------------------------------------
+
+# 3 layers x 4 KV heads; True = streaming
+MASK = torch.tensor([[True, False, False, False],    # rank 0: 1 full, rank 1: 2 full
+                     [True, True, True, True],       # no full head anywhere
+                     [False, False, True, True]])    # rank 0: 2 full, rank 1: none
+
+
+def test_each_rank_gets_its_contiguous_slice_with_local_indices():
+    r0, r1 = layer_heads(MASK, 3, rank=0, world=2), layer_heads(MASK, 3, rank=1, world=2)
+    assert [h.num_kv_heads for h in r0] == [2, 2, 2]
+    assert [(h.full_kv, h.streaming_kv) for h in r0] == [((1,), (0,)), ((), (0, 1)),
+                                                          ((0, 1), ())]
+    assert [(h.full_kv, h.streaming_kv) for h in r1] == [((0, 1), ()), ((), (0, 1)),
+                                                          ((), (0, 1))]
+    assert r0[0].q_heads(r0[0].full_kv) == [3, 4, 5]  # local query heads of local KV head 1
+    # one rank is the whole mask, unpadded
+    whole = layer_heads(MASK, 3)
+    assert [(len(h.full_kv), h.paged_heads) for h in whole] == [(3, 3), (0, 0), (2, 2)]
+
+
+def test_every_rank_declares_the_same_padded_spec():
+    """vLLM asserts one spec per layer across ranks: each declares the most full heads any rank
+    holds in the layer (0 only where no rank has one: that layer shares another's cache)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    stock = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    specs = [[paged_spec(stock, h) for h in layer_heads(MASK, 3, rank=r, world=2)]
+             for r in (0, 1)]
+    assert specs[0] == specs[1]
+    assert [s and s.num_kv_heads for s in specs[0]] == [2, None, 2]
+
+
+def test_world_must_divide_the_kv_heads():
+    with pytest.raises(ValueError, match="do not divide 4 KV heads"):
+        layer_heads(MASK, 3, rank=0, world=3)
+
+
+def test_streaming_bytes_per_rank_and_bytes_per_rank():
+    cfg = KVPolicyConfig.from_dict({"policy": "streaming", "sink": 4, "window": 12})
+    served = ServedPolicy.build(cfg, "m", ModelShape(3, 4, 8, 64))
+    per_head = 2 * 16 * 64 * 4
+    assert served.streaming_bytes_per_rank(torch.float32, 0, 2) == (6 * per_head, 6 * per_head)
+    assert served.streaming_bytes_per_request(torch.float32) == 12 * per_head
+    layout = ByteLayout(block_size=128, group_bytes_per_block=(2000,), full_bytes_per_block=0,
+                        streaming_bytes_per_request=300, ranks=2,
+                        streaming_bytes_per_rank=(100, 200))
+    # 3 blocks (6000 bytes over both ranks) + both stores: 3000 + each rank's own store
+    assert layout.per_rank(6300) == [3100, 3200]
+    assert ByteLayout(128, (10,), 0, 5).per_rank(35) == [35]
+
+
+# -- served at TP = 2 ---------------------------------------------------------------------------
+
+CHUNK = 128
+PROMPT_LENGTHS = (300, 340)
+# compat-matrix column -> policy (its test ids and the CI set are compat_matrix's TP_IDS, TP_CI)
+TP_POLICIES = {
+    "full": {"policy": "full"},
+    "streaming": {"policy": "streaming", "sink": 16, "window": 64},
+    "duo 0.3": {"policy": "duo", "sparsity": 0.3, "sink": 16, "window": 64},
+    "prulong 0.7": {"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64},
+    "snapkv naive": {"policy": "snapkv", "sparsity": 0.5, "eviction": "naive"},
+    "snapkv patched": {"policy": "snapkv", "sparsity": 0.5, "eviction": "patched"},
+    "pyramidkv naive": {"policy": "pyramidkv", "sparsity": 0.5, "eviction": "naive",
+                        "tiers": 2},
+    "pyramidkv patched": {"policy": "pyramidkv", "sparsity": 0.7, "eviction": "patched"},
+}
+CASES = [pytest.param((4, TP_POLICIES[column]), id=test_id,
+                      marks=[] if column in TP_CI else [pytest.mark.slow])
+         for column, test_id in TP_IDS.items()]
+# 2 KV heads: one per rank
+CASES.append(pytest.param((2, TP_POLICIES["prulong 0.7"]), id="kv2-prulong-0.7",
+                          marks=pytest.mark.slow))
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp-models")
+    built = {}
+
+    def get(num_kv_heads: int):
+        if num_kv_heads not in built:
+            built[num_kv_heads] = build_tiny_model("qwen3", root, num_kv_heads=num_kv_heads,
+                                                   name=f"tiny-qwen3-kv{num_kv_heads}")
+        return built[num_kv_heads]
+    return get
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("case", CASES)
+def test_tp2_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_torch_thread):
+    from transformers import AutoModelForCausalLM
+
+    num_kv_heads, policy = case
+    name = policy["policy"]
+    model_dir = tiny_qwen3(num_kv_heads)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    policy = dict(policy)
+    if name in HEAD_MASK_POLICIES:
+        policy["mask_path"] = str(random_mask(model_dir, model.config))
+    server = start_server(model_dir, [*flags(policy, CHUNK), "--tensor-parallel-size", "2"],
+                          env=TP_ENV)
+    log = server.log_tail(10 ** 7)
+    assert "Worker_TP0" in log and "Worker_TP1" in log  # two worker processes, one per rank
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
+    for prompt in source_prompts(tokenizer, PROMPT_LENGTHS):
+        r = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=NEW_TOKENS,
+                                      temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+        stats = r.model_extra["kv_stats"]
+        ref = reference(model, model_dir, policy, prompt, stats["chunk_boundaries"])
+        assert r.choices[0].model_extra["token_ids"] == ref.token_ids, (name, len(prompt))
+        assert stats["tensor_parallel_size"] == 2
+        per_rank = stats["kv_bytes_peak_per_rank"]
+        assert len(per_rank) == 2 and sum(per_rank) == stats["kv_bytes_peak"]
+        expect_full = (model.config.num_hidden_layers * 2 * num_kv_heads * 64 * 4
+                       * 128 * -(-(len(prompt) + NEW_TOKENS - 1) // 128))
+        assert stats["full_kv_bytes_peak"] == expect_full  # both ranks' heads
+        if name == "full":
+            assert stats["kv_bytes_peak"] == expect_full and per_rank[0] == per_rank[1]
+        elif name in ("streaming", *HEAD_MASK_POLICIES):
+            assert stats["kv_bytes_peak"] == expected_head_mask_bytes(
+                policy, model_dir, model.config, len(prompt) + NEW_TOKENS - 1)
+        else:
+            assert stats["kv_bytes_peak"] < expect_full and per_rank[0] == per_rank[1]
+
+
+def expected_head_mask_bytes(policy, model_dir, config, tokens) -> int:
+    """Both ranks' bytes from the mask alone: each rank's paged blocks (every layer padded to
+    the most full heads a rank holds there) and its streaming heads' sink + window store."""
+    cfg = KVPolicyConfig.from_dict(policy)
+    layers, heads = config.num_hidden_layers, config.num_key_value_heads
+    full = torch.zeros(layers, heads, dtype=torch.bool)  # streaming: every head
+    if cfg.policy in HEAD_MASK_POLICIES:
+        full, _ = resolve_full_heads(cfg, str(model_dir), layers, heads)
+    padded = full.view(layers, 2, heads // 2).sum(dim=2).max(dim=1).values
+    paged_heads = 2 * int(padded.sum()) or 2  # every layer streaming: a 1-head placeholder
+    blocks = -(-tokens // 128)
+    per_head_token = 2 * 64 * 4  # K and V, head_dim 64, float32
+    store = int((~full).sum()) * (cfg.sink + cfg.window) * per_head_token
+    return paged_heads * 128 * blocks * per_head_token + store
+
+
+def test_padding_is_what_the_ranks_declare():
+    """The padding of expected_head_mask_bytes is layer_heads' (the served path)."""
+    mask = ~torch.tensor([[True, False, True, True], [False, False, False, True]])
+    per_rank = [[h.paged_heads for h in layer_heads(~mask, 1, rank=r, world=2)] for r in (0, 1)]
+    padded = mask.view(2, 2, 2).sum(dim=2).max(dim=1).values.tolist()
+    assert per_rank[0] == per_rank[1] == padded == [1, 2]
