@@ -103,7 +103,9 @@ def summary(runs: list[dict]) -> str:
               "Head masks cost more bytes at TP 2 than at TP 1: vLLM requires every rank "
               "to declare the same KV-cache spec per layer, so each rank's paged cache holds "
               "the most full heads any rank holds in that layer (docs/design.md, "
-              "\"Tensor parallel\"). Token eviction splits evenly.", "",
+              "\"Tensor parallel\"); `streaming` has no full head at all, and vLLM needs one "
+              "paged layer to schedule blocks, so each rank keeps the 1-head placeholder layer "
+              "of TP 1 (two heads in all). Token eviction splits evenly.", "",
               f"All token ids equal: {'yes' if equal_all else 'NO'}."]
     return "\n".join(lines) + "\n"
 

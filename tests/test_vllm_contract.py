@@ -122,6 +122,23 @@ def test_tier_specs_make_one_kv_cache_group_per_tier():
             range(tiers))
 
 
+def test_tensor_parallel_ranks_must_declare_equal_specs():
+    """kv_cache_specs.layer_heads pads each rank's full heads to the most any rank holds in the
+    layer because vLLM refuses per-rank specs that differ; if this starts passing unequal specs,
+    the padding (and its memory) can go."""
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    spec = lambda heads: {"model.layers.0.self_attn.attn": FullAttentionSpec(
+        block_size=128, num_kv_heads=heads, head_size=64, dtype=torch.float32)}
+    vllm_config = VllmConfig()
+    vllm_config.cache_config.kv_cache_layout = "LBHNC"
+    with pytest.raises(AssertionError, match="different across workers"):
+        get_kv_cache_configs(vllm_config, [spec(1), spec(2)], [64 << 20] * 2)
+
+
 def test_replay_hook():
     """Exact recompute after preemption (admission.py) caps the token count both scheduling
     branches compute, through the call each makes right before skipping a 0-token request;

@@ -84,6 +84,10 @@ RELIED_ON = (
     "vllm.distributed.kv_transfer.kv_connector.factory.KVConnectorFactory.register_connector",
     "vllm.v1.metrics.loggers.StatLoggerBase.record",
     "vllm.plugins.STAT_LOGGER_PLUGINS_GROUP",
+    # tensor parallel (kv_cache_specs.layer_heads): every rank must declare one spec per layer,
+    # and rank r holds its contiguous slice of the KV heads
+    "vllm.v1.core.kv_cache_utils.get_kv_cache_configs",
+    "vllm.distributed.get_tensor_model_parallel_rank",
 )
 
 PATCHED = tuple(w.target.replace(":", ".") for w in WRAPS)

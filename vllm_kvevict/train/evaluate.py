@@ -141,6 +141,50 @@ def evaluate(model: torch.nn.Module, sequences: list[list[int]], methods: list[M
     return results
 
 
+@dataclass(frozen=True)
+class Paired:
+    """Mean of a - b over sequences, its paired-bootstrap 95 % interval, and on how many
+    sequences a is lower."""
+
+    mean: float
+    low: float
+    high: float
+    lower: int
+    n: int
+
+    def __str__(self) -> str:
+        return (f"{self.mean:+.4f} [{self.low:+.4f}, {self.high:+.4f}], lower on "
+                f"{self.lower}/{self.n}")
+
+
+def paired_difference(a: list[float], b: list[float], replicates: int = 10000,
+                      seed: int = 0, level: float = 0.95) -> Paired:
+    """Per-sequence losses of two methods on the same sequences: resample sequences with
+    replacement (the same draw for both), the percentile interval of the mean difference."""
+    d = torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)
+    n = len(d)
+    idx = torch.randint(n, (replicates, n), generator=torch.Generator().manual_seed(seed))
+    means = d[idx].mean(dim=1)
+    tail = (1 - level) / 2
+    low, high = torch.quantile(means, torch.tensor([tail, 1 - tail], dtype=torch.float64))
+    return Paired(float(d.mean()), float(low), float(high), int((d < 0).sum()), n)
+
+
+def format_paired(results: list[Result]) -> str:
+    """Every method against full attention, and every pair of sparse methods, paired per
+    sequence (a difference much smaller than the spread between sequences shows here)."""
+    lines = ["paired loss differences, mean [95 % bootstrap interval] over sequences:"]
+    full = next((r for r in results if r.name == "full"), None)
+    sparse = [r for r in results if r.name != "full"]
+    if full is not None:
+        for r in sparse:
+            lines.append(f"  {r.name} - full: {paired_difference(r.per_seq, full.per_seq)}")
+    for i, a in enumerate(sparse):
+        for b in sparse[i + 1:]:
+            lines.append(f"  {a.name} - {b.name}: {paired_difference(a.per_seq, b.per_seq)}")
+    return "\n".join(lines)
+
+
 def format_table(results: list[Result], sparsity: float, chunk: int) -> str:
     base = results[0].loss if results and results[0].name == "full" else None
     head = (f"{'method':<34} {'full heads':>10} {'loss':>8} {'loss@>=' + str(chunk):>12} "
@@ -204,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         results = evaluate(model, [list(s.ids) for s in seqs], methods, args.chunk, args.sink,
                            args.window, progress=not args.no_progress)
     print(format_table(results, args.sparsity, args.chunk))
+    if len(seqs) > 1:
+        print(format_paired(results))
     print(f"({time.perf_counter() - started:.0f} s)")
     if args.json:
         Path(args.json).write_text(json.dumps({
