@@ -37,6 +37,7 @@ TP_IDS = {"full": "kv4-full", "streaming": "kv4-streaming", "duo 0.3": "kv4-duo-
           "pyramidkv naive": "kv4-pyramidkv-naive-0.5-tiers2",
           "pyramidkv patched": "kv4-pyramidkv-patched-0.7"}
 TP_CI = ("prulong 0.7", "snapkv patched")
+FP8_CI = ("prulong 0.7", "snapkv patched")  # tests/test_fp8.py: the same tiny model and ids
 
 
 @dataclass(frozen=True)
@@ -120,11 +121,16 @@ ROWS = [
             "tests/test_vllm_features.py::"
             "test_evicting_policy_with_a_kv_connector_is_refused_at_startup"))
            for c in EVICTING}}),
-    Row("fp8 KV cache (`--kv-cache-dtype fp8`)", {
-        "full": Cell("exact", ("(s)tests/test_serve_full.py::test_full_policy_fp8_is_stock",)),
-        **{c: Cell("refused", (f"tests/test_features.py::test_fp8_refused[{COLUMNS[c]}]",
-                               "tests/test_features.py::test_vllm_serve_refuses[fp8]"))
-           for c in EVICTING}}),
+    Row("fp8 KV cache (`--kv-cache-dtype fp8`, also `fp8_e4m3`, `fp8_e5m2`)",
+        {c: Cell("exact", (("" if c in FP8_CI else "(s)")
+                           + f"tests/test_fp8.py::test_fp8_serves_the_reference_tokens"
+                           f"[{TP_IDS[c]}]",
+                           *(("(s)tests/test_serve_full.py::test_full_policy_fp8_is_stock",)
+                             if c == "full" else ())),
+                 "against the reference quantizing its cache as vLLM's CPU kernels do; refused "
+                 "with --kv-eviction-chunk (tests/test_features.py::test_vllm_serve_refuses"
+                 "[fp8])")
+         for c in COLUMNS}),
     Row("compile mode (no `--enforce-eager`)", {
         **{c: Cell("exact", (f"tests/test_vllm_features.py::"
                              f"test_compiled_mode_matches_reference[{COLUMNS[c]}]",))
@@ -191,8 +197,9 @@ def render() -> str:
         "with the shipped masks; snapkv at 0.5; pyramidkv naive at 0.5 with 3 tiers, patched "
         "at 0.7; the bundled SmolLM2-135M-Instruct in float32, vLLM CPU 0.32.0. The preemption, "
         "speculation, connector and compile-mode rows use their own tests' settings (e.g. "
-        "sparsity 0.9 in pools of a few blocks). fp8 under `full` is compared with stock vLLM "
-        "on the same fp8 cache, bit for bit (the reference has no fp8).",
+        "sparsity 0.9 in pools of a few blocks). The tensor-parallel and fp8 rows run on a tiny "
+        "random Qwen3 with 4 KV heads (tests/test_tensor_parallel.py, tests/test_fp8.py); fp8 "
+        "under `full` is also compared with stock vLLM on the same fp8 cache, bit for bit.",
         "",
         "| feature | " + " | ".join(names) + " |",
         "|---|" + "---|" * len(names),

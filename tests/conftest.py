@@ -62,6 +62,23 @@ def tokenizer(bundled_model_dir):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory):
+    """get(num_kv_heads) -> a tiny random Qwen3 (4 layers, head_dim 64; tests/tiny_models.py)
+    with that many KV heads, built once per session."""
+    from tiny_models import build_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny-qwen3")
+    built: dict[int, Path] = {}
+
+    def get(num_kv_heads: int) -> Path:
+        if num_kv_heads not in built:
+            built[num_kv_heads] = build_tiny_model("qwen3", root, num_kv_heads=num_kv_heads,
+                                                   name=f"tiny-qwen3-kv{num_kv_heads}")
+        return built[num_kv_heads]
+    return get
+
+
+@pytest.fixture(scope="session")
 def hf_model(bundled_model_dir):
     """The bundled model in plain transformers, for the reference oracle."""
     import torch

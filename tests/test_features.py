@@ -34,14 +34,22 @@ def test_connector_refused(name):
 
 
 @pytest.mark.parametrize("name", EVICTING)
-def test_fp8_refused(name):
+def test_kv_cache_dtypes(name):
+    """vLLM's CPU fp8 formats are served with every policy, except beside a decoupled eviction
+    chunk (its read-back knows the model dtype's layout only); other dtypes are refused."""
     cfg = config(name)
-    assert kv_cache_dtype_error(cfg, "auto") is None
-    for dtype in ("fp8", "fp8_e4m3", "fp8_e5m2"):
-        assert kv_cache_dtype_error(cfg, dtype) == (
-            f"--kv-cache-dtype {dtype} is not supported with --kv-policy {cfg.policy}; "
-            "valid: auto (--kv-policy full serves any cache dtype vLLM does)")
-    assert kv_cache_dtype_error(config("full"), "fp8") is None
+    for dtype in ("auto", None, "fp8", "fp8_e4m3", "fp8_e5m2"):
+        assert kv_cache_dtype_error(cfg, dtype) is None
+    assert kv_cache_dtype_error(cfg, "int4") == (
+        f"--kv-cache-dtype int4 is not supported with --kv-policy {cfg.policy}; valid: auto, "
+        "fp8, fp8_e4m3, fp8_e5m2 (--kv-policy full serves any cache dtype vLLM does)")
+    if cfg.evicts_tokens:
+        chunked = cfg.replace(eviction_chunk=256)
+        assert kv_cache_dtype_error(chunked, "auto") is None
+        assert kv_cache_dtype_error(chunked, "fp8_e5m2") == (
+            "--kv-cache-dtype fp8_e5m2 is not supported with --kv-eviction-chunk; valid with "
+            "--kv-eviction-chunk: auto")
+    assert kv_cache_dtype_error(config("full"), "int4") is None
 
 
 @pytest.mark.parametrize("name", list(POLICIES))
@@ -85,8 +93,9 @@ def test_lora_refused_with_patched_eviction(name):
 
 
 @pytest.mark.parametrize("argv, line", [
-    (["--kv-policy", "prulong", "--kv-cache-dtype", "fp8"],
-     "--kv-cache-dtype fp8 is not supported with --kv-policy prulong; valid: auto"),
+    (["--kv-policy", "snapkv", "--kv-eviction-chunk", "256", "--kv-cache-dtype", "fp8"],
+     "--kv-cache-dtype fp8 is not supported with --kv-eviction-chunk; valid with "
+     "--kv-eviction-chunk: auto"),
     # (tensor parallel 2 is refused by vLLM itself here: the bundled model has 9 query heads)
     (["--kv-policy", "full", "--pipeline-parallel-size", "2"],
      "--pipeline-parallel-size 2 is not supported with --kv-policy full yet; valid: 1"),

@@ -20,7 +20,6 @@ from compat_matrix import TP_CI, TP_IDS
 from conftest import SERVED_NAME, start_server
 from test_model_families_vllm import NEW_TOKENS, random_mask, reference
 from test_policies_vllm import flags, source_prompts
-from tiny_models import build_tiny_model
 from vllm_kvevict.config import HEAD_MASK_POLICIES, KVPolicyConfig
 from vllm_kvevict.integration.kv_cache_specs import layer_heads, paged_spec
 from vllm_kvevict.masks import resolve_full_heads
@@ -103,19 +102,6 @@ CASES = [pytest.param((4, TP_POLICIES[column]), id=test_id,
 # 2 KV heads: one per rank
 CASES.append(pytest.param((2, TP_POLICIES["prulong 0.7"]), id="kv2-prulong-0.7",
                           marks=pytest.mark.slow))
-
-
-@pytest.fixture(scope="module")
-def tiny_qwen3(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tp-models")
-    built = {}
-
-    def get(num_kv_heads: int):
-        if num_kv_heads not in built:
-            built[num_kv_heads] = build_tiny_model("qwen3", root, num_kv_heads=num_kv_heads,
-                                                   name=f"tiny-qwen3-kv{num_kv_heads}")
-        return built[num_kv_heads]
-    return get
 
 
 @pytest.fixture(scope="module")

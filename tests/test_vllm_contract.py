@@ -139,6 +139,56 @@ def test_tensor_parallel_ranks_must_declare_equal_specs():
         get_kv_cache_configs(vllm_config, [spec(1), spec(2)], [64 << 20] * 2)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_cpu_fp8_cache_rounds_toward_zero(kv_cache_dtype):
+    """integration/fp8.py and reference/quantization.py: vLLM's CPU fp8 write stores x / scale
+    rounded toward zero (saturating), and its attention reads code * scale in float32."""
+    import math
+
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from vllm_kvevict.integration.fp8 import quantize
+    from vllm_kvevict.reference.quantization import cached_kv
+
+    torch.manual_seed(0)
+    bs, heads, d, group, n = 128, 2, 64, 2, 200
+    isa = _get_attn_isa(torch.float32, bs, d, kv_cache_dtype)
+    cache = torch.zeros(3, heads, bs, 2 * d, dtype=torch.uint8)
+    key_cache, value_cache = cache.view(3, heads, 2 * bs, d).chunk(2, dim=2)
+    k = torch.randn(n, heads, d) * torch.logspace(-5, 4, n).view(n, 1, 1)
+    v, q = torch.randn(n, heads, d), torch.randn(n, heads * group, d)
+    ks, vs = 0.37, 2.0
+    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, torch.arange(n) + bs, isa,
+                                   k_scale=ks, v_scale=vs, kv_cache_dtype=kv_cache_dtype)
+    # the codes of blocks 1-2 (in the kernel's packed order; 56 slots unused, code 0): the
+    # same multiset per head as ours
+    stored = key_cache[1:3].transpose(0, 1).reshape(heads, -1)
+    mine = quantize(k, ks, kv_cache_dtype).transpose(0, 1).reshape(heads, -1)
+    unused = torch.zeros(heads, (2 * bs - n) * d, dtype=torch.uint8)
+    assert torch.equal(stored.sort(1).values, torch.cat([mine, unused], 1).sort(1).values)
+    # attention over the fp8 cache = float32 attention over the dequantized values
+    qsl, lens = torch.tensor([0, n], dtype=torch.int32), torch.tensor([n], dtype=torch.int32)
+    sched = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=1, num_heads=heads * group, num_kv_heads=heads, head_dim=d, seq_lens=lens,
+        dtype=torch.float32, query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa,
+        enable_kv_split=False, dynamic_causal=None, kv_cache_dtype=kv_cache_dtype)
+    out = torch.empty(n, heads * group, d)
+    ops.cpu_attention_with_kv_cache(
+        query=q, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=qsl,
+        seq_lens=lens, scale=1 / math.sqrt(d), causal=True, alibi_slopes=None,
+        sliding_window=-1, block_table=torch.tensor([[1, 2]], dtype=torch.int32), softcap=0.0,
+        scheduler_metadata=sched, s_aux=None, dynamic_causal=None, k_scale=ks, v_scale=vs,
+        kv_cache_dtype=kv_cache_dtype)
+    kk = cached_kv(k, kv_cache_dtype, ks).repeat_interleave(group, 1)
+    vv = cached_kv(v, kv_cache_dtype, vs).repeat_interleave(group, 1)
+    logits = torch.einsum("qhd,khd->hqk", q, kk) / math.sqrt(d)
+    logits = logits.masked_fill(torch.ones(n, n).triu(1).bool(), float("-inf"))
+    ref = torch.einsum("hqk,khd->qhd", logits.softmax(-1), vv)
+    assert (out - ref).abs().max() < 1e-3 * ref.abs().max()
+
+
 def test_replay_hook():
     """Exact recompute after preemption (admission.py) caps the token count both scheduling
     branches compute, through the call each makes right before skipping a 0-token request;

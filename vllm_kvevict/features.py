@@ -45,17 +45,25 @@ def connector_error(policy_config, connectors: list[str]) -> str | None:
             "that eviction rewrites; with a connector use --kv-policy full (kv_stats stay on)")
 
 
-# What the evicting path reads and writes: K/V in the model's dtype (the paged read-back and the
-# streaming ring assume it). A quantized cache would be read back as raw bytes.
-SUPPORTED_KV_CACHE_DTYPES = ("auto",)
+# KV cache dtypes served with every policy: the model's (`auto`) and vLLM's CPU fp8 formats
+# (`integration/fp8.py`: the streaming store keeps fp8 codes too; token eviction rewrites kept
+# tokens through vLLM's own quantizing write). Decoupled eviction chunks read earlier steps'
+# K/V back from the paged cache, which `paged_layout.py` knows for the model dtype only.
+SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def kv_cache_dtype_error(policy_config, cache_dtype: str | None) -> str | None:
-    if policy_config.policy == "full" or (cache_dtype or "auto") in SUPPORTED_KV_CACHE_DTYPES:
+    cache_dtype = cache_dtype or "auto"
+    if policy_config.policy == "full":
         return None
-    return (f"--kv-cache-dtype {cache_dtype} is not supported with --kv-policy "
-            f"{policy_config.policy}; valid: {', '.join(SUPPORTED_KV_CACHE_DTYPES)} "
-            "(--kv-policy full serves any cache dtype vLLM does)")
+    if cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
+        return (f"--kv-cache-dtype {cache_dtype} is not supported with --kv-policy "
+                f"{policy_config.policy}; valid: {', '.join(SUPPORTED_KV_CACHE_DTYPES)} "
+                "(--kv-policy full serves any cache dtype vLLM does)")
+    if cache_dtype != "auto" and getattr(policy_config, "eviction_chunk", None) is not None:
+        return (f"--kv-cache-dtype {cache_dtype} is not supported with --kv-eviction-chunk; "
+                "valid with --kv-eviction-chunk: auto")
+    return None
 
 
 # Parallel layouts. Tensor parallel: each rank serves its contiguous slice of the KV heads, so

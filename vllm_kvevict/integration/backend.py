@@ -54,7 +54,7 @@ class KVEvictMetadataBuilder(CPUAttentionMetadataBuilder):
 
 
 class KVEvictAttentionImpl(CPUAttentionBackendImpl):
-    _scratch: dict[int, torch.Tensor] = {}  # per streaming-head count, shared by layers
+    _scratch: dict[tuple, torch.Tensor] = {}  # per (streaming heads, dtype), shared by layers
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         state = get_state()
@@ -104,20 +104,23 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
             return output
         keys, values = key[:n, stream_kv], value[:n, stream_kv]
         store = state.store(heads.layer)
-        laid_k, laid_v = store.lay_out(plan, keys, values)
+        scales = (layer._k_scale_float, layer._v_scale_float)
+        laid_k, laid_v = store.lay_out(plan, keys, values, scales)
         scratch = self._scratch_cache(len(stream_kv), int(plan.block_table.max()) + 1,
-                                      state.block_size, state.dtype)
+                                      state.block_size, store.dtype)
         k_cache, v_cache = self._split(scratch)
+        # fp8: the laid-out values are already the codes' grid values (streaming_store.py)
+        write_scale = (1.0, 1.0) if store.fp8 else scales
         ops.cpu_attn_reshape_and_cache(laid_k, laid_v, k_cache, v_cache, plan.scratch_slots,
-                                       layer.isa, k_scale=layer._k_scale_float,
-                                       v_scale=layer._v_scale_float,
+                                       layer.isa, k_scale=write_scale[0],
+                                       v_scale=write_scale[1],
                                        kv_cache_dtype=self.kv_cache_dtype)
         out_stream = torch.empty(n, len(stream_q), self.head_size, dtype=output.dtype)
         sched = self._scheduler_metadata(layer, plan, len(stream_kv), len(stream_q), output.dtype)
         self._kernel(layer, query[:n, stream_q], scratch, out_stream, plan.query_start_loc,
                      plan.seq_lens, plan.block_table, sched)
         output[:n, stream_q] = out_stream
-        store.commit(plan, keys, values)
+        store.commit(plan, keys, values, scales)
         return output
 
     def _forward_token_eviction(self, state, layer, query, key, value, kv_cache, attn_metadata,
@@ -225,12 +228,12 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
     def _scratch_cache(self, num_heads: int, num_blocks: int, block_size: int,
                        dtype: torch.dtype) -> torch.Tensor:
         # Zero-initialised: the kernel reads whole block tiles past seq_len.
-        cache = self._scratch.get(num_heads)
+        cache = self._scratch.get((num_heads, dtype))
         if cache is None or cache.shape[0] < num_blocks:
             cache = torch.zeros(max(num_blocks, 2 * (0 if cache is None else cache.shape[0])),
                                 num_heads, block_size, 2 * self.head_size,
                                 dtype=dtype)
-            KVEvictAttentionImpl._scratch[num_heads] = cache
+            KVEvictAttentionImpl._scratch[(num_heads, dtype)] = cache
         return cache
 
     def _full_head_schedule(self, layer, attn_metadata, num_kv_heads, dtype):

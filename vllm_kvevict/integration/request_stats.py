@@ -10,11 +10,13 @@ import logging
 import time
 from typing import Any
 
+import torch
 from vllm.v1.request import RequestStatus
 
 from vllm_kvevict.features import speculative_slack
 from vllm_kvevict.integration.connector_stats import (PENDING_LIMIT, SNAPSHOT_INTERVAL_S,
                                                       KVEvictConnectorStats)
+from vllm_kvevict.integration.fp8 import is_fp8
 from vllm_kvevict.overrides import effective_config
 from vllm_kvevict.served import ServedPolicy
 from vllm_kvevict.stats import ByteLayout, RequestRecord, finite_or_none, footprint_function
@@ -31,8 +33,6 @@ def _group_name(group) -> str:
 
 
 def _dtype_bytes(dtype) -> int:
-    import torch
-
     return torch.tensor([], dtype=dtype).element_size()
 
 
@@ -86,8 +86,11 @@ class RequestStatsTracker:
         # Tensor parallel: every rank declares the same specs (kv_cache_specs.layer_heads), so a
         # block id ties up its bytes on each rank; the streaming store is per rank.
         ranks = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
-        per_rank = served.streaming_bytes_per_rank(vllm_config.model_config.dtype,
-                                                   speculative_slack(vllm_config), ranks)
+        # the streaming store holds the cache dtype (fp8 codes: one byte; fp8.py)
+        store_dtype = (torch.uint8 if is_fp8(str(vllm_config.cache_config.cache_dtype))
+                       else vllm_config.model_config.dtype)
+        per_rank = served.streaming_bytes_per_rank(store_dtype, speculative_slack(vllm_config),
+                                                   ranks)
         streaming_bytes = sum(per_rank)
         self.layout = ByteLayout(
             block_size=block_size,

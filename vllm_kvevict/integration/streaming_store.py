@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vllm_kvevict.integration.fp8 import grid_values, is_fp8, quantize
+
 
 @dataclass
 class StepPlan:
@@ -135,14 +137,17 @@ def build_step_plan(slots: list[int], computed: list[int], query_lens: list[int]
 
 
 class StreamingStore:
-    """Sink + window K/V of one layer's streaming heads for every running request."""
+    """Sink + window K/V of one layer's streaming heads for every running request. With an fp8
+    KV cache the ring holds fp8 codes (`fp8.py`), one byte per element like the paged cache."""
 
     def __init__(self, num_heads: int, head_dim: int, sink: int, window: int,
-                 dtype: torch.dtype, slots: int = 8, slack: int = 0):
+                 dtype: torch.dtype, slots: int = 8, slack: int = 0,
+                 kv_cache_dtype: str = "auto"):
         self.num_heads, self.head_dim = num_heads, head_dim
         self.cap = sink + window + slack  # slack: speculative K (see the module docstring)
-        self.dtype = dtype
-        self.k = torch.zeros(slots * self.cap, num_heads, head_dim, dtype=dtype)
+        self.fp8 = kv_cache_dtype if is_fp8(kv_cache_dtype) else None
+        self.dtype = torch.uint8 if self.fp8 else dtype
+        self.k = torch.zeros(slots * self.cap, num_heads, head_dim, dtype=self.dtype)
         self.v = torch.zeros_like(self.k)
 
     @property
@@ -160,18 +165,28 @@ class StreamingStore:
     def bytes_per_request(self) -> int:
         return 2 * self.cap * self.num_heads * self.head_dim * self.k.element_size()
 
-    def lay_out(self, plan: StepPlan, key: torch.Tensor, value: torch.Tensor):
-        """[visible past | visible step tokens] per kernel row, as token-major K and V."""
+    def lay_out(self, plan: StepPlan, key: torch.Tensor, value: torch.Tensor,
+                scales: tuple[float, float] = (1.0, 1.0)):
+        """[visible past | visible step tokens] per kernel row, as token-major K and V. fp8:
+        as the codes' grid values (to be written with scale 1; `scales` quantize the step)."""
         total = int(plan.seq_lens.sum())
-        k = key.new_empty(total, self.num_heads, self.head_dim)
-        v = value.new_empty(total, self.num_heads, self.head_dim)
-        k[plan.prefix_dst] = self.k[plan.prefix_src]
-        v[plan.prefix_dst] = self.v[plan.prefix_src]
-        k[plan.chunk_dst] = key[plan.chunk_src]
-        v[plan.chunk_dst] = value[plan.chunk_src]
-        return k, v
+        out = []
+        for ring, x, scale in ((self.k, key, scales[0]), (self.v, value, scales[1])):
+            laid = x.new_empty(total, self.num_heads, self.head_dim)
+            past, step = ring[plan.prefix_src], x[plan.chunk_src]
+            if self.fp8:
+                past = grid_values(past, self.fp8, x.dtype)
+                step = grid_values(quantize(step, scale, self.fp8), self.fp8, x.dtype)
+            laid[plan.prefix_dst] = past
+            laid[plan.chunk_dst] = step
+            out.append(laid)
+        return out[0], out[1]
 
-    def commit(self, plan: StepPlan, key: torch.Tensor, value: torch.Tensor) -> None:
+    def commit(self, plan: StepPlan, key: torch.Tensor, value: torch.Tensor,
+               scales: tuple[float, float] = (1.0, 1.0)) -> None:
         """Keep the step's tokens that may stay visible (sink, last W + K) in their slots."""
-        self.k[plan.keep_dst] = key[plan.keep_src]
-        self.v[plan.keep_dst] = value[plan.keep_src]
+        k, v = key[plan.keep_src], value[plan.keep_src]
+        if self.fp8:
+            k, v = quantize(k, scales[0], self.fp8), quantize(v, scales[1], self.fp8)
+        self.k[plan.keep_dst] = k
+        self.v[plan.keep_dst] = v

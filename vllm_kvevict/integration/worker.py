@@ -30,6 +30,7 @@ class WorkerState:
     dtype: torch.dtype
     block_size: int
     slack: int = 0  # speculative K: extra streaming-store ring slots (streaming_store.py)
+    kv_cache_dtype: str = "auto"  # vLLM's --kv-cache-dtype (fp8.py)
     stores: dict[int, StreamingStore] = field(default_factory=dict)
     slot_of: dict[str, int] = field(default_factory=dict)
     free_slots: list[int] = field(default_factory=list)
@@ -148,7 +149,8 @@ class WorkerState:
             heads = self.heads[layer]
             self.stores[layer] = StreamingStore(
                 len(heads.streaming_kv), self.head_dim, self.config.sink, self.config.window,
-                self.dtype, slots=max(8, len(self.slot_of)), slack=self.slack)
+                self.dtype, slots=max(8, len(self.slot_of)), slack=self.slack,
+                kv_cache_dtype=self.kv_cache_dtype)
         return self.stores[layer]
 
 
@@ -189,6 +191,7 @@ def init_state(vllm_config) -> WorkerState | None:
                                          served.shape.queries_per_kv, rank, world),
         head_dim=served.shape.head_dim, dtype=vllm_config.model_config.dtype,
         block_size=block_size, slack=speculative_slack(vllm_config),
+        kv_cache_dtype=str(vllm_config.cache_config.cache_dtype or "auto"),
         token=TokenEvictionWorker(served.policy, block_size, for_request=served.for_request)
         if served.policy.evicts_tokens else None)
     return _state

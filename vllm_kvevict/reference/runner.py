@@ -31,6 +31,7 @@ from vllm_kvevict.policies.base import KVPolicy
 from vllm_kvevict.reference.attention import (KVCache, attend, chunked_streaming_visibility,
                                               streaming_cut, visibility)
 from vllm_kvevict.reference.eviction import observation_scores, select_kept
+from vllm_kvevict.reference.quantization import cached_kv
 
 # attention(layer, queries [Hq, T, d], keys [H, T, d], values [H, T, d], scale) -> [Hq, T, d]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -93,11 +94,13 @@ class ReferenceRunner:
     `model` is a transformers LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or
     Qwen3ForCausalLM (any decoder with their module layout); if its dtype is not `dtype` a
     converted copy is used (the caller's model is left alone). Attention logits, softmax and
-    eviction scores are float32 whatever `dtype` is.
+    eviction scores are float32 whatever `dtype` is. `kv_cache_dtype` ("auto" or an fp8 format,
+    `quantization.py`) is what the cache holds.
     """
 
     def __init__(self, model: torch.nn.Module, policy: KVPolicy,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, kv_cache_dtype: str = "auto",
+                 kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
         if next(model.parameters()).dtype != dtype:
             model = copy.deepcopy(model).to(dtype)
         self.model = model.eval()
@@ -117,6 +120,8 @@ class ReferenceRunner:
                              f"KV heads, the model has {self.num_layers} x {self.num_kv_heads}")
         self.policy = policy
         self.config = policy.config
+        cached_kv(torch.zeros(1), kv_cache_dtype)  # validates the name
+        self.kv_cache_dtype, self.kv_scales = kv_cache_dtype, kv_scales
         self.streaming = policy.streaming_heads().to(torch.bool).to(self.device)  # [L, H]
 
     # -- the model, layer by layer --------------------------------------------------------
@@ -162,7 +167,10 @@ class ReferenceRunner:
                       scale: float) -> torch.Tensor:
             layer_kv = cache.layers[index]
             past = layer_kv.positions.shape[1]
-            keys, values, key_pos = layer_kv.with_new(k, v, positions)
+            # what the KV cache holds (fp8: quantized); scoring below reads the forward's k
+            keys, values, key_pos = layer_kv.with_new(
+                cached_kv(k, self.kv_cache_dtype, self.kv_scales[0]),
+                cached_kv(v, self.kv_cache_dtype, self.kv_scales[1]), positions)
             seen = visibility(positions, key_pos, step.start, self.streaming[index],
                               self.config.sink, self.config.window)
             out = attend(q, keys, values, seen, scale)
@@ -278,6 +286,7 @@ class ReferenceRunner:
         def attention(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       scale: float) -> torch.Tensor:
             seen = torch.where(self.streaming[index].view(-1, 1, 1), chunked, causal)
-            return attend(q, k, v, seen, scale)
+            return attend(q, cached_kv(k, self.kv_cache_dtype, self.kv_scales[0]),
+                          cached_kv(v, self.kv_cache_dtype, self.kv_scales[1]), seen, scale)
 
         return self.logits(self.run_layers(list(prompt_ids), positions, attention))

@@ -1,0 +1,135 @@
+"""fp8 KV cache (`--kv-cache-dtype fp8|fp8_e4m3|fp8_e5m2`) with every policy.
+
+vLLM's CPU kernels store x / scale rounded toward zero to the fp8 grid (test_vllm_contract.py
+pins it). The served path quantizes the streaming store's ring with that rule (`integration/
+fp8.py`); the reference oracle quantizes its cache with its own code (`reference/
+quantization.py`). Unit tests: the two quantizers agree, and the streaming store keeps one byte
+per element. Server tests: a tiny random Qwen3 (4 KV heads) served with an fp8 cache gives the
+tokens of the reference with the same fp8 cache, and kv_stats count one byte per element. CI
+runs a head mask and patched token eviction; the other policies and e5m2 are slow.
+"""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import torch
+
+from compat_matrix import FP8_CI, TP_IDS
+from conftest import SERVED_NAME, start_server
+from test_model_families_vllm import NEW_TOKENS, random_mask
+from test_policies_vllm import flags, source_prompts
+from test_tensor_parallel import TP_POLICIES
+from vllm_kvevict.config import HEAD_MASK_POLICIES, KVPolicyConfig
+from vllm_kvevict.integration.fp8 import grid_values, quantize
+from vllm_kvevict.integration.streaming_store import StreamingStore, build_step_plan
+from vllm_kvevict.masks import resolve_full_heads
+from vllm_kvevict.policies import build_policy
+from vllm_kvevict.reference import ReferenceRunner
+from vllm_kvevict.reference.quantization import cached_kv
+
+FORMATS = ("fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+@pytest.mark.parametrize("scale", [1.0, 0.37, 8.0])
+def test_served_and_reference_quantizers_agree(kv_cache_dtype, scale):
+    torch.manual_seed(0)
+    x = torch.randn(50000) * torch.logspace(-7, 6, 50000)  # subnormal to saturated
+    x[:3] = torch.tensor([0.0, -0.0, 1e-30])
+    served = grid_values(quantize(x, scale, kv_cache_dtype), kv_cache_dtype, torch.float32)
+    assert torch.equal(served * scale, cached_kv(x, kv_cache_dtype, scale))
+    # rounding toward zero: never larger in magnitude, saturating at the format's largest
+    q = cached_kv(x, kv_cache_dtype, scale)
+    assert bool((q.abs() <= x.abs()).all())
+    largest = torch.finfo(torch.float8_e5m2 if kv_cache_dtype == "fp8_e5m2"
+                          else torch.float8_e4m3fn).max
+    assert float(q.abs().max()) == float(torch.tensor(largest) * scale)
+
+
+def test_reference_refuses_unknown_cache_dtypes():
+    with pytest.raises(ValueError, match="valid: auto, fp8, fp8_e4m3, fp8_e5m2"):
+        cached_kv(torch.zeros(2), "int8")
+
+
+def test_streaming_store_keeps_fp8_codes():
+    """One byte per element, and what a later step lays out is the committed tokens' grid values
+    (written with scale 1 they are the codes vLLM would have stored)."""
+    sink, window, heads, d = 2, 4, 3, 64
+    f32 = StreamingStore(heads, d, sink, window, torch.float32)
+    fp8 = StreamingStore(heads, d, sink, window, torch.float32, kv_cache_dtype="fp8")
+    assert fp8.bytes_per_request() * 4 == f32.bytes_per_request()
+    torch.manual_seed(0)
+    k, v = torch.randn(10, heads, d) * 5, torch.randn(10, heads, d)
+    scales = (0.5, 2.0)
+    first = build_step_plan([0], [0], [10], sink, window, block_size=16)
+    fp8.commit(first, k, v, scales)
+    nxt = build_step_plan([0], [10], [1], sink, window, block_size=16)
+    one_k, one_v = torch.randn(1, heads, d), torch.randn(1, heads, d)
+    laid_k, laid_v = fp8.lay_out(nxt, one_k, one_v, scales)
+    # the next step sees the sink (0, 1), the last 4 positions (6..9) and itself
+    seen = [0, 1, 6, 7, 8, 9]
+    assert torch.equal(laid_k[:6] * 0.5, cached_kv(k[seen], "fp8", 0.5))
+    assert torch.equal(laid_v[:6] * 2.0, cached_kv(v[seen], "fp8", 2.0))
+    assert torch.equal(laid_k[6:] * 0.5, cached_kv(one_k, "fp8", 0.5))
+
+
+# -- served ---------------------------------------------------------------------------------------
+
+CHUNK = 128
+PROMPT_LENGTHS = (300, 340)
+CASES = [pytest.param((column, "fp8"), id=test_id,
+                      marks=[] if column in FP8_CI else [pytest.mark.slow])
+         for column, test_id in TP_IDS.items()]
+CASES.append(pytest.param(("prulong 0.7", "fp8_e5m2"), id="kv4-prulong-0.7-e5m2",
+                          marks=pytest.mark.slow))
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("case", CASES)
+def test_fp8_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_torch_thread):
+    from transformers import AutoModelForCausalLM
+
+    column, kv_cache_dtype = case
+    model_dir = tiny_qwen3(4)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    policy = dict(TP_POLICIES[column])
+    cfg = KVPolicyConfig.from_dict(policy)
+    full_heads = None
+    if cfg.policy in HEAD_MASK_POLICIES:
+        policy["mask_path"] = str(random_mask(model_dir, model.config))
+        cfg = KVPolicyConfig.from_dict(policy)
+        full_heads, _ = resolve_full_heads(cfg, str(model_dir), 4, 4)
+    runner = ReferenceRunner(model, build_policy(cfg, 4, 4, full_heads=full_heads),
+                             kv_cache_dtype=kv_cache_dtype)
+    server = start_server(model_dir, [*flags(policy, CHUNK), "--kv-cache-dtype", kv_cache_dtype])
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
+    fp8_differs = False
+    for prompt in source_prompts(tokenizer, PROMPT_LENGTHS):
+        r = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=NEW_TOKENS,
+                                      temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+        stats = r.model_extra["kv_stats"]
+        ends = stats["chunk_boundaries"]
+        ref = runner.generate(prompt, NEW_TOKENS, ends)
+        assert r.choices[0].model_extra["token_ids"] == ref.token_ids, (column, len(prompt))
+        # one byte per element: full attention's bytes are 4 layers x 2 x 4 heads x 64 x 1 per
+        # token, in 128-token blocks
+        tokens = len(prompt) + NEW_TOKENS - 1
+        assert stats["full_kv_bytes_peak"] == 4 * 2 * 4 * 64 * 128 * -(-tokens // 128)
+        if cfg.uses_head_mask:
+            store = int((~full_heads).sum()) if full_heads is not None else 16
+            assert stats["streaming_store_bytes"] == store * 2 * (cfg.sink + cfg.window) * 64
+        unquantized = ReferenceRunner(model, runner.policy).generate(prompt, NEW_TOKENS, ends)
+        fp8_differs |= unquantized.token_ids != ref.token_ids or not torch.allclose(
+            unquantized.first_token_logprobs, ref.first_token_logprobs, atol=1e-4)
+    assert fp8_differs, "fp8 changed nothing on this model: the test checked nothing"
