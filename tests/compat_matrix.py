@@ -65,7 +65,7 @@ def each(status: str, test: str, columns=tuple(COLUMNS), why: str = "",
 
 
 SPEC_IDS = {**COLUMNS, "pyramidkv naive": "pyramidkv-naive-0.5"}
-SLOW_SPEC = ("full", "pyramidkv naive")
+SLOW_SPEC = ("full", "pyramidkv naive", "duo 0.3", "streaming")
 ADMISSION = "tests/test_admission.py::"
 ADMISSION_IDS = {"full": "full", "streaming": "streaming", "duo 0.3": "duo",
                  "prulong 0.7": "prulong", "snapkv naive": "snapkv-naive",

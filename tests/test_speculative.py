@@ -21,6 +21,7 @@ import openai
 import pytest
 import torch
 
+from compat_matrix import SLOW_SPEC, SPEC_IDS
 from conftest import SERVED_NAME, start_server
 from test_policies_vllm import LOGPROB_TOL, flags
 from vllm_kvevict.config import KVPolicyConfig
@@ -39,15 +40,17 @@ CHUNK = 256
 HEAD_MASK = {"sink": 16, "window": 64}  # short: the generation runs far past the window
 CASES = {
     "prulong-0.7": {"policy": "prulong", "sparsity": 0.7, **HEAD_MASK},
-    "duo-0.3": {"policy": "duo", "sparsity": 0.3, **HEAD_MASK},
-    "streaming": {"policy": "streaming", **HEAD_MASK},
     "snapkv-naive-0.5": {"policy": "snapkv", "sparsity": 0.5, "eviction": "naive"},
     "snapkv-patched-0.5": {"policy": "snapkv", "sparsity": 0.5, "eviction": "patched"},
     "pyramidkv-patched-0.7": {"policy": "pyramidkv", "sparsity": 0.7, "eviction": "patched"},
     # slow tier (tests/compat_matrix.py names them): the rest of the compatibility matrix
+    # (duo and streaming run the head-mask path prulong runs in CI)
+    "duo-0.3": {"policy": "duo", "sparsity": 0.3, **HEAD_MASK},
+    "streaming": {"policy": "streaming", **HEAD_MASK},
     "full": {"policy": "full"},
     "pyramidkv-naive-0.5": {"policy": "pyramidkv", "sparsity": 0.5, "eviction": "naive"},
 }
+SLOW_SPEC_IDS = {SPEC_IDS[c] for c in SLOW_SPEC}
 
 
 # -- prompts ---------------------------------------------------------------------------------
@@ -130,7 +133,7 @@ def reference_decode(hf_model, bundled_model_dir, policy: dict, prompt: list[int
 
 @pytest.mark.server
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow)
-                                  if c in ("full", "pyramidkv-naive-0.5") else c for c in CASES])
+                                  if c in SLOW_SPEC_IDS else c for c in CASES])
 def test_ngram_speculation_matches_one_token_decode(case, bundled_model_dir, tokenizer,
                                                     hf_model):
     policy = CASES[case]
