@@ -18,6 +18,7 @@ import torch
 from compat_matrix import FP8_CI, TP_IDS
 from conftest import SERVED_NAME, start_server
 from test_model_families_vllm import NEW_TOKENS, random_mask
+from test_model_families_vllm import one_torch_thread  # noqa: F401 (the fixture, shared)
 from test_policies_vllm import flags, source_prompts
 from test_tensor_parallel import TP_POLICIES
 from vllm_kvevict.config import HEAD_MASK_POLICIES, KVPolicyConfig
@@ -83,14 +84,6 @@ CASES = [pytest.param((column, "fp8"), id=test_id,
          for column, test_id in TP_IDS.items()]
 CASES.append(pytest.param(("prulong 0.7", "fp8_e5m2"), id="kv4-prulong-0.7-e5m2",
                           marks=pytest.mark.slow))
-
-
-@pytest.fixture(scope="module")
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.server

@@ -19,6 +19,7 @@ import torch
 from compat_matrix import TP_CI, TP_IDS
 from conftest import SERVED_NAME, start_server
 from test_model_families_vllm import NEW_TOKENS, random_mask, reference
+from test_model_families_vllm import one_torch_thread  # noqa: F401 (the fixture, shared)
 from test_policies_vllm import flags, source_prompts
 from vllm_kvevict.config import HEAD_MASK_POLICIES, KVPolicyConfig
 from vllm_kvevict.integration.kv_cache_specs import layer_heads, paged_spec
@@ -102,14 +103,6 @@ CASES = [pytest.param((4, TP_POLICIES[column]), id=test_id,
 # 2 KV heads: one per rank
 CASES.append(pytest.param((2, TP_POLICIES["prulong 0.7"]), id="kv2-prulong-0.7",
                           marks=pytest.mark.slow))
-
-
-@pytest.fixture(scope="module")
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.server
