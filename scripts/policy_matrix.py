@@ -270,7 +270,7 @@ def report(args, cells, jobs, out_dir: Path) -> int:
         if (cell.name, i) in served and (cell.name, i) in ref:
             per_policy.setdefault(cell.policy_name, set()).add(i)
     total = sum(n for _, n, *_ in rows)
-    lines += ["", f"Distinct prompts per policy: " +
+    lines += ["", "Distinct prompts per policy: " +
               ", ".join(f"{k} {len(v)}" for k, v in per_policy.items()),
               "", f"Compared {total} prompt runs; {len(failures)} mismatches; {missing} not run."]
     if failures:

@@ -78,6 +78,17 @@ def tiny_qwen3(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """The reference on one thread, beside the server's OpenMP pool (see test_compat.py)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def hf_model(bundled_model_dir):
     """The bundled model in plain transformers, for the reference oracle."""

@@ -100,7 +100,7 @@ def test_fold_into_engine_args_exits_with_one_line(capsys):
     (["--kv-policy", "snapkv", "--kv-eviction", "sometimes"],
      "--kv-eviction 'sometimes' is unknown; valid modes: patched, naive"),
     (["--kv-policy", "prulong", "--kv-tiers", "2"],
-     "--kv-tiers only applies to snapkv, pyramidkv, not 'prulong'"),
+     "--kv-tiers only applies to snapkv, pyramidkv (or a token_policy), not 'prulong'"),
 ])
 def test_flag_errors_name_the_flag(argv, message):
     with pytest.raises(KVPolicyError) as exc:

@@ -215,6 +215,33 @@ def test_brute_force_pyramidkv_hand_schedule():
     assert res == brute_force(N, M, BOUNDS, pol.streaming_heads(), 0, 1, schedule)
 
 
+@pytest.mark.parametrize("token_policy", ["snapkv", "pyramidkv"])
+@pytest.mark.parametrize("eviction", ["patched", "naive"])
+@pytest.mark.parametrize("bounds", [BOUNDS, [5, 6, 30, 40]])
+@pytest.mark.parametrize("chunk_held", [False, True])
+def test_brute_force_hybrid(token_policy, eviction, bounds, chunk_held):
+    """A head mask with a token policy: per head, streaming heads' entries (sink + window) and
+    full heads' entries (the token policy's kept counts of each chunk), summed."""
+    full_heads = torch.tensor([[True, False], [False, False], [True, True]])
+    pol = policy("prulong", full_heads=full_heads, sink=SINK, window=WINDOW,
+                 token_policy=token_policy, token_sparsity=0.5, obs_window=4, eviction=eviction)
+    lengths = [b - a for a, b in zip([0] + bounds[:-1], bounds)]
+    kept = [[pol.chunk_keep(layer, c, i == len(lengths) - 1).kept
+             for i, c in enumerate(lengths)] for layer in range(3)]
+    assert any(k < c for row in kept for k, c in zip(row, lengths))  # full heads do evict
+    res = kv_footprint(pol, N, bounds, M, chunk_held=chunk_held)
+    want = brute_force(N, M, bounds, ~full_heads, SINK, WINDOW, kept, chunk_held=chunk_held)
+    assert (res.footprint, res.entries, res.full_entries) == (
+        want.footprint, want.entries, want.full_entries)
+    if not chunk_held:
+        assert res.peak_kv == want.peak_kv
+    # below both of its parts alone
+    alone = [kv_footprint(policy("prulong", full_heads=full_heads, sink=SINK, window=WINDOW),
+                          N, bounds, M, chunk_held=chunk_held),
+             kv_footprint(pol.token, N, bounds, M, chunk_held=chunk_held)]
+    assert all(res.footprint < a.footprint for a in alone)
+
+
 @pytest.mark.parametrize("name", ["full", "streaming", "snapkv", "pyramidkv"])
 def test_brute_force_chunk_held(name):
     """Charging every query of a chunk the whole chunk (what an engine holds) matches the

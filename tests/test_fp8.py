@@ -18,7 +18,6 @@ import torch
 from compat_matrix import FP8_CI, TP_IDS
 from conftest import SERVED_NAME, start_server
 from test_model_families_vllm import NEW_TOKENS, random_mask
-from test_model_families_vllm import one_torch_thread  # noqa: F401 (the fixture, shared)
 from test_policies_vllm import flags, source_prompts
 from test_tensor_parallel import TP_POLICIES
 from vllm_kvevict.config import HEAD_MASK_POLICIES, KVPolicyConfig

@@ -60,12 +60,8 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The reference on one thread, beside the server's OpenMP pool (see test_compat.py)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_torch_thread):
+    """Every test here runs the reference beside a server."""
 
 
 def random_mask(model_dir, config):

@@ -19,7 +19,6 @@ import torch
 from compat_matrix import TP_CI, TP_IDS
 from conftest import SERVED_NAME, start_server
 from test_model_families_vllm import NEW_TOKENS, random_mask, reference
-from test_model_families_vllm import one_torch_thread  # noqa: F401 (the fixture, shared)
 from test_policies_vllm import flags, source_prompts
 from vllm_kvevict.config import HEAD_MASK_POLICIES, KVPolicyConfig
 from vllm_kvevict.integration.kv_cache_specs import layer_heads, paged_spec

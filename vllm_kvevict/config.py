@@ -70,6 +70,11 @@ class KVPolicyConfig:
     # steps than E hold less of a chunk at once (closer to the paper's causal count) and give
     # the same outputs: eviction, not scheduling, decides what attention sees.
     eviction_chunk: int | None = None
+    # duo/prulong only: also evict tokens of the full heads with this token-eviction policy
+    # (one of TOKEN_EVICTION_POLICIES) at token sparsity `token_sparsity` (the paper's future
+    # work: head-level and token-level eviction composed). Streaming heads keep sink + window.
+    token_policy: str | None = None
+    token_sparsity: float = DEFAULT_SPARSITY
 
     def __post_init__(self) -> None:
         validate(self)
@@ -80,7 +85,18 @@ class KVPolicyConfig:
 
     @property
     def evicts_tokens(self) -> bool:
-        return self.policy in TOKEN_EVICTION_POLICIES
+        return self.policy in TOKEN_EVICTION_POLICIES or self.token_policy is not None
+
+    @property
+    def is_hybrid(self) -> bool:
+        """A head mask whose full heads also evict tokens (`token_policy`)."""
+        return self.token_policy is not None
+
+    @property
+    def token_eviction(self) -> str | None:
+        """The token-eviction policy in force (snapkv, pyramidkv), or None."""
+        return self.token_policy if self.is_hybrid else (
+            self.policy if self.policy in TOKEN_EVICTION_POLICIES else None)
 
     @property
     def patched(self) -> bool:
@@ -99,6 +115,8 @@ class KVPolicyConfig:
             return 1
         if self.tiers is not None:
             return self.tiers
+        # a token policy's layers hold different head counts (the mask's full heads): vLLM
+        # would give groups of unequal page sizes unequal block sizes, so they share one group
         return num_layers if self.policy == "pyramidkv" else 1
 
     def to_dict(self) -> dict[str, Any]:
@@ -159,15 +177,34 @@ def validate(cfg: KVPolicyConfig) -> None:
                             "mask_path")
     if cfg.tiers is not None:
         _check_int("tiers", cfg.tiers, 1)
-        if cfg.policy not in TOKEN_EVICTION_POLICIES:
-            raise KVPolicyError(f"tiers only applies to {', '.join(TOKEN_EVICTION_POLICIES)}, "
-                                f"not {cfg.policy!r}", "tiers")
+        if cfg.token_eviction is None:
+            raise KVPolicyError(f"tiers only applies to {', '.join(TOKEN_EVICTION_POLICIES)} "
+                                f"(or a token_policy), not {cfg.policy!r}", "tiers")
     if cfg.eviction_chunk is not None:
         _check_int("eviction_chunk", cfg.eviction_chunk, 1)
         if cfg.policy not in TOKEN_EVICTION_POLICIES:
+            # (a token_policy's streaming heads take vLLM's prefill steps as their chunks)
             raise KVPolicyError(f"eviction_chunk only applies to "
                                 f"{', '.join(TOKEN_EVICTION_POLICIES)}, not {cfg.policy!r}",
                                 "eviction_chunk")
+    if cfg.token_policy is not None:
+        if cfg.token_policy not in TOKEN_EVICTION_POLICIES:
+            raise KVPolicyError(f"token_policy {cfg.token_policy!r} is unknown; valid: "
+                                f"{', '.join(TOKEN_EVICTION_POLICIES)}", "token_policy")
+        if cfg.tiers not in (None, 1):
+            raise KVPolicyError(f"tiers {cfg.tiers} is not supported with token_policy (its "
+                                "layers hold different numbers of full heads, and vLLM gives "
+                                "KV-cache groups of unequal page sizes unequal block sizes); "
+                                "valid: 1", "tiers")
+        if cfg.policy not in HEAD_MASK_POLICIES:
+            raise KVPolicyError(f"token_policy only applies to {', '.join(HEAD_MASK_POLICIES)} "
+                                f"(their full heads evict tokens), not {cfg.policy!r}",
+                                "token_policy")
+    t = cfg.token_sparsity
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) \
+            or not 0.0 <= t <= 1.0:
+        raise KVPolicyError(f"token_sparsity must be a number in [0, 1], got {t!r}",
+                            "token_sparsity")
     if cfg.mask_path is not None and cfg.policy not in HEAD_MASK_POLICIES:
         raise KVPolicyError(
             f"mask_path only applies to {', '.join(HEAD_MASK_POLICIES)}, not {cfg.policy!r}",

@@ -20,7 +20,12 @@ def speculative_error(policy_config, method: str | None) -> str | None:
     """The one-line refusal for serving `policy_config` (a KVPolicyConfig) with speculative
     method `method` (vLLM's resolved `speculative_config.method`; None: no speculation), or
     None when the pair is served exactly."""
-    if method is None or method in SUPPORTED_SPECULATIVE_METHODS:
+    if method is None:
+        return None
+    if getattr(policy_config, "is_hybrid", False):
+        return ("--speculative-config is not supported with --kv-token-policy (untested: "
+                "verification rows with patched question rows); valid: no speculation")
+    if method in SUPPORTED_SPECULATIVE_METHODS:
         return None
     return (f"--speculative-config method {method!r} is not supported with --kv-policy "
             f"{policy_config.policy}; supported: {', '.join(SUPPORTED_SPECULATIVE_METHODS)}")
@@ -86,6 +91,9 @@ def parallel_error(policy_config, sizes: dict[str, int], num_kv_heads: int | Non
             return (f"{flag} {size} is not supported with --kv-policy {policy_config.policy} "
                     "yet; valid: 1")
     tp = int(sizes.get("tensor_parallel_size") or 1)
+    if tp != 1 and getattr(policy_config, "is_hybrid", False):
+        return (f"--tensor-parallel-size {tp} is not supported with --kv-token-policy yet "
+                "(not tested against the reference); valid: 1")
     if tp != 1 and num_kv_heads is not None and num_kv_heads % tp:
         valid = [d for d in range(1, num_kv_heads + 1) if num_kv_heads % d == 0]
         return (f"--tensor-parallel-size {tp} does not divide the model's {num_kv_heads} KV "

@@ -6,6 +6,8 @@ is vLLM's own, so `full` is stock vLLM bit for bit. With a head mask, per layer:
   - streaming heads: vLLM's kernel over a scratch paged cache laid out as
     [sink | window | chunk] per request from `StreamingStore` (`streaming_store.py`);
   - a layer whose heads are all full takes the stock path unchanged.
+With token eviction (snapkv, pyramidkv, or a head mask's full heads under `--kv-token-policy`)
+the paged heads attend over their compacted past and each prefill chunk is compressed after.
 """
 
 from __future__ import annotations
@@ -58,13 +60,18 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         state = get_state()
+        heads = state.heads[_layer_index(layer)]
         if state.token is not None:
-            # New tokens go to their physical slots in this layer (after earlier evictions).
+            # New tokens go to their physical slots in this layer (after earlier evictions);
+            # a head mask with a token policy writes its full heads only.
             plan = state.plan
-            slots = plan.slots[_layer_index(layer)]
+            if not heads.all_full:
+                if not heads.full_kv:
+                    return None
+                key, value = key[:, list(heads.full_kv)], value[:, list(heads.full_kv)]
+            slots = plan.slots[heads.layer]
             return super().do_kv_cache_update(layer, _with_questions(plan, key),
                                               _with_questions(plan, value), kv_cache, slots)
-        heads = state.heads[_layer_index(layer)]
         if heads.all_full:
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         if heads.full_kv:
@@ -91,18 +98,28 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
             if num_full != kv_cache.shape[1]:
                 # tensor parallel: this rank holds fewer full heads than the layer's spec
                 # declares (`kv_cache_specs.layer_heads`); the padding heads stay unused
-                sched = self._full_head_schedule(layer, attn_metadata, num_full, output.dtype)
+                sched = self._schedule(
+                    layer, attn_metadata.__dict__.setdefault("full_head_schedules", {}),
+                    num_full, attn_metadata.common.num_reqs, len(full_q), num_full,
+                    attn_metadata.seq_lens, attn_metadata.query_start_loc, output.dtype)
             out_full = torch.empty(n, len(full_q), self.head_size, dtype=output.dtype)
             self._kernel(layer, query[:n, full_q], kv_cache[:, :num_full], out_full,
                          attn_metadata.query_start_loc, attn_metadata.seq_lens,
                          attn_metadata.block_table, sched)
             output[:n, full_q] = out_full  # the kernel needs a dense output; copy after
+        output[:n, heads.streaming_q] = self._streaming(state, layer, heads, attn_metadata.plan,
+                                                        query[:n], key[:n], value[:n])
+        return output
+
+    def _streaming(self, state, layer, heads, plan, query, key, value) -> torch.Tensor:
+        """The streaming heads' outputs for the rows of `query` (the plan's kernel queries),
+        over [sink | window | chunk] laid out from `StreamingStore`; then the store keeps
+        the step's tokens that stay visible."""
         stream_q, stream_kv = heads.streaming_q, list(heads.streaming_kv)
-        plan = attn_metadata.plan
+        out = torch.zeros(query.shape[0], len(stream_q), self.head_size, dtype=query.dtype)
         if not plan.valid:  # profiling / warm-up runs without real requests
-            output[:n, stream_q] = 0
-            return output
-        keys, values = key[:n, stream_kv], value[:n, stream_kv]
+            return out
+        keys, values = key[:, stream_kv], value[:, stream_kv]
         store = state.store(heads.layer)
         scales = (layer._k_scale_float, layer._v_scale_float)
         laid_k, laid_v = store.lay_out(plan, keys, values, scales)
@@ -115,32 +132,46 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
                                        layer.isa, k_scale=write_scale[0],
                                        v_scale=write_scale[1],
                                        kv_cache_dtype=self.kv_cache_dtype)
-        out_stream = torch.empty(n, len(stream_q), self.head_size, dtype=output.dtype)
-        sched = self._scheduler_metadata(layer, plan, len(stream_kv), len(stream_q), output.dtype)
-        self._kernel(layer, query[:n, stream_q], scratch, out_stream, plan.query_start_loc,
+        sched = self._schedule(layer, plan.kernel_schedules, len(stream_kv), plan.num_reqs,
+                               len(stream_q), len(stream_kv), plan.seq_lens,
+                               plan.query_start_loc, query.dtype)
+        self._kernel(layer, query[:, stream_q], scratch, out, plan.query_start_loc,
                      plan.seq_lens, plan.block_table, sched)
-        output[:n, stream_q] = out_stream
         store.commit(plan, keys, values, scales)
-        return output
+        return out
 
     def _forward_token_eviction(self, state, layer, query, key, value, kv_cache, attn_metadata,
                                 output):
-        """Attention over the kept (compacted) past + the chunk, then compress the chunk."""
-        plan = attn_metadata.plan
-        n = attn_metadata.num_actual_tokens
+        """Attention over the kept (compacted) past + the chunk, then compress the chunk. A
+        head mask with a token policy: its full heads so; its streaming heads over the store,
+        the patched questions' rows included."""
+        plan, n = attn_metadata.plan, attn_metadata.num_actual_tokens
+        heads = state.heads[_layer_index(layer)]
+        if heads.all_full:
+            self._paged_with_eviction(layer, plan, n, query, key, value, kv_cache, output)
+            return output
+        if heads.full_kv:
+            full_q, full_kv = heads.full_q, list(heads.full_kv)
+            out = output[:, full_q]
+            self._paged_with_eviction(layer, plan, n, query[:, full_q], key[:, full_kv],
+                                      value[:, full_kv], kv_cache, out)
+            output[:, full_q] = out
+        rows = lambda x: _with_questions(plan, x)  # noqa: E731
+        out = self._streaming(state, layer, heads, plan.streaming, rows(query), rows(key),
+                              rows(value))
+        stream_q, off = heads.streaming_q, plan.question_offset
+        output[:n, stream_q] = out[:n]
+        if plan.num_questions:
+            output[off:off + plan.num_questions, stream_q] = out[n:]
+        return output
+
+    def _paged_with_eviction(self, layer, plan, n, query, key, value, kv_cache, output):
         l = _layer_index(layer)
+        num_kv, num_q = key.shape[1], query.shape[1]
         seq_lens = plan.seq_lens[l]
-        sched_key = tuple(seq_lens.tolist())
-        sched = plan.kernel_schedules.get(sched_key)
-        if sched is None:
-            sched = ops.cpu_attn_get_scheduler_metadata(
-                num_reqs=plan.num_reqs, num_heads=self.num_heads,
-                num_kv_heads=self.num_kv_heads, head_dim=self.head_size, seq_lens=seq_lens,
-                dtype=output.dtype, query_start_loc=plan.query_start_loc, causal=True,
-                sliding_window_size=self.sliding_window, isa=layer.isa,
-                enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None,
-                kv_cache_dtype=self.kv_cache_dtype)
-            plan.kernel_schedules[sched_key] = sched
+        sched = self._schedule(layer, plan.kernel_schedules, (num_kv, *seq_lens.tolist()),
+                               plan.num_reqs, num_q, num_kv, seq_lens, plan.query_start_loc,
+                               output.dtype)
         table = plan.table(l)  # the block rows of this layer's KV-cache group
         if plan.num_questions:
             out = torch.empty(n + plan.num_questions, *output.shape[1:], dtype=output.dtype)
@@ -154,13 +185,12 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
                          seq_lens, table, sched)
         if plan.valid and plan.jobs:
             self._compress_chunks(layer, l, plan, query, key, value, kv_cache)
-        return output
 
     def _compress_chunks(self, layer, l, plan, query, key, value, kv_cache) -> None:
         """Score each prefill chunk by its observation window, keep the best KVs per KV head,
         and rewrite them contiguously at the layer's physical end of the past."""
         kept_k, kept_v, kept_slots = [], [], []
-        heads = torch.arange(self.num_kv_heads)
+        heads = torch.arange(key.shape[1])
         key_cache, value_cache = self._split(kv_cache)
         for job in plan.jobs:
             policy = job.policy
@@ -236,34 +266,19 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
             KVEvictAttentionImpl._scratch[(num_heads, dtype)] = cache
         return cache
 
-    def _full_head_schedule(self, layer, attn_metadata, num_kv_heads, dtype):
-        """The kernel's work split for `num_kv_heads` full heads over the step's paged rows
-        (once per step and head count; kept on the step's metadata)."""
-        cache = attn_metadata.__dict__.setdefault("full_head_schedules", {})
-        sched = cache.get(num_kv_heads)
+    def _schedule(self, layer, cache: dict, key, num_reqs, num_q_heads, num_kv_heads, seq_lens,
+                  query_start_loc, dtype):
+        """vLLM's kernel work split for these rows and head counts, built once per `key` in
+        `cache` (a step's plan or metadata)."""
+        sched = cache.get(key)
         if sched is None:
-            sched = cache[num_kv_heads] = ops.cpu_attn_get_scheduler_metadata(
-                num_reqs=attn_metadata.common.num_reqs,
-                num_heads=num_kv_heads * get_state().heads[0].queries_per_kv,
-                num_kv_heads=num_kv_heads, head_dim=self.head_size,
-                seq_lens=attn_metadata.seq_lens, dtype=dtype,
-                query_start_loc=attn_metadata.query_start_loc, causal=True,
+            sched = cache[key] = ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=num_reqs, num_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                head_dim=self.head_size, seq_lens=seq_lens, dtype=dtype,
+                query_start_loc=query_start_loc, causal=True,
                 sliding_window_size=self.sliding_window, isa=layer.isa,
                 enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None,
                 kv_cache_dtype=self.kv_cache_dtype)
-        return sched
-
-    def _scheduler_metadata(self, layer, plan, num_kv_heads, num_q_heads, dtype):
-        sched = plan.kernel_schedules.get(num_kv_heads)
-        if sched is None:
-            sched = ops.cpu_attn_get_scheduler_metadata(
-                num_reqs=plan.num_reqs, num_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                head_dim=self.head_size, seq_lens=plan.seq_lens, dtype=dtype,
-                query_start_loc=plan.query_start_loc, causal=True,
-                sliding_window_size=self.sliding_window, isa=layer.isa,
-                enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None,
-                kv_cache_dtype=self.kv_cache_dtype)
-            plan.kernel_schedules[num_kv_heads] = sched
         return sched
 
 

@@ -51,6 +51,14 @@ FLAGS = {
                             "paper's chunk), while vLLM prefills in steps of "
                             "--max-num-batched-tokens (which then must be >= --kv-obs-window). "
                             "Default: evict after every prefill chunk vLLM schedules."),
+    "--kv-token-policy": ("token_policy", str,
+                          "duo/prulong: also evict tokens of the full heads with this policy "
+                          "(snapkv or pyramidkv; --kv-eviction, --kv-obs-window, --kv-tiers "
+                          "apply), streaming heads keeping sink + window. Default: none."),
+    "--kv-token-sparsity": ("token_sparsity", float,
+                            "Token sparsity p of --kv-token-policy (share of each prefill "
+                            "chunk's KVs a full head evicts), while --kv-sparsity stays the "
+                            f"head sparsity. In [0, 1]; default {DEFAULT_SPARSITY}."),
     "--kv-mask": ("mask_path", str, "Head-mask file for duo/prulong (our JSON format, PruLong "
                                     "0/1 TSV or DuoAttention gate TSV). Default: the mask shipped "
                                     "in head_masks/ for the served model."),

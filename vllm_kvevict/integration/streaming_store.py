@@ -70,12 +70,16 @@ def visible_before(a: int, sink: int, window: int) -> torch.Tensor:
 
 def build_step_plan(slots: list[int], computed: list[int], query_lens: list[int],
                     sink: int, window: int, block_size: int,
-                    prompt_lens: list[int] | None = None, slack: int = 0) -> StepPlan:
+                    prompt_lens: list[int] | None = None, slack: int = 0,
+                    questions: list[tuple[int, int, int]] = ()) -> StepPlan:
     """Indices for one step. Row r: request in store slot `slots[r]`, `computed[r]` tokens
     already processed, `query_lens[r]` tokens in this step (a prefill chunk, one decode token,
     or a verification step of 1 + K decode tokens). Queries at positions >= `prompt_lens[r]`
     of a multi-query row each get their own kernel row (None: every row is a chunk, as
-    without speculation). `slack`: the ring's K extra slots (see the module docstring)."""
+    without speculation). `slack`: the ring's K extra slots (see the module docstring).
+    `questions`: (row, k, first index) of patched scoring's question tokens (a head mask with
+    a token policy), k extra tokens after the batch's, at positions right after row r's chunk:
+    a kernel row each, [visible past | the chunk | the question], that nothing commits."""
     ring = window + slack
     cap = sink + ring
     seq_lens, q_start, blocks = [], [0], []
@@ -101,7 +105,7 @@ def build_step_plan(slots: list[int], computed: list[int], query_lens: list[int]
         q_start.append(q_start[-1] + q_len)
         laid += n
 
-    token_base = 0  # first batch token of this row
+    token_base, row_tokens = 0, []  # first batch token of this row; the rows' tokens
     for r, (slot, a, c) in enumerate(zip(slots, computed, query_lens)):
         past = visible_before(a, sink, window)
         past_src = slot * cap + ring_slot(past, sink, ring)
@@ -121,6 +125,10 @@ def build_step_plan(slots: list[int], computed: list[int], query_lens: list[int]
         keep_src.append(tokens[keep])
         keep_dst.append(slot * cap + ring_slot(p[keep], sink, ring))
         token_base += c
+        row_tokens.append((past_src, tokens))
+    for r, k, first in questions:  # after every batch row, as the queries are ordered
+        past_src, tokens = row_tokens[r]
+        kernel_row(past_src, torch.cat([tokens, first + torch.arange(k)]), k)
     num_rows = len(blocks)
     width = max((len(b) for b in blocks), default=1)
     table = torch.zeros(num_rows, width, dtype=torch.int32)

@@ -60,6 +60,7 @@ class TokenStepPlan:
     question_ids: torch.Tensor | None = None        # long [Q]
     question_positions: torch.Tensor | None = None  # long [Q]
     question_offset: int = 0               # where they sit in the model's token axis
+    streaming: object = None  # a head mask with a token policy: its streaming heads' StepPlan
 
     @property
     def num_questions(self) -> int:

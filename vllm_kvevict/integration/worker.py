@@ -86,15 +86,24 @@ class WorkerState:
         valid = len(req_ids) >= num_reqs and all(r is not None for r in req_ids[:num_reqs])
         if self.token is not None:
             plan = self._token_plan(req_ids[:num_reqs], computed, q_lens, valid)
-            self._plan_key, self.plan = key, plan
-            return plan
-        slots = [self.slot_for(r) for r in req_ids[:num_reqs]] if valid else [0] * num_reqs
+            if self.config.is_hybrid:  # its streaming heads: the head-mask plan, + questions
+                plan.streaming = self._streaming_plan(
+                    req_ids[:num_reqs], computed, q_lens, valid,
+                    [(j.row, len(j.question), j.question_start) for j in plan.jobs
+                     if j.question])
+        else:
+            plan = self._streaming_plan(req_ids[:num_reqs], computed, q_lens, valid)
+        self._plan_key, self.plan = key, plan
+        return plan
+
+    def _streaming_plan(self, req_ids, computed, q_lens, valid, questions=()) -> StepPlan:
+        num_reqs = len(q_lens)
+        slots = [self.slot_for(r) for r in req_ids] if valid else [0] * num_reqs
         prompt_lens = ([int(x) for x in self.runner.input_batch.num_prompt_tokens[:num_reqs]]
                        if valid else None)
         plan = build_step_plan(slots, computed, q_lens, self.config.sink, self.config.window,
-                               self.block_size, prompt_lens, self.slack)
+                               self.block_size, prompt_lens, self.slack, questions)
         plan.valid = valid
-        self._plan_key, self.plan = key, plan
         return plan
 
     def _token_plan(self, req_ids, computed, q_lens, valid) -> TokenStepPlan:

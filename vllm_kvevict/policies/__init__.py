@@ -8,12 +8,13 @@ from vllm_kvevict.config import HEAD_MASK_POLICIES, KVPolicyConfig
 from vllm_kvevict.policies.base import ChunkKeep, KVPolicy
 from vllm_kvevict.policies.full import FullPolicy
 from vllm_kvevict.policies.head_mask import HeadMaskPolicy
+from vllm_kvevict.policies.hybrid import HybridPolicy
 from vllm_kvevict.policies.pyramidkv import PyramidKVPolicy
 from vllm_kvevict.policies.snapkv import SnapKVPolicy
 from vllm_kvevict.policies.streaming import StreamingPolicy
 
 __all__ = ["ChunkKeep", "KVPolicy", "FullPolicy", "StreamingPolicy", "HeadMaskPolicy",
-           "SnapKVPolicy", "PyramidKVPolicy", "build_policy"]
+           "SnapKVPolicy", "PyramidKVPolicy", "HybridPolicy", "build_policy"]
 
 
 def build_policy(config: KVPolicyConfig, num_layers: int, num_kv_heads: int,
@@ -26,7 +27,8 @@ def build_policy(config: KVPolicyConfig, num_layers: int, num_kv_heads: int,
     if config.policy == "streaming":
         return StreamingPolicy(**args)
     if config.policy in HEAD_MASK_POLICIES:
-        return HeadMaskPolicy(**args, full_heads=full_heads, mask_source=mask_source)
+        cls = HybridPolicy if config.token_policy is not None else HeadMaskPolicy
+        return cls(**args, full_heads=full_heads, mask_source=mask_source)
     if config.policy == "snapkv":
         return SnapKVPolicy(**args)
     if config.policy == "pyramidkv":

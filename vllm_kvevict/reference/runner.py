@@ -15,6 +15,9 @@ decoded greedily one by one. After each forward, each layer's cache is updated:
   the positions right after it, runs them through every layer like real tokens, lets their
   queries score and then drops their KVs and hidden states. Decode tokens are never evicted.
 - streaming heads (streaming, duo, prulong): cut to the sink + the last `window` positions.
+  A head mask with a token policy evicts tokens of its full heads only; patched scoring's
+  appended tokens see, on streaming heads, what the chunk's own tokens see (sink, the window
+  before the chunk, the chunk) and themselves causally.
 The policy object only answers which heads stream and how many tokens a layer keeps; all
 attention, scoring and selection is computed here.
 """
@@ -179,7 +182,9 @@ class ReferenceRunner:
             stored = past + step.chunk_len
             keep = torch.ones(self.num_kv_heads, stored, dtype=torch.bool, device=self.device)
             if step.is_prefill and self.policy.evicts_tokens:
-                keep[:, past:] = self.chunk_tokens_kept(index, q, k, step)
+                # streaming heads (a head mask with a token policy) evict by the cut below only
+                keep[:, past:] = self.chunk_tokens_kept(index, q, k, step) | \
+                    self.streaming[index].view(-1, 1)
             key_pos = key_pos[:, :stored]
             keep &= streaming_cut(key_pos, step.start + step.chunk_len, self.streaming[index],
                                   self.config.sink, self.config.window)
