@@ -162,3 +162,35 @@ def test_hybrid_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_tor
             differs[i] |= alone.token_ids != ref.token_ids or not torch.allclose(
                 alone.first_token_logprobs, ref.first_token_logprobs, atol=1e-4)
     assert all(differs), "the hybrid equals one of its parts here: the test checked nothing"
+
+
+@pytest.mark.server
+def test_hybrid_on_the_bundled_model_with_its_shipped_mask(bundled_model_dir, tokenizer, hf_model,
+                                                          one_torch_thread):
+    """The real user's path: SmolLM2's shipped PruLong mask at head sparsity 0.5 (6 of its 30
+    layers have no full head, 4 no streaming head) with patched SnapKV at 0.5 on the full
+    heads; two prompts sent at once (mixed prefill / decode steps), each equal to the reference
+    at the chunk boundaries it was served with."""
+    policy = {"policy": "prulong", "sparsity": 0.5, "sink": 16, "window": 64,
+              "token_policy": "snapkv", "token_sparsity": 0.5, "eviction": "patched"}
+    cfg = KVPolicyConfig.from_dict(policy)
+    full_heads, _ = resolve_full_heads(cfg, str(bundled_model_dir), 30, 3)
+    counts = full_heads.sum(dim=1)
+    assert (counts == 0).any() and (counts == 3).any()
+    runner = ReferenceRunner(hf_model, build_policy(cfg, 30, 3, full_heads=full_heads))
+    server = start_server(bundled_model_dir, flags(policy, 256))
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
+    prompts = source_prompts(tokenizer, (700, 1100))
+
+    def ask(prompt):
+        return client.completions.create(
+            model=SERVED_NAME, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True})
+
+    import concurrent.futures as cf
+    with cf.ThreadPoolExecutor(2) as pool:
+        responses = list(pool.map(ask, prompts))
+    for prompt, r in zip(prompts, responses):
+        ends = r.model_extra["kv_stats"]["chunk_boundaries"]
+        ref = runner.generate(prompt, NEW_TOKENS, ends)
+        assert r.choices[0].model_extra["token_ids"] == ref.token_ids, len(prompt)

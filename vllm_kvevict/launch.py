@@ -44,19 +44,26 @@ class PolicySpec:
     sparsity: float | None = None
     eviction: str | None = None
     tiers: int | None = None  # --kv-tiers (token eviction: KV-cache groups of layers)
+    token_policy: str | None = None  # --kv-token-policy (a head mask's full heads evict)
+    token_sparsity: float | None = None
 
     @property
     def label(self) -> str:
-        """As written on the command line, e.g. `pyramidkv:0.7:patched` or
-        `pyramidkv:0.7:patched:t6`."""
+        """As written on the command line, e.g. `pyramidkv:0.7:patched`,
+        `pyramidkv:0.7:patched:t6` or `prulong:0.5+snapkv:0.5:patched`."""
         parts = [self.policy]
         if self.sparsity is not None:
             parts.append(f"{self.sparsity:g}")
+        if self.token_policy is not None:
+            head = ":".join(parts)
+            parts = [self.token_policy] + ([] if self.token_sparsity is None
+                                           else [f"{self.token_sparsity:g}"])
         if self.eviction is not None:
             parts.append(self.eviction)
         if self.tiers is not None:
             parts.append(f"t{self.tiers}")
-        return ":".join(parts)
+        label = ":".join(parts)
+        return label if self.token_policy is None else f"{head}+{label}"
 
     @property
     def slug(self) -> str:
@@ -66,7 +73,17 @@ class PolicySpec:
 
 def parse_policy(text: str) -> PolicySpec:
     """`POLICY[:SPARSITY[:EVICTION[:tTIERS]]]`, e.g. `full`, `prulong:0.7`,
-    `snapkv:0.7:patched`, `pyramidkv:0.7:patched:t6` (6 KV-cache groups of layers)."""
+    `snapkv:0.7:patched`, `pyramidkv:0.7:patched:t6` (6 KV-cache groups of layers), or a head
+    mask with a token policy, `HEAD:SPARSITY+TOKEN:SPARSITY[:EVICTION]`, e.g.
+    `prulong:0.5+snapkv:0.5:patched` (--kv-token-policy)."""
+    if "+" in text:
+        head_text, _, token_text = text.partition("+")
+        head, token = parse_policy(head_text), parse_policy(token_text)
+        if head.eviction is not None or head.tiers is not None or token.tiers is not None:
+            raise ValueError(f"a head mask with a token policy looks like "
+                             f"HEAD:SPARSITY+TOKEN:SPARSITY[:EVICTION], got {text!r}")
+        return PolicySpec(head.policy, head.sparsity, token.eviction,
+                          token_policy=token.policy, token_sparsity=token.sparsity)
     parts = text.split(":")
     if not parts[0] or len(parts) > 4:
         raise ValueError(f"policy must look like NAME[:SPARSITY[:EVICTION[:tTIERS]]], "
@@ -97,7 +114,8 @@ def build_server_command(model: str, spec: PolicySpec, *, kv_cache_bytes: int,
                          executable: str = "vllm", eager: bool = True) -> list[str]:
     """argv of `vllm serve` for one policy; every policy gets the same pool and batch size."""
     policy = {"policy": spec.policy, "sparsity": spec.sparsity, "eviction": spec.eviction,
-              "tiers": spec.tiers}
+              "tiers": spec.tiers, "token_policy": spec.token_policy,
+              "token_sparsity": spec.token_sparsity}
     argv = [executable, "serve", model,
             *policy_flags({k: v for k, v in policy.items() if v is not None})]
     argv += ["--kv-cache-memory-bytes", str(kv_cache_bytes),
