@@ -97,6 +97,10 @@ SLOW = pytest.mark.slow  # the rest of the compatibility matrix's preemption row
                  1024, id="pyramidkv-naive", marks=SLOW),
     pytest.param({"policy": "pyramidkv", "sparsity": 0.9, "eviction": "patched"}, 64, 1024,
                  id="pyramidkv-patched", marks=SLOW),
+    # a head mask with token eviction on its full heads (--kv-token-policy)
+    pytest.param({"policy": "prulong", "sparsity": 0.5, "sink": 16, "window": 64,
+                  "token_policy": "snapkv", "token_sparsity": 0.9, "eviction": "patched"}, 32,
+                 1024, id="prulong-snapkv", marks=SLOW),
 ])
 def test_forced_preemption_replays_exactly(bundled_model_dir, tokenizer, hf_model, policy,
                                            pool_mib, max_len):

@@ -43,7 +43,7 @@ def test_kv_cache_dtypes(name):
     assert kv_cache_dtype_error(cfg, "int4") == (
         f"--kv-cache-dtype int4 is not supported with --kv-policy {cfg.policy}; valid: auto, "
         "fp8, fp8_e4m3, fp8_e5m2 (--kv-policy full serves any cache dtype vLLM does)")
-    if cfg.evicts_tokens:
+    if cfg.evicts_tokens and not cfg.is_hybrid:  # (a token_policy has no eviction_chunk)
         chunked = cfg.replace(eviction_chunk=256)
         assert kv_cache_dtype_error(chunked, "auto") is None
         assert kv_cache_dtype_error(chunked, "fp8_e5m2") == (
@@ -62,6 +62,11 @@ def test_parallel_layouts(name):
                         ("data_parallel_size", "--data-parallel-size")):
         assert parallel_error(cfg, {field: 2}, 4) == (
             f"{flag} 2 is not supported with --kv-policy {cfg.policy} yet; valid: 1")
+    if cfg.is_hybrid:  # not tested under tensor parallel yet (tests/test_hybrid.py)
+        assert parallel_error(cfg, {"tensor_parallel_size": 2}, 4) == (
+            "--tensor-parallel-size 2 is not supported with --kv-token-policy yet (not tested "
+            "against the reference); valid: 1")
+        return
     assert parallel_error(cfg, {"tensor_parallel_size": 2}, 4) is None
     assert parallel_error(cfg, {"tensor_parallel_size": 4}, 4) is None
     assert parallel_error(cfg, {"tensor_parallel_size": 2}, 3) == (
@@ -90,6 +95,8 @@ def test_lora_refused_with_patched_eviction(name):
             "patched; valid with LoRA: --kv-eviction naive")
     else:
         assert lora_error(cfg, True) is None
+    naive_hybrid = KVPolicyConfig(policy="prulong", token_policy="snapkv", eviction="naive")
+    assert "--kv-token-policy" in lora_error(naive_hybrid, True)
 
 
 @pytest.mark.parametrize("argv, line", [

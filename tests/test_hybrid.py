@@ -111,6 +111,8 @@ SERVED = [  # (id, policy, chunk, CI)
     ("snapkv-patched-h0.7-t0.3-c64",
      {"token_policy": "snapkv", "eviction": "patched", "sparsity": 0.7, "token_sparsity": 0.3,
       "obs_window": 32}, 64, False),
+    ("snapkv-patched-h0.5-t0.5-c128-fp8",
+     {"token_policy": "snapkv", "eviction": "patched", "kv_cache_dtype": "fp8"}, 128, False),
 ]
 CASES = [pytest.param(case[1:3], id=case[0], marks=[] if case[3] else [pytest.mark.slow])
          for case in SERVED]
@@ -122,6 +124,8 @@ def test_hybrid_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_tor
     from transformers import AutoModelForCausalLM
 
     settings, chunk = case
+    settings = dict(settings)
+    kv_cache_dtype = settings.pop("kv_cache_dtype", "auto")
     model_dir = tiny_qwen3(4)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                  attn_implementation="eager").eval()
@@ -132,10 +136,10 @@ def test_hybrid_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_tor
     full_heads, _ = resolve_full_heads(cfg, str(model_dir), 4, 4)
     assert 0 < int(full_heads.sum()) < 16
     pol = build_policy(cfg, 4, 4, full_heads=full_heads)
-    runner = ReferenceRunner(model, pol)
-    server = start_server(model_dir, flags(policy, chunk))
+    runner = ReferenceRunner(model, pol, kv_cache_dtype=kv_cache_dtype)
+    server = start_server(model_dir, [*flags(policy, chunk), "--kv-cache-dtype", kv_cache_dtype])
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
-    parts = [ReferenceRunner(model, p) for p in (
+    parts = [ReferenceRunner(model, p, kv_cache_dtype=kv_cache_dtype) for p in (
         build_policy(cfg.replace(token_policy=None, tiers=None), 4, 4, full_heads=full_heads), pol.token)]
     differs = [False, False]
     for prompt in source_prompts(tokenizer, PROMPT_LENGTHS):
@@ -152,7 +156,8 @@ def test_hybrid_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_tor
         for layer in range(4):
             want = pol.chunk_keep(layer, ends[0], False).kept
             assert bool((kept[layer][full_heads[layer]] == want).all())
-        store = int((~full_heads).sum()) * 2 * (cfg.sink + cfg.window) * 64 * 4
+        itemsize = 1 if kv_cache_dtype.startswith("fp8") else 4
+        store = int((~full_heads).sum()) * 2 * (cfg.sink + cfg.window) * 64 * itemsize
         assert stats["streaming_store_bytes"] == store
         assert stats["kv_bytes_peak"] < stats["full_kv_bytes_peak"]
         fp = kv_footprint(pol, len(prompt), ends, NEW_TOKENS - 1)

@@ -42,6 +42,11 @@ CASES = {
     # 3 tiers of 10 layers (the default is one KV-cache group per layer)
     "pyramidkv-naive-0.5-tiers3": ({"policy": "pyramidkv", "sparsity": 0.5, "eviction": "naive",
                                     "tiers": 3}, 256),
+    # a head mask with token eviction on its full heads (--kv-token-policy)
+    "hybrid-prulong-0.5-snapkv-patched-0.5": ({"policy": "prulong", "sparsity": 0.5, "sink": 16,
+                                               "window": 64, "token_policy": "snapkv",
+                                               "token_sparsity": 0.5, "eviction": "patched"},
+                                              256),
     "snapkv-postfill-0.7": ({"policy": "snapkv", "sparsity": 0.7, "eviction": "naive"}, 4096),
 }
 PROMPT_LENGTHS = (700, 1600)

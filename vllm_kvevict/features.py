@@ -114,10 +114,15 @@ def lora_error(policy_config, enabled: bool) -> str | None:
     """Patched eviction runs its question rows as extra tokens of the step; vLLM's LoRA layers
     index their adapters per scheduled token and do not know those rows (the worker stopped on
     a shape mismatch in the LoRA embedding). Naive eviction and head masks add no rows."""
-    if not enabled or not policy_config.patched:
+    if not enabled:
         return None
-    return (f"--enable-lora is not supported with --kv-policy {policy_config.policy} "
-            "--kv-eviction patched; valid with LoRA: --kv-eviction naive")
+    if policy_config.patched:
+        return (f"--enable-lora is not supported with --kv-policy {policy_config.policy} "
+                "--kv-eviction patched; valid with LoRA: --kv-eviction naive")
+    if getattr(policy_config, "is_hybrid", False):
+        return ("--enable-lora is not supported with --kv-token-policy yet (untested); valid "
+                "with LoRA: no --kv-token-policy")
+    return None
 
 
 # Model families served with an evicting policy, each checked token for token against the
