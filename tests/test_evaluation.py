@@ -389,6 +389,26 @@ def test_setting_keys_name_the_mask_and_the_override():
     assert head.server.slug == "c1024-prulong-s0.7-p"
 
 
+def test_hybrid_sweeps_serve_a_head_mask_with_token_eviction_per_point():
+    """`prulong+snapkv`: one curve per eviction mode along head sparsity = token sparsity,
+    one server per point (the head mask is fixed at start-up), served with the head mask's
+    file and --kv-token-policy."""
+    spec = grid.GridSpec(tasks=("niah_single",), lengths=(1000,), per_category=1, chunks=(128,),
+                         methods=("prulong+snapkv",), evictions=("patched",),
+                         head_sparsities=(0.3, 0.5), masks={"prulong": "/m/p.json"})
+    (sweep,) = spec.sweeps(128)
+    assert (sweep.policy, sweep.eviction, sweep.candidates, sweep.mask) == (
+        "prulong+snapkv", "patched", (0.3, 0.5), "/m/p.json")
+    assert grid.per_point(sweep.policy) and grid.head_policy(sweep.policy) == "prulong"
+    setting = sweep.setting(0.5, "ab12")
+    assert setting.key == "chunk=128/prulong+snapkv/patched/s=0.5/mask=ab12"
+    assert setting.vllm_xargs == {}
+    served = setting.server.policy_spec()
+    assert served.label == "prulong:0.5+snapkv:0.5:patched"
+    full, _ = grid.estimate(spec, [(1000, 8)], categories=1)
+    assert full.servers == 2 and full.requests == 2
+
+
 def test_estimate_counts_servers_and_requests():
     spec = grid.GridSpec(tasks=("niah_single",), lengths=(1000,), per_category=1, chunks=(250,),
                          methods=("full", "streaming", "prulong", "snapkv"),

@@ -54,7 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_example_args(run)
     run.add_argument("--chunks", type=ints, default=None, help="prefill chunk sizes")
     run.add_argument("--methods", type=words, default=None,
-                     help="subset of full,streaming,duo,prulong,snapkv,pyramidkv")
+                     help="subset of full,streaming,duo,prulong,snapkv,pyramidkv and the "
+                          "hybrids prulong+snapkv, prulong+pyramidkv, duo+snapkv, "
+                          "duo+pyramidkv (a head mask at s with token sparsity s on its full "
+                          "heads)")
     run.add_argument("--evictions", type=words, default=None, help="naive,patched")
     run.add_argument("--head-sparsities", type=floats, default=None)
     run.add_argument("--token-sparsities", type=floats, default=None)

@@ -22,7 +22,20 @@ from vllm_kvevict.config import HEAD_MASK_POLICIES as HEAD_MASK
 from vllm_kvevict.config import TOKEN_EVICTION_POLICIES as TOKEN_EVICTION
 
 EVICTIONS = tuple(sorted(EVICTION_MODES))  # ("naive", "patched")
-METHODS = ("full", "streaming") + HEAD_MASK + TOKEN_EVICTION
+# a head mask with token eviction on its full heads (--kv-token-policy), traced along
+# head sparsity = token sparsity: `prulong+snapkv` is prulong at s with snapkv at p = s
+HYBRIDS = tuple(f"{h}+{t}" for h in HEAD_MASK for t in TOKEN_EVICTION)
+METHODS = ("full", "streaming") + HEAD_MASK + TOKEN_EVICTION + HYBRIDS
+
+
+def head_policy(method: str) -> str:
+    """The head-mask part of a method (`prulong+snapkv` -> `prulong`), else the method."""
+    return method.partition("+")[0]
+
+
+def per_point(method: str) -> bool:
+    """Head masks fix their sparsity at start-up: one server per point of the curve."""
+    return head_policy(method) in HEAD_MASK
 OBS_WINDOW = 64  # patched eviction runs the last 64 prompt tokens with every non-final chunk
 
 
@@ -34,9 +47,18 @@ def file_digest(path: str | Path) -> str:
 class ServerConfig:
     policy: str
     chunk: int
-    sparsity: float | None = None     # duo/prulong only: fixed per server
-    eviction: str | None = None       # snapkv/pyramidkv only
-    mask: str | None = None           # duo/prulong only: the mask file served
+    sparsity: float | None = None     # duo/prulong (and hybrids) only: fixed per server
+    eviction: str | None = None       # snapkv/pyramidkv (and hybrids) only
+    mask: str | None = None           # duo/prulong (and hybrids) only: the mask file served
+
+    def policy_spec(self):
+        """The served policy (`launch.PolicySpec`); a hybrid's token sparsity is its head
+        sparsity."""
+        from vllm_kvevict.launch import PolicySpec
+
+        head, _, token = self.policy.partition("+")
+        return PolicySpec(head, self.sparsity, self.eviction, token_policy=token or None,
+                          token_sparsity=self.sparsity if token else None)
 
     @property
     def slug(self) -> str:
@@ -91,8 +113,8 @@ class Sweep:
         return f"{self.policy}-{self.eviction}" if self.eviction else self.policy
 
     def setting(self, sparsity: float, mask_digest: str | None = None) -> Setting:
-        if self.policy in HEAD_MASK:
-            server = ServerConfig(self.policy, self.chunk, sparsity, None, self.mask)
+        if per_point(self.policy):
+            server = ServerConfig(self.policy, self.chunk, sparsity, self.eviction, self.mask)
         else:
             server = ServerConfig(self.policy, self.chunk, None, self.eviction)
         return Setting(server, sparsity, mask_digest)
@@ -121,6 +143,9 @@ class GridSpec:
             elif policy in TOKEN_EVICTION:
                 out += [Sweep(policy, chunk, e, tuple(self.token_sparsities))
                         for e in self.evictions]
+            elif policy in HYBRIDS:
+                out += [Sweep(policy, chunk, e, tuple(self.head_sparsities),
+                              self.masks.get(head_policy(policy))) for e in self.evictions]
         return out
 
     def fixed_settings(self, chunk: int) -> list[Setting]:
@@ -247,7 +272,7 @@ def estimate(spec: GridSpec, examples: Sequence[tuple[int, int]], categories: in
                 points = worst_case_points(len(sweep.candidates), categories,
                                            bisect and spec.bisect)
                 one = per_setting(chunk, sweep.eviction == "patched")
-                servers = points if sweep.policy in HEAD_MASK else 1
+                servers = points if per_point(sweep.policy) else 1
                 for _ in range(servers):
                     total += server
                 for _ in range(points):

@@ -27,10 +27,13 @@ ROW_ORDER = ("duo", "prulong", "pyramidkv-naive", "pyramidkv-patched", "snapkv-n
              "snapkv-patched")
 DISPLAY = {"duo": "DuoAttention", "prulong": "→ PruLong",
            "pyramidkv-naive": "PyramidKV (naive)", "pyramidkv-patched": "→ PyramidKV (patched)",
-           "snapkv-naive": "SnapKV (naive)", "snapkv-patched": "→ SnapKV (patched)"}
+           "snapkv-naive": "SnapKV (naive)", "snapkv-patched": "→ SnapKV (patched)",
+           "prulong+snapkv-patched": "PruLong + SnapKV (patched), head = token sparsity",
+           "prulong+pyramidkv-patched": "PruLong + PyramidKV (patched), head = token sparsity"}
 COLORS = {"duo": "tab:blue", "prulong": "tab:green", "pyramidkv-naive": "tab:orange",
           "pyramidkv-patched": "tab:red", "snapkv-naive": "tab:purple",
-          "snapkv-patched": "tab:brown"}
+          "snapkv-patched": "tab:brown", "prulong+snapkv-patched": "black",
+          "prulong+pyramidkv-patched": "tab:gray"}
 CATEGORY_ORDER = ("recall", "tracing", "aggregation", "icl")
 CATEGORY_TITLES = {"recall": "Recall", "tracing": "Tracing", "aggregation": "Aggregation",
                    "icl": "ICL"}

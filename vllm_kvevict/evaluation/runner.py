@@ -29,10 +29,10 @@ from typing import Iterator, Sequence
 import httpx
 from tqdm import tqdm
 
-from vllm_kvevict.launch import PolicySpec, ServerProcess, build_server_command
+from vllm_kvevict.launch import ServerProcess, build_server_command
 from vllm_kvevict.evaluation.client import (SERVED_NAME, complete, example_id, to_record)
 from vllm_kvevict.evaluation.critical import FRACTION
-from vllm_kvevict.evaluation.grid import (HEAD_MASK, GridSpec, ServerConfig, Setting, Sweep,
+from vllm_kvevict.evaluation.grid import (HEAD_MASK, GridSpec, head_policy, per_point, ServerConfig, Setting, Sweep,
                                           file_digest, next_sparsities, worst_case_points)
 from vllm_kvevict.evaluation.tasks import Example
 
@@ -142,19 +142,20 @@ class Runner:
         the server would pick for this sparsity (passed explicitly so the record names it)."""
         from vllm_kvevict.masks import default_mask_path
 
-        path = sweep.mask or default_mask_path(self.model_dir, sweep.policy, sparsity)
+        head = head_policy(sweep.policy)
+        path = sweep.mask or default_mask_path(self.model_dir, head, sparsity)
         if path is None:
-            raise FileNotFoundError(f"no {sweep.policy} head mask for {self.model_dir}; pass "
-                                    f"--mask {sweep.policy}=PATH")
+            raise FileNotFoundError(f"no {head} head mask for {self.model_dir}; pass "
+                                    f"--mask {head}=PATH")
         return str(path), file_digest(path)
 
     def sweep_setting(self, sweep: Sweep, sparsity: float) -> Setting:
-        if sweep.policy not in HEAD_MASK:
+        if not per_point(sweep.policy):
             return sweep.setting(sparsity)
-        if sparsity == 1.0:  # every head streaming: the mask does not matter
+        if sparsity == 1.0 and sweep.policy in HEAD_MASK:  # every head streaming: no mask
             return Setting(ServerConfig("streaming", sweep.chunk))
         path, digest = self.resolve_mask(sweep, sparsity)
-        return Setting(ServerConfig(sweep.policy, sweep.chunk, sparsity, None, path),
+        return Setting(ServerConfig(sweep.policy, sweep.chunk, sparsity, sweep.eviction, path),
                        sparsity, digest)
 
     # ----------------------------------------------------------------------------- running
@@ -191,7 +192,7 @@ class Runner:
             return
         run_points = 0
         # Token eviction: one server for the whole sweep; head masks: one per point.
-        shared = sweep.policy not in HEAD_MASK
+        shared = not per_point(sweep.policy)
         with self.server(self.sweep_setting(sweep, pending[0]).server, enabled=shared) as srv:
             while pending:
                 for sparsity in pending:
@@ -254,7 +255,7 @@ class LazyServer:
 
     def argv(self, port: int) -> list[str]:
         c = self.config
-        spec = PolicySpec(c.policy, c.sparsity, c.eviction)
+        spec = c.policy_spec()
         # vLLM refuses a token budget below max_num_seqs (CPU default 128): keep it small so
         # chunks down to 16 tokens are accepted.
         extra = list(SERVE_EXTRA) + ["--max-num-seqs", str(max(16, self.runner.concurrency))]
