@@ -143,11 +143,10 @@ ROWS = [
                       "refused with --kv-eviction-chunk (tests/test_features.py::"
                       "test_vllm_serve_refuses[fp8])")}),
     Row("compile mode (no `--enforce-eager`)", {
-        **{c: Cell("exact", (f"tests/test_vllm_features.py::"
+        **{c: Cell("exact", (("(s)" if c == "pyramidkv patched" else "")
+                             + "tests/test_vllm_features.py::"
                              f"test_compiled_mode_matches_reference[{COLUMNS[c]}]",))
-           for c in ("prulong 0.7", "pyramidkv patched")},
-        HYBRID: Cell("exact", (f"(s)tests/test_vllm_features.py::"
-                               f"test_compiled_mode_matches_reference[{COLUMNS[HYBRID]}]",)),
+           for c in ("prulong 0.7", "pyramidkv patched", HYBRID)},
         **{c: Cell("exact", ("(s)scripts/policy_matrix.py --compiled",))
            for c in COLUMNS if c not in ("prulong 0.7", "pyramidkv patched", HYBRID)}}),
     Row("speculative decoding, ngram", {

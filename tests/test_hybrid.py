@@ -103,7 +103,7 @@ SERVED = [  # (id, policy, chunk, CI)
     ("snapkv-patched-h0.5-t0.5-c128", {"token_policy": "snapkv", "eviction": "patched"}, 128,
      True),
     ("pyramidkv-naive-h0.5-t0.7-c96",
-     {"token_policy": "pyramidkv", "eviction": "naive", "token_sparsity": 0.7}, 96, True),
+     {"token_policy": "pyramidkv", "eviction": "naive", "token_sparsity": 0.7}, 96, False),
     ("snapkv-naive-h0.3-t0.5-c128",
      {"token_policy": "snapkv", "eviction": "naive", "sparsity": 0.3}, 128, False),
     ("pyramidkv-patched-h0.7-t0.5-c160",
