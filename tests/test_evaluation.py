@@ -409,6 +409,31 @@ def test_hybrid_sweeps_serve_a_head_mask_with_token_eviction_per_point():
     assert full.servers == 2 and full.requests == 2
 
 
+def test_fp8_variants_serve_with_an_fp8_cache_and_close_with_fp8_streaming():
+    spec = grid.GridSpec(tasks=("niah_single",), lengths=(1000,), per_category=1, chunks=(128,),
+                         methods=("full", "full@fp8", "prulong@fp8"), head_sparsities=(0.5,))
+    fixed = [s.server for s in spec.fixed_settings(128)]
+    assert [s.policy for s in fixed] == ["full", "full@fp8"]
+    assert fixed[0].server_args == [] and fixed[1].server_args == ["--kv-cache-dtype", "fp8"]
+    assert fixed[1].policy_spec().policy == "full"
+    (sweep,) = spec.sweeps(128)
+    served = sweep.setting(0.5).server
+    assert served.policy_spec().label == "prulong:0.5" and grid.per_point(sweep.policy)
+    assert served.server_args == ["--kv-cache-dtype", "fp8"]
+    # curves: full@fp8 is a one-point curve against full; streaming@fp8 closes prulong@fp8
+    records = []
+    for method, sparsity, score in (("full", None, 1.0), ("full@fp8", None, 0.5),
+                                    ("prulong@fp8", 0.5, 1.0), ("streaming@fp8", None, 0.0)):
+        records.append({"setting": method, "method": method, "eviction": None,
+                        "sparsity": sparsity, "chunk": 128, "example": "e0", "task": "t",
+                        "category": "recall", "score": score, "footprint": 1.0,
+                        "measured_footprint": 1.0, "peak_kv": 1.0})
+    curves, _ = build_curves(records)
+    by = {c.method: c for c in curves}
+    assert set(by) == {"full@fp8", "prulong@fp8"}
+    assert by["prulong@fp8"].sparsities == [0.5, 1.0] and by["full@fp8"].sparsities == [0.0]
+
+
 def test_estimate_counts_servers_and_requests():
     spec = grid.GridSpec(tasks=("niah_single",), lengths=(1000,), per_category=1, chunks=(250,),
                          methods=("full", "streaming", "prulong", "snapkv"),

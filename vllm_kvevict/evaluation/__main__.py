@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="subset of full,streaming,duo,prulong,snapkv,pyramidkv and the "
                           "hybrids prulong+snapkv, prulong+pyramidkv, duo+snapkv, "
                           "duo+pyramidkv (a head mask at s with token sparsity s on its full "
-                          "heads)")
+                          "heads), and full@fp8, prulong@fp8 (--kv-cache-dtype fp8)")
     run.add_argument("--evictions", type=words, default=None, help="naive,patched")
     run.add_argument("--head-sparsities", type=floats, default=None)
     run.add_argument("--token-sparsities", type=floats, default=None)

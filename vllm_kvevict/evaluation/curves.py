@@ -90,7 +90,8 @@ class Curve:
 
 
 def _sparsity_of(record: dict) -> float:
-    return 1.0 if record["method"] == "streaming" else float(record["sparsity"])
+    return 1.0 if record["method"].partition("@")[0] == "streaming" else float(
+        record["sparsity"])
 
 
 def build_curves(records: Iterable[dict]) -> tuple[list[Curve], list[str]]:
@@ -118,11 +119,13 @@ def build_curves(records: Iterable[dict]) -> tuple[list[Curve], list[str]]:
     for r in records:
         task_of[r["example"]] = (r["task"], r["category"])
         label = method_label(r)
-        if label == "streaming":
+        if label.partition("@")[0] == "streaming":  # closes the head-mask curves (same dtype)
+            suffix = label[len("streaming"):]
             for m in HEAD_MASK_METHODS:
-                put(m, r["chunk"], 1.0, r)
+                put(m + suffix, r["chunk"], 1.0, r)
             continue
-        put(label, r["chunk"], 0.0 if label == "full" else _sparsity_of(r), r)
+        put(label, r["chunk"], 0.0 if label.partition("@")[0] == "full" else _sparsity_of(r),
+            r)
     notes += [f"{label} chunk {chunk} sparsity {s:g}: records of more than one setting "
               f"(different masks?); the newest run's are used" for label, chunk, s in
               sorted(replaced)]
@@ -136,7 +139,7 @@ def build_curves(records: Iterable[dict]) -> tuple[list[Curve], list[str]]:
                          f"skipped")
             continue
         sparsities = sorted(points)
-        if label in HEAD_MASK_METHODS and sparsities == [1.0]:
+        if label.partition("@")[0] in HEAD_MASK_METHODS and sparsities == [1.0]:
             continue  # only the streaming point: no run of this method
         categories = sorted({task_of[e][1] for p in points.values() for e in p})
         for category in categories:

@@ -25,12 +25,25 @@ EVICTIONS = tuple(sorted(EVICTION_MODES))  # ("naive", "patched")
 # a head mask with token eviction on its full heads (--kv-token-policy), traced along
 # head sparsity = token sparsity: `prulong+snapkv` is prulong at s with snapkv at p = s
 HYBRIDS = tuple(f"{h}+{t}" for h in HEAD_MASK for t in TOKEN_EVICTION)
-METHODS = ("full", "streaming") + HEAD_MASK + TOKEN_EVICTION + HYBRIDS
+# `METHOD@fp8`: the method served with `--kv-cache-dtype fp8` (scored against full attention
+# in the model's dtype, so the curve shows what quantization and eviction cost together)
+FP8_METHODS = ("full@fp8", "prulong@fp8")
+METHODS = ("full", "streaming") + HEAD_MASK + TOKEN_EVICTION + HYBRIDS + FP8_METHODS
+
+
+def kv_cache_dtype(method: str) -> str:
+    """`prulong@fp8` -> `fp8`; `auto` without a suffix."""
+    return method.partition("@")[2] or "auto"
+
+
+def base_method(method: str) -> str:
+    """The method without its cache dtype (`prulong@fp8` -> `prulong`)."""
+    return method.partition("@")[0]
 
 
 def head_policy(method: str) -> str:
     """The head-mask part of a method (`prulong+snapkv` -> `prulong`), else the method."""
-    return method.partition("+")[0]
+    return base_method(method).partition("+")[0]
 
 
 def per_point(method: str) -> bool:
@@ -56,9 +69,15 @@ class ServerConfig:
         sparsity."""
         from vllm_kvevict.launch import PolicySpec
 
-        head, _, token = self.policy.partition("+")
+        head, _, token = base_method(self.policy).partition("+")
         return PolicySpec(head, self.sparsity, self.eviction, token_policy=token or None,
                           token_sparsity=self.sparsity if token else None)
+
+    @property
+    def server_args(self) -> list[str]:
+        """vLLM flags of the method beyond the policy (its KV cache dtype)."""
+        dtype = kv_cache_dtype(self.policy)
+        return [] if dtype == "auto" else ["--kv-cache-dtype", dtype]
 
     @property
     def slug(self) -> str:
@@ -137,9 +156,9 @@ class GridSpec:
     def sweeps(self, chunk: int) -> list[Sweep]:
         out = []
         for policy in self.methods:
-            if policy in HEAD_MASK:
+            if base_method(policy) in HEAD_MASK:
                 out.append(Sweep(policy, chunk, None, tuple(self.head_sparsities),
-                                 self.masks.get(policy)))
+                                 self.masks.get(head_policy(policy))))
             elif policy in TOKEN_EVICTION:
                 out += [Sweep(policy, chunk, e, tuple(self.token_sparsities))
                         for e in self.evictions]
@@ -151,7 +170,7 @@ class GridSpec:
     def fixed_settings(self, chunk: int) -> list[Setting]:
         """full and streaming: one setting each, run before the sweeps (the sweeps' bisection
         needs the full-attention score, and streaming closes the head-mask curves)."""
-        return [Setting(ServerConfig(p, chunk)) for p in ("full", "streaming")
+        return [Setting(ServerConfig(p, chunk)) for p in ("full", "streaming", "full@fp8")
                 if p in self.methods]
 
 

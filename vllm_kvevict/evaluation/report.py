@@ -29,11 +29,13 @@ DISPLAY = {"duo": "DuoAttention", "prulong": "→ PruLong",
            "pyramidkv-naive": "PyramidKV (naive)", "pyramidkv-patched": "→ PyramidKV (patched)",
            "snapkv-naive": "SnapKV (naive)", "snapkv-patched": "→ SnapKV (patched)",
            "prulong+snapkv-patched": "PruLong + SnapKV (patched), head = token sparsity",
-           "prulong+pyramidkv-patched": "PruLong + PyramidKV (patched), head = token sparsity"}
+           "prulong+pyramidkv-patched": "PruLong + PyramidKV (patched), head = token sparsity",
+           "full@fp8": "full attention, fp8 KV", "prulong@fp8": "→ PruLong, fp8 KV"}
 COLORS = {"duo": "tab:blue", "prulong": "tab:green", "pyramidkv-naive": "tab:orange",
           "pyramidkv-patched": "tab:red", "snapkv-naive": "tab:purple",
           "snapkv-patched": "tab:brown", "prulong+snapkv-patched": "black",
-          "prulong+pyramidkv-patched": "tab:gray"}
+          "prulong+pyramidkv-patched": "tab:gray", "full@fp8": "tab:pink",
+          "prulong@fp8": "tab:olive"}
 CATEGORY_ORDER = ("recall", "tracing", "aggregation", "icl")
 CATEGORY_TITLES = {"recall": "Recall", "tracing": "Tracing", "aggregation": "Aggregation",
                    "icl": "ICL"}

@@ -32,7 +32,8 @@ from tqdm import tqdm
 from vllm_kvevict.launch import ServerProcess, build_server_command
 from vllm_kvevict.evaluation.client import (SERVED_NAME, complete, example_id, to_record)
 from vllm_kvevict.evaluation.critical import FRACTION
-from vllm_kvevict.evaluation.grid import (HEAD_MASK, GridSpec, head_policy, per_point, ServerConfig, Setting, Sweep,
+from vllm_kvevict.evaluation.grid import (HEAD_MASK, GridSpec, base_method, head_policy,
+                                          kv_cache_dtype, per_point, ServerConfig, Setting, Sweep,
                                           file_digest, next_sparsities, worst_case_points)
 from vllm_kvevict.evaluation.tasks import Example
 
@@ -152,8 +153,11 @@ class Runner:
     def sweep_setting(self, sweep: Sweep, sparsity: float) -> Setting:
         if not per_point(sweep.policy):
             return sweep.setting(sparsity)
-        if sparsity == 1.0 and sweep.policy in HEAD_MASK:  # every head streaming: no mask
-            return Setting(ServerConfig("streaming", sweep.chunk))
+        if sparsity == 1.0 and base_method(sweep.policy) in HEAD_MASK:
+            # every head streaming: the mask does not matter (the cache dtype does)
+            dtype = kv_cache_dtype(sweep.policy)
+            return Setting(ServerConfig("streaming" if dtype == "auto" else f"streaming@{dtype}",
+                                        sweep.chunk))
         path, digest = self.resolve_mask(sweep, sparsity)
         return Setting(ServerConfig(sweep.policy, sweep.chunk, sparsity, sweep.eviction, path),
                        sparsity, digest)
@@ -260,6 +264,7 @@ class LazyServer:
         # chunks down to 16 tokens are accepted.
         extra = list(SERVE_EXTRA) + ["--max-num-seqs", str(max(16, self.runner.concurrency))]
         extra += ["--kv-mask", c.mask] if c.mask else []
+        extra += c.server_args
         return build_server_command(self.runner.model_dir, spec,
                                     kv_cache_bytes=self.runner.kv_cache_bytes,
                                     max_batched_tokens=c.chunk, port=port, extra_args=extra,
