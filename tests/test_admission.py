@@ -116,7 +116,8 @@ def test_forced_preemption_replays_exactly(bundled_model_dir, tokenizer, hf_mode
     together = asyncio.run(complete_all(server.base_url, prompts))
     assert preemptions(server.base_url) > before
     if policy["policy"] == "prulong":  # kv_stats names the mask served (the shipped default)
-        assert {c["kv_stats"]["params"].get("mask") for c in together} == {"prulong-s0.7.json"}
+        shipped = f"prulong-s{policy['sparsity']}.json"
+        assert {c["kv_stats"]["params"].get("mask") for c in together} == {shipped}
     preempted = [(ids, c) for ids, c in zip(prompts, together) if c["kv_stats"]["preemptions"]]
     assert preempted, [c["kv_stats"]["preemptions"] for c in together]
     for ids, served in preempted[:CHECKED]:  # (each a 200-token reference decode)
