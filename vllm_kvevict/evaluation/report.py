@@ -122,9 +122,10 @@ def points_table(curves: Sequence[Curve]) -> str:
     return "\n".join(lines)
 
 
-# The paper's comparisons: (candidate, baseline).
+# The paper's comparisons, then the composition against its parts: (candidate, baseline).
 PAIRS = (("prulong", "duo"), ("pyramidkv-patched", "pyramidkv-naive"),
-         ("snapkv-patched", "snapkv-naive"))
+         ("snapkv-patched", "snapkv-naive"), ("prulong+snapkv-patched", "prulong"),
+         ("prulong+snapkv-patched", "snapkv-patched"), ("prulong@fp8", "prulong"))
 
 
 def probability_lower(a: Curve, b: Curve, replicates: int, seed: int,
