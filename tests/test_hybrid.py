@@ -173,7 +173,7 @@ def test_hybrid_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_tor
 def test_hybrid_on_the_bundled_model_with_its_shipped_mask(bundled_model_dir, tokenizer, hf_model,
                                                           one_torch_thread):
     """The real user's path: SmolLM2's shipped PruLong mask at head sparsity 0.5 (6 of its 30
-    layers have no full head, 4 no streaming head) with patched SnapKV at 0.5 on the full
+    layers have no full head, 5 no streaming head) with patched SnapKV at 0.5 on the full
     heads; two prompts sent at once (mixed prefill / decode steps), each equal to the reference
     at the chunk boundaries it was served with."""
     policy = {"policy": "prulong", "sparsity": 0.5, "sink": 16, "window": 64,
