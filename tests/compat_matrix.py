@@ -86,6 +86,8 @@ ROWS = [
         each("exact", C + "test_structured_output_matches_constrained_reference[{id}]")),
     Row("`prompt_logprobs`",
         each("exact", C + "test_prompt_logprobs_match_reference[{id}]")),
+    Row("teacher-forced tail (`vllm_xargs.kv_teacher_forced`, with `prompt_logprobs`)",
+        each("exact", C + "test_teacher_forced_tail_matches_reference_decode[{id}]")),
     Row("`echo` + `logprobs`",
         each("exact", C + "test_echo_with_logprobs_matches_reference[{id}]")),
     Row("`n` > 1",

@@ -232,6 +232,36 @@ def test_prompt_logprobs_match_reference(column, bundled_model_dir, hf_model, pr
     assert abs(got[worst] - want[worst]) < LOGPROB_TOL, (name, worst + 1, got[worst], want[worst])
 
 
+def test_teacher_forced_tail_matches_reference_decode(column, bundled_model_dir, hf_model,
+                                                     prompt):
+    """`vllm_xargs: {"kv_teacher_forced": n}`: the prompt's last n tokens are served as decode
+    tokens (what the evaluation's log-prob score uses): their prompt_logprobs equal the
+    reference's prefill of the rest, then n forced decode steps."""
+    name, policy, server = column
+    forced = 10
+    head, tail = prompt[:-forced], prompt[-forced:]
+    r = client(server).completions.create(
+        model=SERVED_NAME, prompt=prompt, max_tokens=1, temperature=0,
+        extra_body={"prompt_logprobs": 0, "vllm_xargs": {"kv_teacher_forced": forced}})
+    served = r.choices[0].model_extra["prompt_logprobs"]
+    got = [entry[str(t)]["logprob"] for entry, t in zip(served[-forced:], tail)]
+    stats = r.model_extra["kv_stats"]
+    assert (stats["prompt_tokens"], stats["teacher_forced_tokens"]) == (len(head), forced)
+    assert stats["chunk_boundaries"] == [128, 256, len(head)] and stats["decode_steps"] == forced
+    want = runner(hf_model, bundled_model_dir, policy).teacher_forced_logprobs(
+        head, tail, stats["chunk_boundaries"])
+    assert max(abs(a - b) for a, b in zip(got, want)) < LOGPROB_TOL, (name, got, want)
+    # Served as prompt, the same tokens get other log-probs: under a head mask they see their
+    # chunk, under patched eviction they are part of the question. (Naive eviction here keeps
+    # the whole 54-token final chunk, inside its 64-token observation window: the same.)
+    if policy["policy"] in HEAD_MASK_POLICIES or patched(policy):
+        plain = client(server).completions.create(
+            model=SERVED_NAME, prompt=prompt, max_tokens=1, temperature=0,
+            extra_body={"prompt_logprobs": 0}).choices[0].model_extra["prompt_logprobs"]
+        as_prompt = [entry[str(t)]["logprob"] for entry, t in zip(plain[-forced:], tail)]
+        assert max(abs(a - b) for a, b in zip(got, as_prompt)) > LOGPROB_TOL, name
+
+
 def test_echo_with_logprobs_matches_reference(column, bundled_model_dir, tokenizer, hf_model,
                                               prompt):
     name, policy, server = column

@@ -432,3 +432,34 @@ def test_aborted_and_stop_string_requests_are_recorded_once_with_their_reason():
         assert state.timeline.view(10.0)["samples"] == []
     finally:
         st.ServerStats._instance = None
+
+
+# -- teacher-forced tail (vllm_xargs kv_teacher_forced) ------------------------------------------
+
+@pytest.mark.parametrize("policy", ["full", "streaming", "duo", "prulong", "snapkv", "pyramidkv"])
+def test_teacher_forced_is_a_request_key_of_every_policy(policy):
+    assert check_vllm_xargs({"kv_teacher_forced": 8}, policy, 8192) is None
+    assert check_vllm_xargs({"kv_teacher_forced": 0}, policy, 8192) is None
+    for bad in (-1, 1.5, "8", True, 8192):
+        message = check_vllm_xargs({"kv_teacher_forced": bad}, policy, 8192)
+        assert message is not None and "kv_teacher_forced" in message and "invalid" in message
+
+
+def test_policy_prompt_len_leaves_one_prompt_token():
+    from vllm_kvevict.overrides import policy_prompt_len, teacher_forced
+
+    assert policy_prompt_len(320, {"kv_teacher_forced": 10}) == 310
+    assert policy_prompt_len(320, None) == policy_prompt_len(320, {}) == 320
+    assert policy_prompt_len(5, {"kv_teacher_forced": 9}) == 1  # at least one prompt token
+    assert teacher_forced({"kv_teacher_forced": -3}) == 0  # invalid: ignored engine side
+
+
+def test_prefill_steps_stop_at_the_policy_prompt_end():
+    from vllm_kvevict.config import KVPolicyConfig
+    from vllm_kvevict.ledger import cap_step_in_eviction_chunk
+    from vllm_kvevict.policies import build_policy
+
+    policy = build_policy(KVPolicyConfig(policy="snapkv", sparsity=0.5), 30, 3)
+    assert cap_step_in_eviction_chunk(policy, 310, 256, 64) == 54  # [256, 310), then the tail
+    assert cap_step_in_eviction_chunk(policy, 310, 310, 10) == 10  # the tail: decode tokens
+    assert cap_step_in_eviction_chunk(policy, 320, 256, 64) == 64

@@ -128,14 +128,17 @@ def peak_slots(policy: KVPolicy, prompt_len: int, num_tokens: int, chunk_size: i
 
 def cap_step_in_eviction_chunk(policy: KVPolicy, prompt_len: int, num_computed: int,
                                num_new: int) -> int:
-    """With an `eviction_chunk`: a prefill step never crosses the end b of its eviction chunk,
-    and when the chunk's own last queries score it (naive mode, and the prompt's final chunk)
-    its last step holds them whole: a step ends at b or at most at b - obs_window (0 = wait for
-    a step with budget for the rest)."""
+    """A prefill step never crosses the prompt's end (the policy's: a teacher-forced tail after
+    it is decoded, `overrides.policy_prompt_len`). With an `eviction_chunk` it never crosses
+    the end b of its eviction chunk either, and when the chunk's own last queries score it
+    (naive mode, and the prompt's final chunk) its last step holds them whole: a step ends at
+    b or at most at b - obs_window (0 = wait for a step with budget for the rest)."""
     config, n = policy.config, prompt_len
     e, a = config.eviction_chunk, num_computed
-    if e is None or num_new <= 0 or a >= n:
+    if num_new <= 0 or a >= n:
         return num_new
+    if e is None:  # the prompt's end closes its last chunk (before a teacher-forced tail)
+        return min(num_new, n - a)
     start = a // e * e
     end = min(start + e, n)
     if a + num_new >= end:

@@ -18,6 +18,11 @@ OVERRIDE_KEYS = {
     "kv_sparsity": ("sparsity", "a number in [0, 1] (token sparsity p)"),
     "kv_obs_window": ("obs_window", "an integer >= 1 (observation window k, in tokens)"),
 }
+# Keys about the request itself, for every policy (not a policy setting).
+TEACHER_FORCED = "kv_teacher_forced"
+TEACHER_FORCED_TEXT = ("an integer >= 0: the prompt's last n tokens are a teacher-forced "
+                       "continuation, served as decode tokens (to score an answer with "
+                       "prompt_logprobs); at least one prompt token stays prompt")
 # vllm_xargs keys vLLM itself reads; never ours to judge.
 VLLM_OWN_XARGS = frozenset({"kv_transfer_params", "ec_transfer_params", "kv_cache_report_mode",
                             "session_id"})
@@ -32,8 +37,9 @@ def _valid_keys_text(max_model_len: int | None) -> str:
     window = OVERRIDE_KEYS["kv_obs_window"][1]
     if max_model_len:
         window = f"an integer in [1, {max_model_len}] (observation window k, in tokens)"
-    return (f"kv_sparsity ({OVERRIDE_KEYS['kv_sparsity'][1]}), kv_obs_window ({window}); "
-            f"only for policies {', '.join(TOKEN_EVICTION)}")
+    return (f"kv_sparsity ({OVERRIDE_KEYS['kv_sparsity'][1]}), kv_obs_window ({window}): "
+            f"only for policies {', '.join(TOKEN_EVICTION)}; {TEACHER_FORCED} "
+            f"({TEACHER_FORCED_TEXT}): every policy")
 
 
 def override_error(key: str, value: Any, policy: str, max_model_len: int | None = None
@@ -49,6 +55,13 @@ def override_error(key: str, value: Any, policy: str, max_model_len: int | None 
     if key in SERVER_KEYS:
         return (f"vllm_xargs key {key!r} is a server setting (--kv-* flags at start-up), not "
                 f"per request. Per-request KV keys: {valid}.")
+    if key == TEACHER_FORCED:
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0 and (
+                not max_model_len or value < max_model_len):
+            return None
+        bound = f" and < {max_model_len}" if max_model_len else ""
+        return (f"vllm_xargs[{key!r}] = {value!r} is invalid: expected an integer >= 0{bound}. "
+                f"Per-request KV keys: {valid}.")
     if key not in OVERRIDE_KEYS:
         if key.startswith("kv_"):
             return f"unknown vllm_xargs key {key!r}. Per-request KV keys: {valid}."
@@ -90,6 +103,20 @@ def request_overrides(extra_args: Any, policy: str) -> dict[str, Any]:
         return {}
     return {key: extra_args[key] for key in OVERRIDE_KEYS
             if key in extra_args and override_error(key, extra_args[key], policy) is None}
+
+
+def teacher_forced(extra_args: Any) -> int:
+    """The request's teacher-forced tail n (0: none; engine side: an invalid value is ignored)."""
+    value = extra_args.get(TEACHER_FORCED) if isinstance(extra_args, dict) else None
+    if override_error(TEACHER_FORCED, value, "full") is not None:
+        return 0
+    return value
+
+
+def policy_prompt_len(num_prompt_tokens: int, extra_args: Any) -> int:
+    """The prompt as the KV policy serves it: vLLM's prompt without its teacher-forced tail,
+    whose tokens are served as decode tokens (at least one token stays prompt)."""
+    return max(num_prompt_tokens - teacher_forced(extra_args), min(num_prompt_tokens, 1))
 
 
 def effective_config(cfg, extra_args: Any):

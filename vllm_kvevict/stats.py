@@ -76,6 +76,7 @@ class RequestRecord:
     arrival_time: float | None
     layout: ByteLayout
     overrides: dict[str, Any] = field(default_factory=dict)
+    teacher_forced: int = 0  # prompt tokens after prompt_len, served as decode tokens
 
     boundaries: list[int] = field(default_factory=list)
     cached_tokens: int = 0
@@ -154,9 +155,10 @@ class RequestRecord:
         """The kv_stats dict. `footprint_of(prompt_len, boundaries, decode_len)` returns a
         FootprintResult (None: not computed)."""
         n = self.prompt_len
-        # The paper's query positions that vLLM really ran: n prompt positions and one decode
-        # forward per generated token after the first (the last token is never fed back).
-        decode_steps = max(completion_tokens - 1, 0)
+        # The paper's query positions that vLLM really ran: n prompt positions, the
+        # teacher-forced tail, and one decode forward per generated token after the first (the
+        # last token is never fed back).
+        decode_steps = self.teacher_forced + max(completion_tokens - 1, 0)
         footprint = peak_kv = footprint_chunk_held = None
         if footprint_of is not None and self.boundaries and self.boundaries[-1] == n:
             result = footprint_of(n, list(self.boundaries), decode_steps)
@@ -172,6 +174,7 @@ class RequestRecord:
             "params": params,
             "overrides": dict(self.overrides),
             "prompt_tokens": n,
+            "teacher_forced_tokens": self.teacher_forced,
             "completion_tokens": completion_tokens,
             "cached_tokens": self.cached_tokens,
             "chunk_boundaries": list(self.boundaries),
@@ -201,7 +204,7 @@ class RequestRecord:
             "ttft_s": t_first_token - arrival if arrival is not None and t_first_token else None,
             "prefill_tokens_per_s": _rate(n - self.cached_tokens, self.t_first_scheduled,
                                           t_first_token),
-            "decode_tokens_per_s": _rate(decode_steps, t_first_token, now),
+            "decode_tokens_per_s": _rate(max(completion_tokens - 1, 0), t_first_token, now),
             "e2e_s": now - arrival if arrival is not None else None,
         }
 

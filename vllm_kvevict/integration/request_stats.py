@@ -17,7 +17,7 @@ from vllm_kvevict.features import speculative_slack
 from vllm_kvevict.integration.connector_stats import (PENDING_LIMIT, SNAPSHOT_INTERVAL_S,
                                                       KVEvictConnectorStats)
 from vllm_kvevict.integration.fp8 import is_fp8
-from vllm_kvevict.overrides import effective_config
+from vllm_kvevict.overrides import effective_config, policy_prompt_len
 from vllm_kvevict.served import ServedPolicy
 from vllm_kvevict.stats import ByteLayout, RequestRecord, finite_or_none, footprint_function
 
@@ -131,9 +131,14 @@ class RequestStatsTracker:
     # -- events ---------------------------------------------------------------------------------
     def add(self, request) -> None:
         params = getattr(request, "sampling_params", None)
-        _, overrides = effective_config(self.cfg, getattr(params, "extra_args", None))
+        extra_args = getattr(params, "extra_args", None)
+        _, overrides = effective_config(self.cfg, extra_args)
+        # a teacher-forced tail is served (and counted) as decode tokens
+        forced = request.num_prompt_tokens - policy_prompt_len(request.num_prompt_tokens,
+                                                               extra_args)
         self.records[request.request_id] = RequestRecord(
-            request_id=request.request_id, prompt_len=request.num_prompt_tokens,
+            request_id=request.request_id, prompt_len=request.num_prompt_tokens - forced,
+            teacher_forced=forced,
             arrival_time=getattr(request, "arrival_time", None), layout=self.layout,
             overrides=overrides)
         self._requests[request.request_id] = request

@@ -13,7 +13,7 @@ import inspect
 import logging
 
 from vllm_kvevict.integration.admission import GrowthReserve
-from vllm_kvevict.integration.token_ledger import TokenEvictionLedger
+from vllm_kvevict.integration.token_ledger import TokenEvictionLedger, prompt_len
 from vllm_kvevict.served import served_policy
 
 logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
@@ -134,7 +134,7 @@ def allocate_slots(kv_cache_manager, stock_allocate_slots, request, num_new_toke
     book = ledger()
     policy = None if book is None else book.request_policy(request)
     if policy is not None and policy.config.patched:
-        n, end = request.num_prompt_tokens, request.num_computed_tokens + num_new_tokens
+        n, end = prompt_len(request), request.num_computed_tokens + num_new_tokens
         if end < n and policy.config.is_eviction_point(end, n):
             extra = min(policy.config.obs_window, n)
             kwargs["num_lookahead_tokens"] = kwargs.get("num_lookahead_tokens", 0) + extra

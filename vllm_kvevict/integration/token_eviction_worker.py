@@ -115,7 +115,7 @@ class TokenEvictionWorker:
                 is_final = a + c == n
                 question = []
                 if policy.config.patched and not is_final:
-                    question = list(prompt_ids(r)[n - min(policy.config.obs_window, n):])
+                    question = list(prompt_ids(r)[n - min(policy.config.obs_window, n):n])
                 jobs.append(EvictionJob(
                     req_id=req_id, row=r, computed=a, start=0, end=0, is_final=is_final,
                     phys_before=(before - (chunk_len - c)).tolist(), question=question,

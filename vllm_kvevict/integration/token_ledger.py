@@ -11,6 +11,7 @@ from typing import Any, Callable
 from vllm_kvevict.integration.admission import GrowthReserve
 from vllm_kvevict.ledger import (LayerGroups, cap_step_in_eviction_chunk, eviction_chunk_len,
                                  group_evictions, peak_slots)
+from vllm_kvevict.overrides import policy_prompt_len
 from vllm_kvevict.policies import KVPolicy
 
 
@@ -50,7 +51,7 @@ class TokenEvictionLedger(GrowthReserve):
     def peak_tokens(self, request, num_tokens: int) -> list[int]:
         """Per group, the peak slots a request of `num_tokens` tokens needs (`peak_slots`)."""
         policy = self.request_policy(request)
-        return peak_slots(policy, request.num_prompt_tokens, num_tokens, self.chunk_size,
+        return peak_slots(policy, prompt_len(request), num_tokens, self.chunk_size,
                           lambda chunk_len, final: self.evictions(policy, chunk_len, final))
 
     def before_schedule(self) -> None:
@@ -87,7 +88,7 @@ class TokenEvictionLedger(GrowthReserve):
             request = self.scheduler.requests.get(req_id)
             if request is None:
                 continue
-            before, n = request.num_computed_tokens - c, request.num_prompt_tokens
+            before, n = request.num_computed_tokens - c, prompt_len(request)
             if before == 0:
                 self.allocation_evicted.pop(req_id, None)
             policy = self.request_policy(request)
@@ -97,10 +98,10 @@ class TokenEvictionLedger(GrowthReserve):
 
     def step_cap(self, request, num_computed: int, num_new: int) -> int:
         """`replay_cap`, then keep the step inside its eviction chunk
-        (`cap_step_in_eviction_chunk`)."""
+        (`cap_step_in_eviction_chunk`; the policy's prompt ends a chunk)."""
         num_new = self.replay_cap(request, num_computed, num_new)
-        return cap_step_in_eviction_chunk(self.request_policy(request),
-                                          request.num_prompt_tokens, num_computed, num_new)
+        return cap_step_in_eviction_chunk(self.request_policy(request), prompt_len(request),
+                                          num_computed, num_new)
 
     def forget(self, req_id: str) -> None:
         self.allocation_evicted.pop(req_id, None)
@@ -109,3 +110,9 @@ class TokenEvictionLedger(GrowthReserve):
     def request_policy(self, request) -> KVPolicy:
         params = getattr(request, "sampling_params", None)
         return self.policy_for(getattr(params, "extra_args", None))
+
+
+def prompt_len(request) -> int:
+    """The prompt as the policy serves it (without a teacher-forced tail, `overrides.py`)."""
+    params = getattr(request, "sampling_params", None)
+    return policy_prompt_len(request.num_prompt_tokens, getattr(params, "extra_args", None))

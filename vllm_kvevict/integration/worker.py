@@ -16,6 +16,7 @@ from vllm_kvevict.integration.kv_cache_specs import (LayerHeads, declare_specs, 
                                                      layer_heads)
 from vllm_kvevict.integration.streaming_store import StepPlan, StreamingStore, build_step_plan
 from vllm_kvevict.integration.token_eviction_worker import TokenEvictionWorker, TokenStepPlan
+from vllm_kvevict.overrides import policy_prompt_len
 from vllm_kvevict.policies import KVPolicy
 from vllm_kvevict.served import ServedPolicy, served_policy
 
@@ -99,8 +100,7 @@ class WorkerState:
     def _streaming_plan(self, req_ids, computed, q_lens, valid, questions=()) -> StepPlan:
         num_reqs = len(q_lens)
         slots = [self.slot_for(r) for r in req_ids] if valid else [0] * num_reqs
-        prompt_lens = ([int(x) for x in self.runner.input_batch.num_prompt_tokens[:num_reqs]]
-                       if valid else None)
+        prompt_lens = self._prompt_lens(req_ids[:num_reqs]) if valid else None
         plan = build_step_plan(slots, computed, q_lens, self.config.sink, self.config.window,
                                self.block_size, prompt_lens, self.slack, questions)
         plan.valid = valid
@@ -114,8 +114,7 @@ class WorkerState:
             prompt_lens = [0] * n
             block_ids = [[[0]] * self.token.groups.num_groups] * n
         else:
-            batch = self.runner.input_batch
-            prompt_lens = [int(x) for x in batch.num_prompt_tokens[: len(req_ids)]]
+            prompt_lens = self._prompt_lens(req_ids)
             block_ids = [self.runner.requests[r].block_ids for r in req_ids]
         requests = getattr(self.runner, "requests", {})
         plan = self.token.plan(req_ids, computed, q_lens, prompt_lens, block_ids,
@@ -125,6 +124,12 @@ class WorkerState:
         if not valid:
             self.token.release(req_ids)
         return plan
+
+    def _prompt_lens(self, req_ids) -> list[int]:
+        """Each row's prompt as the policy serves it (a teacher-forced tail is decoded)."""
+        requests = getattr(self.runner, "requests", {})
+        return [policy_prompt_len(int(n), _extra_args(requests.get(r))) for r, n in
+                zip(req_ids, self.runner.input_batch.num_prompt_tokens[: len(req_ids)])]
 
     def _ensure_groups(self) -> None:
         """The token ledger's layer -> KV-cache group map, from the runner's KV cache config

@@ -274,6 +274,21 @@ class ReferenceRunner:
                                pre.chunk_boundaries, pre.kept_per_layer, pre.kept_per_head,
                                pre.cache)
 
+    @torch.no_grad()
+    def teacher_forced_logprobs(self, prompt_ids: list[int], forced_ids: list[int],
+                                chunk_size: "int | list[int]") -> list[float]:
+        """log p(forced_ids[i] | prompt, forced_ids[:i]): the prompt's chunked prefill, then
+        the forced tokens as decode steps (what a server computes for a prompt whose last
+        len(forced_ids) tokens are teacher-forced, `kv_teacher_forced`)."""
+        pre = self.prefill(list(prompt_ids), chunk_size)
+        logits, position, out = pre.logits[-1], len(prompt_ids), []
+        for i, token in enumerate(forced_ids):
+            out.append(float(torch.log_softmax(logits.float(), dim=-1)[token]))
+            if i + 1 < len(forced_ids):
+                logits = self.decode_step(pre.cache, token, position)
+                position += 1
+        return out
+
     # -- one-pass form of chunked streaming (what the mask trainer computes) ----------------
     @torch.no_grad()
     def one_pass_logits(self, prompt_ids: list[int], chunk_size: int) -> torch.Tensor:
