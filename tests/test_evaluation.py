@@ -11,6 +11,7 @@ import re
 
 import numpy as np
 import pytest
+import torch
 
 from vllm_kvevict.evaluation import grid, tasks
 from vllm_kvevict.evaluation.client import example_id
@@ -481,7 +482,7 @@ def test_store_resumes_and_drops_a_cut_line(tmp_path, builder):
 
 @pytest.mark.server
 def test_smoke_run_through_real_servers_resumes_and_reports(bundled_model_dir, tmp_path,
-                                                            builder):
+                                                            builder, hf_model):
     """Two tiny server configs (full; snapkv patched at two per-request sparsities), one
     1K-token example per task, then a resume that must start no server, then the report."""
     import conftest
@@ -498,7 +499,7 @@ def test_smoke_run_through_real_servers_resumes_and_reports(bundled_model_dir, t
     runner = Runner(spec, examples, store, str(bundled_model_dir), tmp_path / "logs",
                     progress=False)
     runner.run()
-    assert runner.server_starts == 2 and runner.requests_run == 3 * len(examples)
+    assert runner.server_starts == 2 and runner.requests_run == 3 * len(examples)  # + log-probs
     records = load_records(tmp_path / "results.jsonl")
     assert len(records) == 3 * len(examples)
     for r in records:
@@ -509,6 +510,19 @@ def test_smoke_run_through_real_servers_resumes_and_reports(bundled_model_dir, t
     full = {r["task"]: r for r in records if r["method"] == "full"}
     assert full["niah_single"]["score"] == 1.0  # the bundled model finds a 1K needle
     assert full["niah_single"]["footprint"] == pytest.approx(1.0)
+    # The continuous score: the gold answer's mean log-prob, teacher-forced through the policy.
+    # Under full attention it is transformers' own log-prob of the gold tokens.
+    example = next(e for e in examples if e.task == "niah_single")
+    ids = torch.tensor([list(example.prompt_ids) + list(example.gold_ids)])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf_model(ids).logits[0].float(), dim=-1)
+    n, g = len(example.prompt_ids), len(example.gold_ids)
+    want = float(logprobs[n - 1:n + g - 1].gather(1, ids[0, n:].view(-1, 1)).mean())
+    assert full["niah_single"]["gold_tokens"] == g
+    assert full["niah_single"]["gold_logprob"] == pytest.approx(want, abs=2e-3)
+    assert -1.0 < want < 0  # the right answer, found: the model is confident in it
+    assert all(r["gold_logprob"] < 0 and r["gold_tokens"] == len(
+        next(e for e in examples if e.task == r["task"]).gold_ids) for r in records)
     snap = sorted((r for r in records if r["method"] == "snapkv"), key=lambda r: r["sparsity"])
     # The per-request sparsity reached the policy (kv_stats.params are the effective values).
     assert all(r["params"]["sparsity"] == r["sparsity"] for r in snap)

@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--concurrency", type=int, default=1,
                      help="requests in flight per server (1 keeps chunk boundaries exact)")
     run.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    run.add_argument("--no-logprobs", dest="logprobs", action="store_false",
+                     help="skip the second request per example that scores the gold answer's "
+                          "mean log-prob (teacher-forced through the policy)")
     run.add_argument("--reserved-cpus", default="1",
                      help="VLLM_CPU_NUM_OF_RESERVED_CPU for each server ('' = vLLM's choice)")
     run.add_argument("--prefill-ms-per-token", type=float, default=3.5,
@@ -124,7 +127,10 @@ def cmd_run(args) -> int:
     examples = make_examples(builder, spec.tasks, spec.lengths, spec.per_category, spec.seed)
     categories = len({e.category for e in examples})
     cost = CostModel(prefill_s_per_token=args.prefill_ms_per_token / 1000)
-    full, worst = estimate(spec, [(e.length, e.max_tokens) for e in examples], categories, cost)
+    shapes = [(e.length, e.max_tokens) for e in examples]
+    if args.logprobs:  # the gold answer's log-prob: one more prefill per example
+        shapes += [(e.length + len(e.gold_ids), 1) for e in examples]
+    full, worst = estimate(spec, shapes, categories, cost)
     print(f"grid: tasks {','.join(spec.tasks)}; lengths {spec.lengths}; {spec.per_category} "
           f"per category and length = {len(examples)} examples per setting; chunks {spec.chunks}; "
           f"methods {','.join(spec.methods)}; bisection {'on' if spec.bisect else 'off'}")
@@ -141,7 +147,8 @@ def cmd_run(args) -> int:
     store = ResultStore(out_dir / "results.jsonl")
     runner = Runner(spec, examples, store, model, out_dir / "logs",
                     concurrency=args.concurrency, kv_cache_bytes=args.kv_cache_memory_bytes,
-                    reserved_cpus=args.reserved_cpus, progress=not args.no_progress)
+                    reserved_cpus=args.reserved_cpus, progress=not args.no_progress,
+                    logprobs=args.logprobs)
     (out_dir / "command.txt").write_text("python -m vllm_kvevict.evaluation "
                                          + shlex.join(sys.argv[1:]) + "\n")
     start = time.monotonic()

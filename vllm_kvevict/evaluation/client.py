@@ -33,24 +33,47 @@ def complete(client: httpx.Client, base_url: str, example: Example, setting: Set
         body["allowed_token_ids"] = list(example.allowed_token_ids)
     if setting.vllm_xargs:
         body["vllm_xargs"] = setting.vllm_xargs
+    return post(client, base_url, body, f"{example.key} on {setting.key}", retries)
+
+
+def gold_logprobs(client: httpx.Client, base_url: str, example: Example, setting: Setting,
+                  retries: int = 1) -> list[float]:
+    """log p(gold token i | prompt, gold[:i]) under the setting's policy: one request of
+    prompt + gold with the gold tokens teacher-forced (`vllm_xargs.kv_teacher_forced`: served
+    as decode tokens, as a greedy answer would be) and their prompt log-probs returned."""
+    gold = list(example.gold_ids)
+    body = {"model": SERVED_NAME, "prompt": list(example.prompt_ids) + gold, "max_tokens": 1,
+            "temperature": 0.0, "prompt_logprobs": 0,
+            "vllm_xargs": {**(setting.vllm_xargs or {}), "kv_teacher_forced": len(gold)}}
+    what = f"{example.key} on {setting.key} (gold log-prob)"
+    response = post(client, base_url, body, what, retries)
+    kv = response.get("kv_stats") or {}
+    if kv.get("teacher_forced_tokens") != len(gold):
+        raise RequestError(f"{what}: the server did not teacher-force the gold tokens "
+                           f"(kv_stats {kv.get('teacher_forced_tokens')!r})")
+    rows = response["choices"][0]["prompt_logprobs"][-len(gold):]
+    return [row[str(token)]["logprob"] for row, token in zip(rows, gold)]
+
+
+def post(client: httpx.Client, base_url: str, body: dict, what: str, retries: int = 1) -> dict:
     for attempt in range(retries + 1):
         try:
             resp = client.post(f"{base_url}/v1/completions", json=body)
         except httpx.HTTPError as exc:
             if attempt == retries:
-                raise RequestError(f"{example.key} on {setting.key}: {exc!r}") from exc
+                raise RequestError(f"{what}: {exc!r}") from exc
             time.sleep(2.0)
             continue
         if resp.status_code == 200:
             return resp.json()
         if resp.status_code < 500 or attempt == retries:
-            raise RequestError(f"{example.key} on {setting.key}: HTTP {resp.status_code} "
-                               f"{resp.text[:500]}")
+            raise RequestError(f"{what}: HTTP {resp.status_code} {resp.text[:500]}")
         time.sleep(2.0)
     raise AssertionError("unreachable")
 
 
-def to_record(example: Example, setting: Setting, response: dict, run_id: str) -> dict:
+def to_record(example: Example, setting: Setting, response: dict, run_id: str,
+              gold: list[float] | None = None) -> dict:
     choice = response["choices"][0]
     kv = response.get("kv_stats")
     if not kv:
@@ -69,6 +92,9 @@ def to_record(example: Example, setting: Setting, response: dict, run_id: str) -
         "answers": list(example.answers), "prediction": prediction,
         "finish_reason": choice.get("finish_reason"), "score": example.score(prediction),
         **{k: kv.get(k) for k in KV_FIELDS}, "run": run_id,
+        # mean log-prob of the gold answer's tokens (None: not measured)
+        "gold_logprob": sum(gold) / len(gold) if gold else None,
+        "gold_tokens": len(gold) if gold else None,
     }
 
 

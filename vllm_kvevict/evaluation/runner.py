@@ -30,7 +30,8 @@ import httpx
 from tqdm import tqdm
 
 from vllm_kvevict.launch import ServerProcess, build_server_command
-from vllm_kvevict.evaluation.client import (SERVED_NAME, complete, example_id, to_record)
+from vllm_kvevict.evaluation.client import (SERVED_NAME, complete, example_id, gold_logprobs,
+                                            to_record)
 from vllm_kvevict.evaluation.critical import FRACTION
 from vllm_kvevict.evaluation.grid import (HEAD_MASK, GridSpec, base_method, head_policy,
                                           kv_cache_dtype, per_point, ServerConfig, Setting, Sweep,
@@ -108,13 +109,15 @@ class Runner:
     def __init__(self, spec: GridSpec, examples: Sequence[Example], store: ResultStore,
                  model_dir: str, log_dir: Path, concurrency: int = 1,
                  kv_cache_bytes: int | None = None, reserved_cpus: str = "1",
-                 request_timeout_s: float = 900.0, progress: bool = True) -> None:
+                 request_timeout_s: float = 900.0, progress: bool = True,
+                 logprobs: bool = True) -> None:
         self.spec, self.examples, self.store = spec, list(examples), store
+        self.logprobs = logprobs  # a second request per example: the gold answer's log-prob
         self.model_dir, self.log_dir = model_dir, log_dir
         self.concurrency = max(1, concurrency)
         self.reserved_cpus = reserved_cpus
         self.request_timeout_s = request_timeout_s
-        longest = max(e.length + e.max_tokens for e in self.examples)
+        longest = max(e.length + max(e.max_tokens, len(e.gold_ids)) for e in self.examples)
         # Room for every request in flight at full size (no preemption), at least 512 MiB.
         need = int(1.25 * self.concurrency * (longest + 128) * kv_bytes_per_token(model_dir))
         self.kv_cache_bytes = kv_cache_bytes or max(512 << 20, need)
@@ -238,7 +241,9 @@ class Runner:
             def one(example: Example) -> tuple[dict, float]:
                 start = time.monotonic()
                 response = complete(client, base_url, example, setting)
-                return to_record(example, setting, response, self.run_id), \
+                gold = (gold_logprobs(client, base_url, example, setting)
+                        if self.logprobs else None)
+                return to_record(example, setting, response, self.run_id, gold), \
                     time.monotonic() - start
             futures = {pool.submit(one, e): e for e in todo}
             for future in cf.as_completed(futures):

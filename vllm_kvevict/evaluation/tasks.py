@@ -39,6 +39,7 @@ class Draft:
     question: str           # closes the user turn
     answer_prefix: str      # opens the assistant turn; the model continues it
     answers: tuple[str, ...]
+    gold: str = ""          # what a right answer writes after the prefix (log-prob score)
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,8 @@ class Example:
     filler_items: int
     padding: int
     allowed_token_ids: tuple[int, ...] | None = None
+    # the right answer's tokens after the prompt: its mean log-prob is the continuous score
+    gold_ids: tuple[int, ...] = ()
 
     @property
     def key(self) -> str:
@@ -157,7 +160,7 @@ def draft_niah_single(rng: random.Random, items: int) -> Draft:
     return Draft(NIAH_INSTRUCTION.format(kind="numbers"), context,
                  f"What is the special magic number for {key} mentioned in the provided text?",
                  f"The special magic number for {key} mentioned in the provided text is",
-                 (value,))
+                 (value,), f" {value}")
 
 
 def draft_niah_multikey(rng: random.Random, items: int, needles: int = 2) -> Draft:
@@ -172,7 +175,7 @@ def draft_niah_multikey(rng: random.Random, items: int, needles: int = 2) -> Dra
     return Draft(NIAH_INSTRUCTION.format(kind="numbers"), context,
                  f"What is the special magic number for {key} mentioned in the provided text?",
                  f"The special magic number for {key} mentioned in the provided text is",
-                 (values[asked],))
+                 (values[asked],), f" {values[asked]}")
 
 
 def short_uuid(rng: random.Random) -> str:
@@ -192,7 +195,7 @@ def draft_niah_uuid(rng: random.Random, items: int, needles: int = 2) -> Draft:
     return Draft(NIAH_INSTRUCTION.format(kind="uuids"), context,
                  f"What is the special magic uuid for {key} mentioned in the provided text?",
                  f"The special magic uuid for {key} mentioned in the provided text is:",
-                 (values[asked],))
+                 (values[asked],), f" {values[asked]}")
 
 
 def draft_niah_multivalue(rng: random.Random, items: int, values_count: int = 3) -> Draft:
@@ -204,7 +207,8 @@ def draft_niah_multivalue(rng: random.Random, items: int, values_count: int = 3)
                  f"What are all the special magic numbers for {key} mentioned in the provided "
                  f"text?",
                  f"The special magic numbers for {key} mentioned in the provided text are",
-                 tuple(values))
+                 tuple(values),  # the model's own layout (full attention writes this list)
+                 ":\n\n" + "\n".join(f"{i}. {v}" for i, v in enumerate(values, 1)))
 
 
 def split_count(rng: random.Random, total: int, parts: int) -> list[int]:
@@ -228,7 +232,7 @@ def draft_json_kv(rng: random.Random, items: int, entries: int = 8) -> Draft:
     return Draft("Extract the value corresponding to the specified key in the JSON object "
                  "below.\n\nJSON data:\n{", segments + ["\n}"],
                  f'Key: "{keys[asked]}"\nWhat is the value of this key?',
-                 f'The value of "{keys[asked]}" is "', (values[asked],))
+                 f'The value of "{keys[asked]}" is "', (values[asked],), values[asked])
 
 
 def draft_variable_tracking(rng: random.Random, items: int) -> Draft:
@@ -241,7 +245,8 @@ def draft_variable_tracking(rng: random.Random, items: int) -> Draft:
     return Draft("Memorize and track the chain of variable assignments hidden in the following "
                  "text.\n", context,
                  f"What is the value of the variable {names[1]}? Follow the chain of "
-                 f"assignments.", f"VAR {names[1]} = VAR", (names[0], value))
+                 f"assignments.", f"VAR {names[1]} = VAR", (names[0], value),
+                 f" {names[0]} = {value}")
 
 
 def draft_common_words(rng: random.Random, items: int, top: int = 3) -> Draft:
@@ -260,7 +265,7 @@ def draft_common_words(rng: random.Random, items: int, top: int = 3) -> Draft:
                  "than others. Memorize the ones that appear most often.\n", listing,
                  f"What are the {top} most common words in the above list?",
                  f"Answer: The top {top} words that appear most often in the list are:",
-                 tuple(frequent))
+                 tuple(frequent), " " + ", ".join(frequent))
 
 
 def draft_icl_classify(rng: random.Random, items: int, classes: int = 4) -> Draft:
@@ -282,7 +287,7 @@ def draft_icl_classify(rng: random.Random, items: int, classes: int = 4) -> Draf
     return Draft("Each item below belongs to a class, written as a number. Learn the classes "
                  "from the examples.\n", demos,
                  f"Which label does this item get?\nitem: {held_out}",
-                 "label: ", (str(label_of[asked_category]),))
+                 "label: ", (str(label_of[asked_category]),), str(label_of[asked_category]))
 
 
 TASKS: dict[str, Task] = {t.name: t for t in (
@@ -389,8 +394,11 @@ def make_example(builder: PromptBuilder, task: Task | str, length: int, index: i
         if any(len(e) != 1 for e in encoded):
             raise ValueError(f"{task.name}: every choice must be one token")
         allowed = tuple(e[0] for e in encoded)
+    if not draft.gold:
+        raise ValueError(f"{task.name}: its draft gives no gold continuation")
     return Example(task.name, task.category, length, index, ex_seed, tuple(ids), draft.answers,
-                   task.scorer, task.max_tokens, items, padding, allowed)
+                   task.scorer, task.max_tokens, items, padding, allowed,
+                   tuple(builder.encode(draft.gold)))
 
 
 def make_examples(builder: PromptBuilder, tasks: Sequence[str], lengths: Sequence[int],
