@@ -315,7 +315,8 @@ def test_report_writes_the_table_and_the_plot(tmp_path):
     table, plot = report(results, tmp_path / "out", replicates=50, seed=0,
                          command="python -m vllm_kvevict.evaluation run X")
     text = table.read_text()
-    for needle in ("**Prefill chunk 256**", "**Prefill chunk 1024**", "→ PruLong",
+    for needle in ("**2048-token prompts, prefill chunk 256**",
+                       "**2048-token prompts, prefill chunk 1024**", "→ PruLong",
                    "PyramidKV (naive)", "→ PyramidKV (patched)", "| Method | Recall | ICL |",
                    "measured footprint", "## Full attention", "run X"):
         assert needle in text, needle
@@ -426,7 +427,7 @@ def test_fp8_variants_serve_with_an_fp8_cache_and_close_with_fp8_streaming():
     for method, sparsity, score in (("full", None, 1.0), ("full@fp8", None, 0.5),
                                     ("prulong@fp8", 0.5, 1.0), ("streaming@fp8", None, 0.0)):
         records.append({"setting": method, "method": method, "eviction": None,
-                        "sparsity": sparsity, "chunk": 128, "example": "e0", "task": "t",
+                        "sparsity": sparsity, "chunk": 128, "length": 2048, "example": "e0", "task": "t",
                         "category": "recall", "score": score, "footprint": 1.0,
                         "measured_footprint": 1.0, "peak_kv": 1.0})
     curves, _ = build_curves(records)

@@ -45,6 +45,16 @@ class Curve:
     footprints: dict[str, np.ndarray]     # metric -> [settings, examples]
     full_scores: np.ndarray               # [examples]
     task_columns: dict[str, np.ndarray] = field(default_factory=dict)
+    length: int = 0                       # prompt length of the examples (tokens)
+    # mean log-prob of each example's gold answer [settings, examples] and under full
+    # attention [examples]; None when some record lacks it (a run without log-probs)
+    logprobs: np.ndarray | None = None
+    full_logprobs: np.ndarray | None = None
+
+    @property
+    def section(self) -> tuple[int, int]:
+        """(prompt length, chunk): the report's table sections and plot rows."""
+        return self.length, self.chunk
 
     def __post_init__(self) -> None:
         self.task_columns = {t: np.array([i for i, u in enumerate(self.tasks) if u == t])
@@ -88,6 +98,17 @@ class Curve:
                  level: float = 0.95) -> tuple[Critical, Critical]:
         return percentile_interval(self.bootstrap(replicates, seed, metric), level)
 
+    def draws(self, replicates: int, seed: int) -> list[dict[str, np.ndarray]]:
+        """The bootstrap's column draws (the same seed gives `bootstrap` the same ones)."""
+        rng = np.random.default_rng(seed)
+        return [{t: rng.choice(cols, size=cols.size, replace=True)
+                 for t, cols in self.task_columns.items()} for _ in range(replicates)]
+
+    def logprob_gap(self, picks=None) -> np.ndarray:
+        """Per point, the gold answer's mean log-prob minus full attention's (nats per token,
+        aggregated as scores are: mean over tasks of task means; paired per example)."""
+        return self.aggregate(self.logprobs - self.full_logprobs, picks)
+
 
 def _sparsity_of(record: dict) -> float:
     return 1.0 if record["method"].partition("@")[0] == "streaming" else float(
@@ -100,8 +121,8 @@ def build_curves(records: Iterable[dict]) -> tuple[list[Curve], list[str]]:
     partial run is reported on what it has, with a note)."""
     records = list(records)
     notes: list[str] = []
-    # (label, chunk) -> sparsity -> example -> record
-    table: dict[tuple[str, int], dict[float, dict[str, dict]]] = defaultdict(
+    # (label, chunk, prompt length) -> sparsity -> example -> record
+    table: dict[tuple[str, int, int], dict[float, dict[str, dict]]] = defaultdict(
         lambda: defaultdict(dict))
     task_of: dict[str, tuple[str, str]] = {}
     replaced: set[tuple[str, int, float]] = set()
@@ -109,12 +130,12 @@ def build_curves(records: Iterable[dict]) -> tuple[list[Curve], list[str]]:
     def put(label: str, chunk: int, sparsity: float, r: dict) -> None:
         # Two settings on one curve point (e.g. a run with an older mask in the same file):
         # the newest run wins, and the report says so.
-        old = table[(label, chunk)][sparsity].get(r["example"])
+        old = table[(label, chunk, r["length"])][sparsity].get(r["example"])
         if old is not None and old["setting"] != r["setting"]:
             replaced.add((label, chunk, sparsity))
             if old.get("run", "") > r.get("run", ""):
                 return
-        table[(label, chunk)][sparsity][r["example"]] = r
+        table[(label, chunk, r["length"])][sparsity][r["example"]] = r
 
     for r in records:
         task_of[r["example"]] = (r["task"], r["category"])
@@ -130,13 +151,13 @@ def build_curves(records: Iterable[dict]) -> tuple[list[Curve], list[str]]:
               f"(different masks?); the newest run's are used" for label, chunk, s in
               sorted(replaced)]
     curves = []
-    for (label, chunk), points in sorted(table.items()):
+    for (label, chunk, length), points in sorted(table.items()):
         if label == "full":
             continue
-        full = table.get(("full", chunk), {}).get(0.0)
+        full = table.get(("full", chunk, length), {}).get(0.0)
         if not full:
-            notes.append(f"{label} at chunk {chunk}: no full-attention run at this chunk; "
-                         f"skipped")
+            notes.append(f"{label} at chunk {chunk}, {length} tokens: no full-attention run "
+                         f"there; skipped")
             continue
         sparsities = sorted(points)
         if label.partition("@")[0] in HEAD_MASK_METHODS and sparsities == [1.0]:
@@ -156,9 +177,15 @@ def build_curves(records: Iterable[dict]) -> tuple[list[Curve], list[str]]:
             scores = np.array([[points[s][e]["score"] for e in examples] for s in sparsities])
             foot = {m: np.array([[_metric(points[s][e], m) for e in examples]
                                  for s in sparsities]) for m in FOOTPRINT_METRICS}
+            gold = [[points[s][e].get("gold_logprob") for e in examples] for s in sparsities]
+            full_gold = [full[e].get("gold_logprob") for e in examples]
+            measured = all(x is not None for row in gold + [full_gold] for x in row)
             curves.append(Curve(label, chunk, category, sparsities,
                                 [task_of[e][0] for e in examples], examples, scores, foot,
-                                np.array([full[e]["score"] for e in examples])))
+                                np.array([full[e]["score"] for e in examples]), length=length,
+                                logprobs=np.array(gold, dtype=float) if measured else None,
+                                full_logprobs=np.array(full_gold, dtype=float)
+                                if measured else None))
     return curves, notes
 
 

@@ -65,21 +65,30 @@ def _order(curves: Sequence[Curve]) -> list[str]:
     return [m for m in ROW_ORDER if m in present] + sorted(present - set(ROW_ORDER))
 
 
+def sections(curves: Sequence[Curve]) -> list[tuple[int, int]]:
+    """(prompt length, chunk) pairs, in order."""
+    return sorted({c.section for c in curves})
+
+
+def section_title(section: tuple[int, int]) -> str:
+    length, chunk = section
+    return f"{length}-token prompts, prefill chunk {chunk}"
+
+
 def critical_table(curves: Sequence[Curve], metric: str, replicates: int, seed: int) -> str:
     lines = []
-    chunks = sorted({c.chunk for c in curves})
     categories = categories_of(curves)
-    by_key = {(c.method, c.chunk, c.category): c for c in curves}
-    for chunk in chunks:
-        lines += [f"**Prefill chunk {chunk}** — critical {METRIC_TITLES[metric]} (%) ↓, "
+    by_key = {(c.method, c.section, c.category): c for c in curves}
+    for section in sections(curves):
+        lines += [f"**{section_title(section)}** — critical {METRIC_TITLES[metric]} (%) ↓, "
                   f"bootstrap 95 % interval in brackets", "",
                   "| Method | " + " | ".join(CATEGORY_TITLES.get(c, c) for c in categories)
                   + " |",
                   "|---|" + "---:|" * len(categories)]
-        for method in _order([c for c in curves if c.chunk == chunk]):
+        for method in _order([c for c in curves if c.section == section]):
             cells = []
             for category in categories:
-                curve = by_key.get((method, chunk, category))
+                curve = by_key.get((method, section, category))
                 if curve is None:
                     cells.append("–")
                     continue
@@ -92,33 +101,37 @@ def critical_table(curves: Sequence[Curve], metric: str, replicates: int, seed: 
 
 
 def full_scores_table(records: Sequence[dict]) -> str:
-    per: dict[tuple[int, str, str], list[float]] = defaultdict(list)
+    per: dict[tuple[int, int, str, str], list[dict]] = defaultdict(list)
     for r in records:
         if r["method"] == "full":
-            per[(r["chunk"], r["category"], r["task"])].append(r["score"])
-    lines = ["| chunk | category | task | examples | full-attention score (%) |",
-             "|---:|---|---|---:|---:|"]
-    for (chunk, category, task), scores in sorted(per.items()):
-        lines.append(f"| {chunk} | {category} | {task} | {len(scores)} | "
-                     f"{100 * np.mean(scores):.1f} |")
+            per[(r["length"], r["chunk"], r["category"], r["task"])].append(r)
+    lines = ["| prompt | chunk | category | task | examples | full-attention score (%) | "
+             "gold log-prob (nats/token) |", "|---:|---:|---|---|---:|---:|---:|"]
+    for (length, chunk, category, task), rs in sorted(per.items()):
+        gold = [r["gold_logprob"] for r in rs if r.get("gold_logprob") is not None]
+        lines.append(f"| {length} | {chunk} | {category} | {task} | {len(rs)} | "
+                     f"{100 * np.mean([r['score'] for r in rs]):.1f} | "
+                     f"{f'{np.mean(gold):.3f}' if gold else '–'} |")
     return "\n".join(lines)
 
 
 def points_table(curves: Sequence[Curve]) -> str:
-    lines = ["| chunk | method | category | sparsity | examples | footprint % | measured % | "
-             "peak KV % | score % | % of full |", "|---:|---|---|---:|---:|---:|---:|---:|---:|"
-             "---:|"]
-    for c in sorted(curves, key=lambda c: (c.chunk, _order(curves).index(c.method),
+    lines = ["| prompt | chunk | method | category | sparsity | examples | footprint % | "
+             "measured % | peak KV % | score % | % of full | log-prob - full |",
+             "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for c in sorted(curves, key=lambda c: (c.section, _order(curves).index(c.method),
                                            c.category)):
         full = c.full_score()
         foot, meas, peak = (c.point_footprints(m) for m in
                             ("footprint", "measured_footprint", "peak_kv"))
+        gap = c.logprob_gap() if c.logprobs is not None else None
         for i, s in enumerate(c.sparsities):
             score = c.point_scores()[i]
             rel = f"{100 * score / full:.0f}" if full > 0 else "n/a"
-            lines.append(f"| {c.chunk} | {c.method} | {c.category} | {s:g} | "
+            lp = "–" if gap is None else f"{gap[i]:+.3f}"
+            lines.append(f"| {c.length} | {c.chunk} | {c.method} | {c.category} | {s:g} | "
                          f"{len(c.examples)} | {100 * foot[i]:.1f} | {100 * meas[i]:.1f} | "
-                         f"{100 * peak[i]:.1f} | {100 * score:.1f} | {rel} |")
+                         f"{100 * peak[i]:.1f} | {100 * score:.1f} | {rel} | {lp} |")
     return "\n".join(lines)
 
 
@@ -142,49 +155,88 @@ def probability_lower(a: Curve, b: Curve, replicates: int, seed: int,
 
 
 def comparisons_table(curves: Sequence[Curve], replicates: int, seed: int) -> str:
-    by_key = {(c.method, c.chunk, c.category): c for c in curves}
-    lines = ["| chunk | category | candidate | baseline | critical % (candidate / baseline) "
-             "| P(candidate lower) |", "|---:|---|---|---|---|---:|"]
-    for chunk in sorted({c.chunk for c in curves}):
+    by_key = {(c.method, c.section, c.category): c for c in curves}
+    lines = ["| prompt | chunk | category | candidate | baseline | critical % (candidate / "
+             "baseline) | P(candidate lower) |", "|---:|---:|---|---|---|---|---:|"]
+    for section in sections(curves):
         for category in categories_of(curves):
             for cand, base in PAIRS:
-                a, b = by_key.get((cand, chunk, category)), by_key.get((base, chunk, category))
+                a = by_key.get((cand, section, category))
+                b = by_key.get((base, section, category))
                 if a is None or b is None:
                     continue
                 p = probability_lower(a, b, replicates, seed)
-                lines.append(f"| {chunk} | {category} | {cand} | {base} | "
+                lines.append(f"| {section[0]} | {section[1]} | {category} | {cand} | {base} | "
                              f"{a.critical().format()} / {b.critical().format()} | "
                              f"{'n/a' if p is None else f'{p:.2f}'} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def logprob_comparisons_table(curves: Sequence[Curve], replicates: int, seed: int) -> str:
+    """The same pairs on the continuous score: at the sparsities both ran, the mean over those
+    points of (candidate's gold log-prob - baseline's), nats per token, with a paired bootstrap
+    interval over examples, and the share of replicates in which the candidate is higher."""
+    by_key = {(c.method, c.section, c.category): c for c in curves}
+    lines = ["| prompt | chunk | category | candidate | baseline | sparsities | log-prob "
+             "difference [95 %] | P(candidate higher) |", "|---:|---:|---|---|---|---|---|---:|"]
+    for section in sections(curves):
+        for category in categories_of(curves):
+            for cand, base in PAIRS:
+                a = by_key.get((cand, section, category))
+                b = by_key.get((base, section, category))
+                if (a is None or b is None or a.logprobs is None or b.logprobs is None
+                        or a.examples != b.examples):
+                    continue
+                shared = sorted(set(a.sparsities) & set(b.sparsities) - {1.0})
+                if not shared:
+                    continue
+                ia = [a.sparsities.index(x) for x in shared]
+                ib = [b.sparsities.index(x) for x in shared]
+                diff = lambda picks=None: float(np.mean(
+                    a.logprob_gap(picks)[ia] - b.logprob_gap(picks)[ib]))
+                reps = np.array([diff(p) for p in a.draws(replicates, seed)])
+                lo, hi = np.percentile(reps, [2.5, 97.5])
+                lines.append(f"| {section[0]} | {section[1]} | {category} | {cand} | {base} | "
+                             f"{', '.join(f'{x:g}' for x in shared)} | {diff():+.4f} "
+                             f"[{lo:+.4f}, {hi:+.4f}] | {float(np.mean(reps > 0)):.2f} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def chunk_sensitivity_table(curves: Sequence[Curve]) -> str:
     """Score at the smallest chunk minus the score at the largest, at the sparsities both ran
     (the paper's Figure 4, left: smaller chunks lose score at equal settings)."""
-    chunks = sorted({c.chunk for c in curves})
-    if len(chunks) < 2:
-        return ""
-    small, large = chunks[0], chunks[-1]
-    by_key = {(c.method, c.chunk, c.category): c for c in curves}
-    lines = [f"| method | category | sparsities | score at chunk {small} - at {large} "
-             f"(points) | footprint at {small} - at {large} (points) |",
-             "|---|---|---|---:|---:|"]
-    for method in _order(curves):
-        for category in categories_of(curves):
-            a, b = by_key.get((method, small, category)), by_key.get((method, large, category))
-            if a is None or b is None:
-                continue
-            shared = sorted(set(a.sparsities) & set(b.sparsities))
-            if not shared:
-                continue
-            ia = [a.sparsities.index(s) for s in shared]
-            ib = [b.sparsities.index(s) for s in shared]
-            d_score = np.mean(a.point_scores()[ia] - b.point_scores()[ib])
-            d_foot = np.mean(a.point_footprints()[ia] - b.point_footprints()[ib])
-            lines.append(f"| {DISPLAY.get(method, method)} | {category} | "
-                         f"{', '.join(f'{s:g}' for s in shared)} | {100 * d_score:+.1f} | "
-                         f"{100 * d_foot:+.1f} |")
+    by_key = {(c.method, c.length, c.chunk, c.category): c for c in curves}
+    lines = ["| prompt | method | category | sparsities | chunks (small, large) | score at the "
+             "small chunk - at the large (points) | footprint, the same (points) |",
+             "|---:|---|---|---|---|---:|---:|"]
+    for length in sorted({c.length for c in curves}):
+        chunks = sorted({c.chunk for c in curves if c.length == length})
+        if len(chunks) < 2:
+            continue
+        small, large = chunks[0], chunks[-1]
+        for method in _order(curves):
+            for category in categories_of(curves):
+                a = by_key.get((method, length, small, category))
+                b = by_key.get((method, length, large, category))
+                if a is not None and b is not None:
+                    row = _sensitivity_row(a, b)
+                    if row:
+                        lines.append(f"| {length} | {DISPLAY.get(method, method)} | {category} "
+                                     f"| {row[0]} | {small}, {large} | {row[1]} | {row[2]} |")
     return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def _sensitivity_row(a: Curve, b: Curve) -> tuple[str, str, str] | None:
+    """(sparsities both ran, mean score difference, mean footprint difference) in points."""
+    shared = sorted(set(a.sparsities) & set(b.sparsities))
+    if not shared:
+        return None
+    ia = [a.sparsities.index(s) for s in shared]
+    ib = [b.sparsities.index(s) for s in shared]
+    d_score = np.mean(a.point_scores()[ia] - b.point_scores()[ib])
+    d_foot = np.mean(a.point_footprints()[ia] - b.point_footprints()[ib])
+    return (", ".join(f"{s:g}" for s in shared), f"{100 * d_score:+.1f}",
+            f"{100 * d_foot:+.1f}")
 
 
 def write_table(records: Sequence[dict], curves: Sequence[Curve], notes: Sequence[str],
@@ -207,6 +259,15 @@ def write_table(records: Sequence[dict], curves: Sequence[Curve], notes: Sequenc
         text += ["## The paper's comparisons", "",
                  "P(candidate lower): share of paired bootstrap replicates in which the "
                  "candidate's critical footprint is below the baseline's.", "", pairs, ""]
+    gold = logprob_comparisons_table(curves, replicates, seed)
+    if gold:
+        text += ["## The same comparisons on the gold answer's log-prob", "",
+                 "The continuous score: each example's gold answer teacher-forced through the "
+                 "policy (`vllm_xargs.kv_teacher_forced` with `prompt_logprobs`), its mean "
+                 "log-prob per token minus full attention's on the same example; the column "
+                 "is the candidate's minus the baseline's, averaged over the sparsities both "
+                 "ran (head-mask curves without the streaming point). Positive: the candidate "
+                 "keeps the answer more likely.", "", gold, ""]
     sensitivity = chunk_sensitivity_table(curves)
     if sensitivity:
         text += ["## Chunk-size sensitivity", "", sensitivity, ""]
@@ -228,14 +289,14 @@ def plot_pareto(curves: Sequence[Curve], path: Path, metric: str = "footprint") 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    chunks = sorted({c.chunk for c in curves})
+    rows = sections(curves)
     categories = categories_of(curves)
-    fig, axes = plt.subplots(len(chunks), len(categories), squeeze=False,
-                             figsize=(4.2 * len(categories), 3.4 * len(chunks)))
-    for row, chunk in enumerate(chunks):
+    fig, axes = plt.subplots(len(rows), len(categories), squeeze=False,
+                             figsize=(4.2 * len(categories), 3.4 * len(rows)))
+    for row, section in enumerate(rows):
         for col, category in enumerate(categories):
             ax = axes[row][col]
-            here = [c for c in curves if c.chunk == chunk and c.category == category]
+            here = [c for c in curves if c.section == section and c.category == category]
             full = None
             for c in sorted(here, key=lambda c: _order(curves).index(c.method)):
                 x = 100 * c.point_footprints(metric)
@@ -247,12 +308,12 @@ def plot_pareto(curves: Sequence[Curve], path: Path, metric: str = "footprint") 
             if full is not None:
                 ax.axhline(full, color="gray", ls="--", lw=1.0)
                 ax.axhline(FRACTION * full, color="red", ls="--", lw=1.0)
-            ax.set_title(f"{CATEGORY_TITLES.get(category, category)} — chunk {chunk}",
-                         fontsize=10)
+            ax.set_title(f"{CATEGORY_TITLES.get(category, category)} — {section[0]} tokens, "
+                         f"chunk {section[1]}", fontsize=10)
             ax.set_xlim(0, 102)
             ax.set_ylim(0, 105)
             ax.grid(alpha=0.3)
-            if row == len(chunks) - 1:
+            if row == len(rows) - 1:
                 ax.set_xlabel(f"{METRIC_TITLES[metric]} (%)")
             if col == 0:
                 ax.set_ylabel("score (%)")

@@ -211,6 +211,22 @@ def draft_niah_multivalue(rng: random.Random, items: int, values_count: int = 3)
                  ":\n\n" + "\n".join(f"{i}. {v}" for i, v in enumerate(values, 1)))
 
 
+def draft_passkey(rng: random.Random, items: int) -> Draft:
+    # The oldest long-context retrieval test (Mohtashami & Jaggi's passkey, in RULER's noise):
+    # one 5-digit key, stated twice in its sentence.
+    value = number(rng, 5)
+    needle = f" The pass key is {value}. Remember it. {value} is the pass key."
+    context = insert_at_depths(noise(items), [needle], spread_depths(rng, 1))
+    return Draft("There is an important piece of information hidden inside a lot of irrelevant "
+                 "text. Find it and memorize it. I will quiz you about it afterwards.\n",
+                 context, "What is the pass key mentioned in the provided text?",
+                 "The pass key mentioned in the provided text is:", (value,), f" {value}")
+
+
+def draft_niah_multivalue2(rng: random.Random, items: int) -> Draft:
+    return draft_niah_multivalue(rng, items, values_count=2)
+
+
 def split_count(rng: random.Random, total: int, parts: int) -> list[int]:
     """`total` filler items cut into `parts` random non-negative sizes."""
     cuts = sorted(rng.randint(0, total) for _ in range(parts - 1))
@@ -299,6 +315,10 @@ TASKS: dict[str, Task] = {t.name: t for t in (
          "2 word-keyed 6-hex-digit ids, one asked"),
     Task("niah_multivalue", "recall", "recall", 32, draft_niah_multivalue,
          "3 numbers under the same key, all asked (score: share recalled)"),
+    Task("passkey", "recall", "recall", 12, draft_passkey,
+         "one 5-digit pass key, stated twice in one sentence, in RULER's noise"),
+    Task("niah_multivalue2", "recall", "recall", 24, draft_niah_multivalue2,
+         "2 numbers under the same key, both asked (score: share recalled)"),
     Task("json_kv", "recall", "recall", 12, draft_json_kv,
          "a JSON object of 8 word keys with 4-digit values between noise comments, one asked"),
     Task("variable_tracking", "tracing", "recall", 24, draft_variable_tracking,
