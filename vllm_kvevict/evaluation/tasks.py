@@ -452,7 +452,7 @@ def load_tokenizer(model_dir: str | None = None):
     return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
 
 
-# Tasks on which full attention on the bundled model scores well enough to measure 90 % of
-# it (README.md: baselines); the others stay available with --tasks.
-DEFAULT_TASKS = ("niah_single", "niah_multikey", "niah_uuid", "niah_multivalue",
-                 "icl_classify")
+# Tasks on which full attention on the bundled model scores >= 80 % at 2K tokens (README.md:
+# baselines), so 90 % of it is measurable; the others stay available with --tasks (ICL, at
+# 50 % / 38 % at 2K / 4K, left the headline).
+DEFAULT_TASKS = ("niah_single", "niah_multikey", "passkey", "niah_multivalue2")
