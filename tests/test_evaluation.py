@@ -539,3 +539,36 @@ def test_smoke_run_through_real_servers_resumes_and_reports(bundled_model_dir, t
 
     table, plot = report(tmp_path / "results.jsonl", tmp_path / "report", replicates=20)
     assert "→ SnapKV (patched)" in table.read_text() and plot.exists()
+
+
+def test_logprob_gap_and_paired_comparison_find_a_known_difference():
+    """Gold log-probs: candidate (prulong) 0.02 nats/token above baseline (duo) at every
+    point, plus per-example noise shared by both (paired) and a little of its own: the
+    comparison finds +0.02 with an interval that excludes 0; a run without log-probs gives
+    no curve log-probs and no table."""
+    from vllm_kvevict.evaluation.report import logprob_comparisons_table
+
+    rng = random.Random(1)
+    records = [r for r in synthetic_records() if r["method"] in ("full", "streaming", "prulong")]
+    base = {r["example"]: rng.uniform(-1.0, -0.2) for r in records}
+    duo = [dict(r, method="duo", setting=r["setting"].replace("prulong", "duo"))
+           for r in records if r["method"] == "prulong"]
+    for r in records + duo:
+        s = r["sparsity"] or 0.0
+        shift = {"full": 0.0, "streaming": -2.0, "prulong": -0.3 * s,
+                 "duo": -0.3 * s - 0.02}[r["method"]]
+        r["gold_logprob"] = base[r["example"]] + shift + rng.uniform(-0.005, 0.005)
+    curves, _ = build_curves(records + duo)
+    prulong = next(c for c in curves if (c.method, c.chunk, c.category) == ("prulong", 256,
+                                                                              "recall"))
+    gap = prulong.logprob_gap()
+    assert gap[0] == pytest.approx(-0.03, abs=0.01) and gap[-1] == pytest.approx(-2.0, abs=0.01)
+    table = logprob_comparisons_table(curves, replicates=200, seed=0)
+    row = next(line for line in table.splitlines() if "| 256 | recall | prulong | duo |" in line)
+    mean, interval = row.split(" | ")[6].split(" [")
+    lo, hi = (float(x) for x in interval.rstrip("]").split(", "))
+    assert float(mean) == pytest.approx(0.02, abs=0.005) and 0 < lo <= hi < 0.04
+    assert row.endswith("| 1.00 |")  # higher in every replicate
+    without = build_curves(synthetic_records())[0]
+    assert all(c.logprobs is None for c in without)
+    assert logprob_comparisons_table(without, 50, 0) == ""
