@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -154,21 +154,30 @@ def probability_lower(a: Curve, b: Curve, replicates: int, seed: int,
     return wins / len(xs)
 
 
-def comparisons_table(curves: Sequence[Curve], replicates: int, seed: int) -> str:
+def pairs(curves: Sequence[Curve]) -> Iterator[tuple[Curve, Curve]]:
+    """(candidate, baseline) curves of each of PAIRS, per section and category, where both
+    were run."""
     by_key = {(c.method, c.section, c.category): c for c in curves}
-    lines = ["| prompt | chunk | category | candidate | baseline | critical % (candidate / "
-             "baseline) | P(candidate lower) |", "|---:|---:|---|---|---|---|---:|"]
     for section in sections(curves):
         for category in categories_of(curves):
             for cand, base in PAIRS:
                 a = by_key.get((cand, section, category))
                 b = by_key.get((base, section, category))
-                if a is None or b is None:
-                    continue
-                p = probability_lower(a, b, replicates, seed)
-                lines.append(f"| {section[0]} | {section[1]} | {category} | {cand} | {base} | "
-                             f"{a.critical().format()} / {b.critical().format()} | "
-                             f"{'n/a' if p is None else f'{p:.2f}'} |")
+                if a is not None and b is not None:
+                    yield a, b
+
+
+def _pair_cells(a: Curve, b: Curve) -> str:
+    return f"| {a.length} | {a.chunk} | {a.category} | {a.method} | {b.method} |"
+
+
+def comparisons_table(curves: Sequence[Curve], replicates: int, seed: int) -> str:
+    lines = ["| prompt | chunk | category | candidate | baseline | critical % (candidate / "
+             "baseline) | P(candidate lower) |", "|---:|---:|---|---|---|---|---:|"]
+    for a, b in pairs(curves):
+        p = probability_lower(a, b, replicates, seed)
+        lines.append(f"{_pair_cells(a, b)} {a.critical().format()} / {b.critical().format()} "
+                     f"| {'n/a' if p is None else f'{p:.2f}'} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
@@ -176,29 +185,22 @@ def logprob_comparisons_table(curves: Sequence[Curve], replicates: int, seed: in
     """The same pairs on the continuous score: at the sparsities both ran, the mean over those
     points of (candidate's gold log-prob - baseline's), nats per token, with a paired bootstrap
     interval over examples, and the share of replicates in which the candidate is higher."""
-    by_key = {(c.method, c.section, c.category): c for c in curves}
     lines = ["| prompt | chunk | category | candidate | baseline | sparsities | log-prob "
              "difference [95 %] | P(candidate higher) |", "|---:|---:|---|---|---|---|---|---:|"]
-    for section in sections(curves):
-        for category in categories_of(curves):
-            for cand, base in PAIRS:
-                a = by_key.get((cand, section, category))
-                b = by_key.get((base, section, category))
-                if (a is None or b is None or a.logprobs is None or b.logprobs is None
-                        or a.examples != b.examples):
-                    continue
-                shared = sorted(set(a.sparsities) & set(b.sparsities) - {1.0})
-                if not shared:
-                    continue
-                ia = [a.sparsities.index(x) for x in shared]
-                ib = [b.sparsities.index(x) for x in shared]
-                diff = lambda picks=None: float(np.mean(
-                    a.logprob_gap(picks)[ia] - b.logprob_gap(picks)[ib]))
-                reps = np.array([diff(p) for p in a.draws(replicates, seed)])
-                lo, hi = np.percentile(reps, [2.5, 97.5])
-                lines.append(f"| {section[0]} | {section[1]} | {category} | {cand} | {base} | "
-                             f"{', '.join(f'{x:g}' for x in shared)} | {diff():+.4f} "
-                             f"[{lo:+.4f}, {hi:+.4f}] | {float(np.mean(reps > 0)):.2f} |")
+    for a, b in pairs(curves):
+        if a.logprobs is None or b.logprobs is None or a.examples != b.examples:
+            continue
+        shared = sorted(set(a.sparsities) & set(b.sparsities) - {1.0})
+        if not shared:
+            continue
+        ia = [a.sparsities.index(x) for x in shared]
+        ib = [b.sparsities.index(x) for x in shared]
+        diff = lambda picks=None: float(np.mean(a.logprob_gap(picks)[ia]
+                                                - b.logprob_gap(picks)[ib]))
+        reps = np.array([diff(p) for p in a.draws(replicates, seed)])
+        lo, hi = np.percentile(reps, [2.5, 97.5])
+        lines.append(f"{_pair_cells(a, b)} {', '.join(f'{x:g}' for x in shared)} | "
+                     f"{diff():+.4f} [{lo:+.4f}, {hi:+.4f}] | {float(np.mean(reps > 0)):.2f} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
