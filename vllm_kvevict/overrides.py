@@ -107,10 +107,10 @@ def request_overrides(extra_args: Any, policy: str) -> dict[str, Any]:
 
 def teacher_forced(extra_args: Any) -> int:
     """The request's teacher-forced tail n (0: none; engine side: an invalid value is ignored)."""
-    value = extra_args.get(TEACHER_FORCED) if isinstance(extra_args, dict) else None
-    if override_error(TEACHER_FORCED, value, "full") is not None:
-        return 0
-    return value
+    if not isinstance(extra_args, dict) or TEACHER_FORCED not in extra_args:
+        return 0  # the common case, every step of every request: no message built
+    value = extra_args[TEACHER_FORCED]
+    return 0 if override_error(TEACHER_FORCED, value, "full") is not None else value
 
 
 def policy_prompt_len(num_prompt_tokens: int, extra_args: Any) -> int:
