@@ -86,20 +86,16 @@ class Curve:
 
     def bootstrap(self, replicates: int, seed: int, metric: str = "footprint",
                   fraction: float = FRACTION) -> list[Critical]:
-        rng = np.random.default_rng(seed)
-        out = []
-        for _ in range(replicates):
-            picks = {t: rng.choice(cols, size=cols.size, replace=True)
-                     for t, cols in self.task_columns.items()}
-            out.append(self.critical(metric, picks, fraction))
-        return out
+        return [self.critical(metric, picks, fraction)
+                for picks in self.draws(replicates, seed)]
 
     def interval(self, replicates: int, seed: int, metric: str = "footprint",
                  level: float = 0.95) -> tuple[Critical, Critical]:
         return percentile_interval(self.bootstrap(replicates, seed, metric), level)
 
     def draws(self, replicates: int, seed: int) -> list[dict[str, np.ndarray]]:
-        """The bootstrap's column draws (the same seed gives `bootstrap` the same ones)."""
+        """The bootstrap's column draws (paired: every curve with the same examples and seed
+        gets the same ones)."""
         rng = np.random.default_rng(seed)
         return [{t: rng.choice(cols, size=cols.size, replace=True)
                  for t, cols in self.task_columns.items()} for _ in range(replicates)]

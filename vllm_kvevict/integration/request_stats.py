@@ -17,7 +17,8 @@ from vllm_kvevict.features import speculative_slack
 from vllm_kvevict.integration.connector_stats import (PENDING_LIMIT, SNAPSHOT_INTERVAL_S,
                                                       KVEvictConnectorStats)
 from vllm_kvevict.integration.fp8 import is_fp8
-from vllm_kvevict.overrides import effective_config, policy_prompt_len
+from vllm_kvevict.integration.token_ledger import prompt_len
+from vllm_kvevict.overrides import effective_config
 from vllm_kvevict.served import ServedPolicy
 from vllm_kvevict.stats import ByteLayout, RequestRecord, finite_or_none, footprint_function
 
@@ -134,11 +135,10 @@ class RequestStatsTracker:
         extra_args = getattr(params, "extra_args", None)
         _, overrides = effective_config(self.cfg, extra_args)
         # a teacher-forced tail is served (and counted) as decode tokens
-        forced = request.num_prompt_tokens - policy_prompt_len(request.num_prompt_tokens,
-                                                               extra_args)
+        policy_prompt = prompt_len(request)
         self.records[request.request_id] = RequestRecord(
-            request_id=request.request_id, prompt_len=request.num_prompt_tokens - forced,
-            teacher_forced=forced,
+            request_id=request.request_id, prompt_len=policy_prompt,
+            teacher_forced=request.num_prompt_tokens - policy_prompt,
             arrival_time=getattr(request, "arrival_time", None), layout=self.layout,
             overrides=overrides)
         self._requests[request.request_id] = request
