@@ -539,6 +539,7 @@ def test_smoke_run_through_real_servers_resumes_and_reports(bundled_model_dir, t
 
     table, plot = report(tmp_path / "results.jsonl", tmp_path / "report", replicates=20)
     assert "→ SnapKV (patched)" in table.read_text() and plot.exists()
+    assert (tmp_path / "report" / "logprob.png").exists()  # the smoke run scored log-probs
 
 
 def test_logprob_gap_and_paired_comparison_find_a_known_difference():
@@ -568,7 +569,36 @@ def test_logprob_gap_and_paired_comparison_find_a_known_difference():
     mean, interval = row.split(" | ")[6].split(" [")
     lo, hi = (float(x) for x in interval.rstrip("]").split(", "))
     assert float(mean) == pytest.approx(0.02, abs=0.005) and 0 < lo <= hi < 0.04
-    assert row.endswith("| 1.00 |")  # higher in every replicate
+    assert row.split(" | ")[7] == "1.00"  # higher in every replicate
+    # Same footprints at equal sparsity: the matched-footprint column defers to it.
+    assert "as at equal sparsity" in row
     without = build_curves(synthetic_records())[0]
     assert all(c.logprobs is None for c in without)
     assert logprob_comparisons_table(without, 50, 0) == ""
+
+
+@pytest.mark.parametrize("shift", [0.0, 0.1])
+def test_matched_footprint_comparison_undoes_a_footprint_offset(shift, tmp_path):
+    """Naive and patched eviction on one log-prob-vs-footprint line (gap = -2 x (1 -
+    footprint)), patched `shift` above it, but patched evicting more at each sparsity: at
+    equal sparsity patched looks worse, at matched footprint the difference is `shift`."""
+    from vllm_kvevict.evaluation.report import logprob_comparisons_table, plot_pareto
+
+    records = [r for r in synthetic_records() if r["method"] == "full"
+               or r["method"] == "pyramidkv"]
+    for r in records:
+        if r["method"] == "pyramidkv":
+            s = r["sparsity"]
+            r["footprint"] = 1.0 - (0.9 if r["eviction"] == "patched" else 0.5) * s
+        r["gold_logprob"] = -0.5 - 2.0 * (1.0 - r["footprint"]) + (
+            shift if r["eviction"] == "patched" else 0.0)
+    curves, _ = build_curves(records)
+    table = logprob_comparisons_table(curves, replicates=50, seed=0)
+    row = next(line for line in table.splitlines()
+               if "| 256 | recall | pyramidkv-patched | pyramidkv-naive |" in line)
+    cells = row.split(" | ")
+    assert float(cells[6].split(" [")[0]) == pytest.approx(-0.4 * 0.5 * 2.0 + shift, abs=1e-6)
+    assert cells[8] == "55.0–91.0"  # naive at p 0.9 .. patched at p 0.1
+    assert float(cells[9].split(" [")[0]) == pytest.approx(shift, abs=1e-6)
+    plot_pareto(curves, tmp_path / "logprob.png", y="logprob")
+    assert (tmp_path / "logprob.png").stat().st_size > 10_000

@@ -105,6 +105,14 @@ class Curve:
         aggregated as scores are: mean over tasks of task means; paired per example)."""
         return self.aggregate(self.logprobs - self.full_logprobs, picks)
 
+    def logprob_at(self, footprints: np.ndarray, metric: str = "footprint",
+                   picks=None) -> np.ndarray:
+        """The log-prob gap read off the curve at the given footprints: linear between its
+        points ordered by footprint (the Pareto plot's line), clamped at its ends."""
+        x = self.point_footprints(metric, picks)
+        order = np.argsort(x, kind="stable")
+        return np.interp(footprints, x[order], self.logprob_gap(picks)[order])
+
 
 def _sparsity_of(record: dict) -> float:
     return 1.0 if record["method"].partition("@")[0] == "streaming" else float(

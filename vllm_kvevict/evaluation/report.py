@@ -7,8 +7,10 @@ table.md: per chunk size, one row per method (the paper's order: DuoAttention ->
 PyramidKV naive -> patched, SnapKV naive -> patched), one column per task category, each cell
 the critical footprint in % with its bootstrap 95 % interval; then the same for the measured
 footprint (real KV bytes), full attention's scores, and every curve point.
-pareto.png: score vs KV footprint per category (columns) and chunk size (rows), full
-attention's score (gray) and 90 % of it (red) as horizontal dashed lines.
+pareto.png: score vs KV footprint per category (columns) and (prompt length, chunk) (rows),
+full attention's score (gray) and 90 % of it (red) as horizontal dashed lines.
+logprob.png: the same axes with the gold answer's log-prob gap to full attention (runs that
+scored log-probs).
 """
 
 from __future__ import annotations
@@ -181,12 +183,41 @@ def comparisons_table(curves: Sequence[Curve], replicates: int, seed: int) -> st
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
+MATCHED_POINTS = 21  # footprints at which two curves are compared, evenly over their overlap
+SAME_FOOTPRINT = 0.02  # footprints this close at every shared sparsity count as matched
+
+
+def matched_footprint_difference(a: Curve, b: Curve, picks=None, metric: str = "footprint"
+                                 ) -> tuple[float, float, float] | None:
+    """(low, high, difference): over the footprint range both curves span, the mean of
+    (candidate's log-prob gap - baseline's), each read off its curve at the same footprints.
+    Equal sparsity is not equal memory for every pair (naive eviction's observation-window
+    floor keeps more at high sparsity than patched); this compares what each keeps for the
+    same KV. None if the ranges do not overlap."""
+    fa, fb = a.point_footprints(metric, picks), b.point_footprints(metric, picks)
+    low, high = max(fa.min(), fb.min()), min(fa.max(), fb.max())
+    if not low < high:
+        return None
+    grid = np.linspace(low, high, MATCHED_POINTS)
+    diff = a.logprob_at(grid, metric, picks) - b.logprob_at(grid, metric, picks)
+    return float(low), float(high), float(np.mean(diff))
+
+
+def _interval_cells(point: float, reps: Sequence[float]) -> str:
+    if not reps:
+        return f"{point:+.4f} | n/a"
+    lo, hi = np.percentile(reps, [2.5, 97.5])
+    return f"{point:+.4f} [{lo:+.4f}, {hi:+.4f}] | {float(np.mean(np.array(reps) > 0)):.2f}"
+
+
 def logprob_comparisons_table(curves: Sequence[Curve], replicates: int, seed: int) -> str:
-    """The same pairs on the continuous score: at the sparsities both ran, the mean over those
-    points of (candidate's gold log-prob - baseline's), nats per token, with a paired bootstrap
-    interval over examples, and the share of replicates in which the candidate is higher."""
-    lines = ["| prompt | chunk | category | candidate | baseline | sparsities | log-prob "
-             "difference [95 %] | P(candidate higher) |", "|---:|---:|---|---|---|---|---|---:|"]
+    """The same pairs on the continuous score, two ways, each with a paired bootstrap
+    interval over examples and the share of replicates in which the candidate is higher:
+    at equal sparsity (the mean over the sparsities both ran of candidate's gold log-prob -
+    baseline's, nats per token) and at matched footprint (`matched_footprint_difference`)."""
+    lines = ["| prompt | chunk | category | candidate | baseline | sparsities | at equal "
+             "sparsity [95 %] | P(higher) | footprint range (%) | at matched footprint "
+             "[95 %] | P(higher) |", "|---:|---:|---|---|---|---|---|---:|---|---|---:|"]
     for a, b in pairs(curves):
         if a.logprobs is None or b.logprobs is None or a.examples != b.examples:
             continue
@@ -197,10 +228,22 @@ def logprob_comparisons_table(curves: Sequence[Curve], replicates: int, seed: in
         ib = [b.sparsities.index(x) for x in shared]
         diff = lambda picks=None: float(np.mean(a.logprob_gap(picks)[ia]
                                                 - b.logprob_gap(picks)[ib]))
-        reps = np.array([diff(p) for p in a.draws(replicates, seed)])
-        lo, hi = np.percentile(reps, [2.5, 97.5])
-        lines.append(f"{_pair_cells(a, b)} {', '.join(f'{x:g}' for x in shared)} | "
-                     f"{diff():+.4f} [{lo:+.4f}, {hi:+.4f}] | {float(np.mean(reps > 0)):.2f} |")
+        draws = a.draws(replicates, seed)
+        cells = _interval_cells(diff(), [diff(p) for p in draws])
+        matched = matched_footprint_difference(a, b)
+        apart = np.max(np.abs(a.point_footprints()[ia] - b.point_footprints()[ib]))
+        if apart <= SAME_FOOTPRINT:
+            # Equal sparsity is already equal memory (two head masks): reading one curve's
+            # chords against the other's measured points would only add interpolation bias.
+            cells += f" | same (≤ {100 * apart:.1f} apart) | as at equal sparsity | –"
+        elif matched is None:
+            cells += " | no overlap | – | –"
+        else:
+            low, high, point = matched
+            reps = [m[2] for m in (matched_footprint_difference(a, b, p) for p in draws)
+                    if m is not None]
+            cells += f" | {100 * low:.1f}–{100 * high:.1f} | {_interval_cells(point, reps)}"
+        lines.append(f"{_pair_cells(a, b)} {', '.join(f'{x:g}' for x in shared)} | {cells} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
@@ -266,10 +309,13 @@ def write_table(records: Sequence[dict], curves: Sequence[Curve], notes: Sequenc
         text += ["## The same comparisons on the gold answer's log-prob", "",
                  "The continuous score: each example's gold answer teacher-forced through the "
                  "policy (`vllm_xargs.kv_teacher_forced` with `prompt_logprobs`), its mean "
-                 "log-prob per token minus full attention's on the same example; the column "
-                 "is the candidate's minus the baseline's, averaged over the sparsities both "
-                 "ran (head-mask curves without the streaming point). Positive: the candidate "
-                 "keeps the answer more likely.", "", gold, ""]
+                 "log-prob per token minus full attention's on the same example; a column is "
+                 "the candidate's minus the baseline's, averaged either over the sparsities "
+                 "both ran (head-mask curves without the streaming point) or over "
+                 f"{MATCHED_POINTS} evenly spaced footprints in the range both curves span, "
+                 "each curve read linearly between its points (equal sparsity is not equal "
+                 "memory for naive vs patched eviction). Positive: the candidate keeps the "
+                 "answer more likely.", "", gold, ""]
     sensitivity = chunk_sensitivity_table(curves)
     if sensitivity:
         text += ["## Chunk-size sensitivity", "", sensitivity, ""]
@@ -285,16 +331,22 @@ def write_table(records: Sequence[dict], curves: Sequence[Curve], notes: Sequenc
     return out
 
 
-def plot_pareto(curves: Sequence[Curve], path: Path, metric: str = "footprint") -> None:
+def plot_pareto(curves: Sequence[Curve], path: Path, metric: str = "footprint",
+                y: str = "score") -> None:
+    """Score (or, y="logprob", the gold log-prob gap to full attention) vs footprint: one panel
+    per (prompt length, chunk) row and category column, one line per method."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if y == "logprob":
+        curves = [c for c in curves if c.logprobs is not None]
     rows = sections(curves)
     categories = categories_of(curves)
+    width, height = max(6.5, 4.2 * len(categories)), 3.4 * len(rows)
     fig, axes = plt.subplots(len(rows), len(categories), squeeze=False,
-                             figsize=(4.2 * len(categories), 3.4 * len(rows)))
+                             figsize=(width, height))
     for row, section in enumerate(rows):
         for col, category in enumerate(categories):
             ax = axes[row][col]
@@ -302,30 +354,37 @@ def plot_pareto(curves: Sequence[Curve], path: Path, metric: str = "footprint") 
             full = None
             for c in sorted(here, key=lambda c: _order(curves).index(c.method)):
                 x = 100 * c.point_footprints(metric)
-                y = 100 * c.point_scores()
+                v = c.logprob_gap() if y == "logprob" else 100 * c.point_scores()
                 order = np.argsort(x)
-                ax.plot(x[order], y[order], marker="o", ms=3.5, lw=1.4,
+                ax.plot(x[order], v[order], marker="o", ms=3.5, lw=1.4,
                         color=COLORS.get(c.method), label=DISPLAY.get(c.method, c.method))
-                full = 100 * c.full_score()
+                full = 0.0 if y == "logprob" else 100 * c.full_score()
             if full is not None:
                 ax.axhline(full, color="gray", ls="--", lw=1.0)
-                ax.axhline(FRACTION * full, color="red", ls="--", lw=1.0)
+                if y == "score":
+                    ax.axhline(FRACTION * full, color="red", ls="--", lw=1.0)
             ax.set_title(f"{CATEGORY_TITLES.get(category, category)} — {section[0]} tokens, "
                          f"chunk {section[1]}", fontsize=10)
             ax.set_xlim(0, 102)
-            ax.set_ylim(0, 105)
+            if y == "score":
+                ax.set_ylim(0, 105)
             ax.grid(alpha=0.3)
             if row == len(rows) - 1:
                 ax.set_xlabel(f"{METRIC_TITLES[metric]} (%)")
             if col == 0:
-                ax.set_ylabel("score (%)")
+                ax.set_ylabel("gold log-prob - full (nats/token)" if y == "logprob"
+                              else "score (%)")
     seen: dict[str, object] = {}  # one legend entry per method over all panels
     for ax in axes.flat:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             seen.setdefault(label, handle)
-    fig.legend(list(seen.values()), list(seen.keys()), loc="lower center",
-               ncol=min(3, len(seen)), fontsize=9, frameon=False)
-    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    ncol = max(1, min(len(seen), 2 if len(categories) == 1 else 3))
+    legend = 0.1 + 0.22 * -(-len(seen) // ncol)  # inches of legend under the panels
+    fig.set_size_inches(width, height + legend)
+    bottom = legend / (height + legend)
+    fig.legend(list(seen.values()), list(seen.keys()), loc="lower center", ncol=ncol,
+               fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, bottom, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=130)
     plt.close(fig)
@@ -344,4 +403,6 @@ def report(results: Path, out_dir: Path, replicates: int = 1000, seed: int = 0,
     plot = out_dir / "pareto.png"
     write_table(records, curves, notes, table, replicates, seed, command)
     plot_pareto(curves, plot)
+    if any(c.logprobs is not None for c in curves):
+        plot_pareto(curves, out_dir / "logprob.png", y="logprob")
     return table, plot
