@@ -37,6 +37,8 @@ class RequestResult:
     e2e_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
     kv_stats: dict[str, Any] | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details (--enable-prompt-tokens-details)
+    token_ids: list[int] = field(default_factory=list)  # the answer's ids (return_token_ids)
 
     @property
     def ok(self) -> bool:
@@ -59,7 +61,8 @@ def make_http_client(timeout_s: float) -> httpx.AsyncClient:
     )
 
 
-def request_body(model: str, prompt: Prompt, ignore_eos: bool = True) -> dict[str, Any]:
+def request_body(model: str, prompt: Prompt, ignore_eos: bool = True,
+                 return_token_ids: bool = False) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model,
         "prompt": prompt.token_ids,
@@ -70,6 +73,8 @@ def request_body(model: str, prompt: Prompt, ignore_eos: bool = True) -> dict[st
     }
     if ignore_eos:  # vLLM extension: generate exactly max_tokens so output lengths are fixed
         body["ignore_eos"] = True
+    if return_token_ids:  # vLLM extension: the answer's ids, e.g. to append to a conversation
+        body["return_token_ids"] = True
     return body
 
 
@@ -100,7 +105,8 @@ def _classify_status(status: int) -> str:
 
 async def send_request(client: httpx.AsyncClient, base_url: str, model: str, prompt: Prompt,
                        t0: float, deadline: float, timeout_s: float,
-                       ignore_eos: bool = True) -> RequestResult:
+                       ignore_eos: bool = True, return_token_ids: bool = False
+                       ) -> RequestResult:
     """Send one prompt and time it; never raises except on cancellation of the caller.
 
     t0 is the run's start (perf_counter) and deadline the loop time (asyncio clock) after which
@@ -116,7 +122,8 @@ async def send_request(client: httpx.AsyncClient, base_url: str, model: str, pro
     try:
         async with asyncio.timeout_at(min(deadline, loop.time() + timeout_s)):
             async with client.stream("POST", f"{base_url}/v1/completions",
-                                     json=request_body(model, prompt, ignore_eos)) as resp:
+                                     json=request_body(model, prompt, ignore_eos,
+                                                       return_token_ids)) as resp:
                 res.http_status = resp.status_code
                 if resp.status_code >= 400:
                     body = (await resp.aread()).decode(errors="replace")
@@ -147,10 +154,14 @@ async def send_request(client: httpx.AsyncClient, base_url: str, model: str, pro
                             res.itl_s.append(now - last_chunk_at)
                         last_chunk_at = now
                         res.output_tokens += 1
+                        res.token_ids += chunk["choices"][0].get("token_ids") or []
                     usage = chunk.get("usage")
                     if isinstance(usage, dict):
                         res.input_tokens = usage.get("prompt_tokens") or res.input_tokens
                         res.output_tokens = usage.get("completion_tokens") or res.output_tokens
+                        details = usage.get("prompt_tokens_details")
+                        if isinstance(details, dict) and details.get("cached_tokens") is not None:
+                            res.cached_tokens = int(details["cached_tokens"])
                     res.kv_stats = find_kv_stats(chunk) or res.kv_stats
         res.e2e_s = time.perf_counter() - start
         if not done:

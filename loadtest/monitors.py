@@ -23,6 +23,8 @@ VLLM_METRICS = {
     "vllm:num_preemptions_total": ("preemptions", sum),
     "vllm:num_requests_running": ("running", sum),
     "vllm:num_requests_waiting": ("waiting", sum),
+    "vllm:prefix_cache_queries_total": ("prefix_cache_queries", sum),  # tokens looked up
+    "vllm:prefix_cache_hits_total": ("prefix_cache_hits", sum),  # tokens found cached
 }
 
 
@@ -96,7 +98,16 @@ class MetricsSampler(_Sampler):
     def summary(self) -> dict[str, Any]:
         usage = [r["kv_cache_usage"] for r in self.timeline if "kv_cache_usage" in r]
         preempt = [r["preemptions"] for r in self.timeline if "preemptions" in r]
+        running = [r["running"] for r in self.timeline if "running" in r]
+        queries, hits = ([r[k] for r in self.timeline if k in r]
+                         for k in ("prefix_cache_queries", "prefix_cache_hits"))
+        looked_up = queries[-1] - queries[0] if queries else 0
         return {
+            "running_peak": max(running) if running else None,
+            "running_mean": sum(running) / len(running) if running else None,
+            # vLLM's own count over the run: prompt tokens found in the prefix cache / looked up
+            "prefix_cache_hit_rate": (hits[-1] - hits[0]) / looked_up
+            if hits and looked_up > 0 else None,
             "kv_cache_usage_peak": max(usage) if usage else None,
             "kv_cache_usage_mean": sum(usage) / len(usage) if usage else None,
             "preemptions": round(preempt[-1] - preempt[0]) if preempt else None,

@@ -58,6 +58,7 @@ vllm:num_preemptions_total{{engine="0",model_name="fake"}} {3.0 + step}
 def make_app() -> FastAPI:
     app = FastAPI()
     scrapes = {"n": 0}
+    seen: list[list[int]] = []  # prompts answered so far, for a prefix-cache-like count
 
     @app.get("/health")
     async def health():
@@ -80,13 +81,22 @@ def make_app() -> FastAPI:
                                             f"the maximum context length {PROMPT_LIMIT}"},
                                 status_code=400)
 
+        # cached tokens as vLLM counts them: the longest prefix shared with an earlier
+        # prompt, in whole 16-token blocks, never the whole prompt
+        shared = max((next((i for i, (a, b) in enumerate(zip(prompt, old)) if a != b),
+                           min(len(prompt), len(old))) for old in seen), default=0)
+        cached = min(shared, len(prompt) - 1) // 16 * 16
+        seen.append(list(prompt))
+
         async def stream():
             if body["model"] == "hang":
                 await asyncio.sleep(60)
             for i in range(n):
                 await asyncio.sleep(TOKEN_DELAY_S)
-                yield "data: " + json.dumps({"choices": [{"index": 0, "text": f" t{i}"}]}) \
-                    + "\n\n"
+                choice = {"index": 0, "text": f" t{i}"}
+                if body.get("return_token_ids"):
+                    choice["token_ids"] = [1000 + i]
+                yield "data: " + json.dumps({"choices": [choice]}) + "\n\n"
                 if body["model"] == "streamerr":
                     yield "data: " + json.dumps({"error": {"message": "engine died",
                                                            "code": 500}}) + "\n\n"
@@ -95,7 +105,8 @@ def make_app() -> FastAPI:
                         "kv_bytes_saved": 10, "policy": "fake", "exact": True,
                         "layers": {"0": 1, "1": 3}}
             final = {"choices": [], "usage": {"prompt_tokens": len(prompt),
-                                              "completion_tokens": n}}
+                                              "completion_tokens": n,
+                                              "prompt_tokens_details": {"cached_tokens": cached}}}
             if body["model"] == "transfer":
                 final["kv_transfer_params"] = {"kv_stats": kv_stats}
             else:
@@ -628,3 +639,47 @@ def test_comparison_markdown_marks_missing_levels():
             "kv_stats": {"mean": {}}}
     md = comparison_markdown({"full": {1: base, 4: base}, "prulong:0.7": {1: base}}, "T")
     assert "| 4 | 3.0 | - |" in md
+
+
+# ---------------------------------------------------------------- multi-turn chat
+
+def test_chat_turns_append_the_history_and_report_cache_hits(server, tmp_path):
+    """Each turn sends the previous prompt + its answer ids + a new user text; the per-turn
+    table reads cached tokens from the usage details; a run's summary and plot are written."""
+    from loadtest.chat import ChatShape, plot_turns, run_chat, summary_markdown
+
+    shape = ChatShape(conversations=3, turns=3, system_len=24, user_len=8, output_len=5)
+    run = asyncio.run(run_chat(WordTokenizer(), shape, base_url=server.base_url, model="fake",
+                               concurrency=2, max_duration_s=20.0))
+    turns = run["turns"]
+    assert [(x["conversation"], x["turn"]) for x in turns] == [(c, t) for c in range(3)
+                                                                for t in (1, 2, 3)]
+    assert all(x["outcome"] == "ok" and x["answer_ids"] == [1000, 1001, 1002, 1003, 1004]
+               for x in turns)
+    for c in range(3):
+        lengths = [x["prompt_tokens"] for x in turns if x["conversation"] == c]
+        assert lengths == [32, 32 + 5 + 8, 32 + 2 * (5 + 8)]  # the fake's limit is 64
+    # turn 2 shares its whole previous prompt and answer: 37 tokens -> 32 in 16-token blocks
+    assert all(x["cached_tokens"] == 32 for x in turns if x["turn"] == 2)
+    rows = {r["turn"]: r for r in run["per_turn"]}
+    assert rows[2]["hit_rate"] == pytest.approx(32 / 45)
+    assert run["server"]["running_peak"] == 2.0  # the fake's gauge
+    text = summary_markdown({"fake": run, "again": run}, "cmd")
+    assert "| fake | 9/9 |" in text and "| 1.00 |" in text and "**again** per turn" in text
+    plot_turns({"fake": run}, tmp_path / "turns.png")
+    assert (tmp_path / "turns.png").stat().st_size > 10_000
+
+
+def test_chat_policy_labels():
+    from loadtest.chat import server_argv
+
+    argv, env = server_argv("M", "stock/nopc", kv_cache_bytes=1, chunk=64, port=1,
+                            max_model_len=512)
+    assert "--kv-policy" not in argv and "--no-enable-prefix-caching" in argv
+    assert env == {"VLLM_PLUGINS": "no-such-plugin"}
+    argv, env = server_argv("M", "prulong:0.7", kv_cache_bytes=1, chunk=64, port=1,
+                            max_model_len=512)
+    assert argv[argv.index("--kv-policy") + 1] == "prulong" and env == {}
+    assert "--enable-prompt-tokens-details" in argv
+    with pytest.raises(ValueError, match="nopc"):
+        server_argv("M", "full/cache", kv_cache_bytes=1, chunk=64, port=1, max_model_len=512)

@@ -37,7 +37,9 @@ def stock_outputs(bundled_model_dir):
 
 @pytest.fixture(scope="module")
 def full_server(bundled_model_dir, stock_outputs):
-    return start_server(bundled_model_dir, ["--kv-policy", "full"])
+    # prompt-token details: the chat test reads vLLM's cached-token count
+    return start_server(bundled_model_dir, ["--kv-policy", "full",
+                                            "--enable-prompt-tokens-details"])
 
 
 def test_chat_answer_is_sensible(full_server):
@@ -53,6 +55,29 @@ def test_full_policy_is_bit_identical_to_stock(full_server, stock_outputs):
     for (tok_a, lp_a), (tok_b, lp_b) in zip(ours, stock_outputs):
         assert tok_a == tok_b
         assert lp_a == lp_b  # bit for bit, not approximately
+
+
+def test_multi_turn_chat_workload_hits_the_prefix_cache(full_server, tokenizer):
+    """loadtest.chat on vLLM itself (`full` keeps vLLM's prefix caching): every turn is the
+    previous prompt + its greedy answer + a new user text, and vLLM serves from its cache
+    every whole 128-token block the conversation (or, on turn 1, the shared system prompt)
+    already computed."""
+    import asyncio
+
+    from loadtest.chat import ChatShape, run_chat
+
+    shape = ChatShape(conversations=2, turns=3, system_len=256, user_len=64, output_len=64)
+    run = asyncio.run(run_chat(tokenizer, shape, base_url=full_server.base_url,
+                               model=SERVED_NAME, concurrency=1, max_duration_s=300.0))
+    turns = run["turns"]
+    assert len(turns) == 6 and all(x["outcome"] == "ok" for x in turns)
+    assert [x["prompt_tokens"] for x in turns] == [320, 448, 576] * 2
+    # the previous turn computed its prompt and all but the last answer token: 320 + 63 ->
+    # 2 blocks, 448 + 63 -> 3; conversation 1's first turn finds the system prompt
+    assert [x["cached_tokens"] for x in turns] == [0, 256, 384, 256, 256, 384]
+    assert all(len(x["answer_ids"]) == 64 and x["kv_bytes_peak"] > 0 for x in turns)
+    # vLLM's own counters over the run: cached tokens / prompt tokens looked up
+    assert run["server"]["prefix_cache_hit_rate"] == pytest.approx(1536 / 2688, abs=0.02)
 
 
 @pytest.mark.slow
