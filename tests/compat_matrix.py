@@ -121,6 +121,12 @@ ROWS = [
         **each("n/a", C + "test_repeated_prompt_prefix_cache[{id}]", EVICTING,
                why="switched off at start-up for evicting policies (logged; "
                    "`/v1/kv_stats` shows it): issue 16")}),
+    Row("`--enable-prefix-caching` asked for explicitly", {
+        "full": Cell("exact", (C + "test_repeated_prompt_prefix_cache[full]",)),
+        **{c: Cell("refused", (
+            f"tests/test_features.py::test_explicit_prefix_caching_refused_with_eviction"
+            f"[{COLUMNS[c]}]", "tests/test_features.py::test_vllm_serve_refuses[prefix-caching]"))
+           for c in EVICTING}}),
     Row("KV connector (`--kv-transfer-config`)", {
         "full": Cell("exact", ("tests/test_vllm_features.py::"
                                "test_full_policy_with_the_users_kv_connector_keeps_kv_stats",)),

@@ -13,7 +13,8 @@ from compat_matrix import COLUMNS
 from test_policies_vllm import CASES
 from vllm_kvevict.config import KVPolicyConfig
 from vllm_kvevict.features import (connector_error, kv_cache_dtype_error, lora_error,
-                                   model_error, parallel_error, prompt_embeds_error)
+                                   model_error, parallel_error, prefix_caching_error,
+                                   prompt_embeds_error)
 
 POLICIES = {"full": {"policy": "full"}, **{p: CASES[p][0] for p in COLUMNS.values() if p != "full"}}
 EVICTING = [p for p in POLICIES if p != "full"]
@@ -82,6 +83,20 @@ def test_prompt_embeds_refused(name):
         f"--enable-prompt-embeds is not supported with --kv-policy {cfg.policy}")
 
 
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_explicit_prefix_caching_refused_with_eviction(name):
+    """vLLM's default (None) is switched off for evicting policies; asking for it is
+    refused, never silently dropped; `full` serves it."""
+    cfg = config(name)
+    assert prefix_caching_error(cfg, None) is None
+    assert prefix_caching_error(cfg, False) is None
+    if name == "full":
+        assert prefix_caching_error(cfg, True) is None
+    else:
+        assert prefix_caching_error(cfg, True).startswith(
+            f"--enable-prefix-caching is not supported with --kv-policy {cfg.policy} yet")
+
+
 PATCHED = [p for p in EVICTING if config(p).patched]
 
 
@@ -108,7 +123,9 @@ def test_lora_refused_with_patched_eviction(name):
      "--pipeline-parallel-size 2 is not supported with --kv-policy full yet; valid: 1"),
     (["--kv-policy", "snapkv", "--kv-eviction", "patched", "--enable-lora"],
      "--enable-lora is not supported with --kv-policy snapkv --kv-eviction patched"),
-], ids=["fp8", "pp", "lora"])
+    (["--kv-policy", "prulong", "--kv-sparsity", "0.7", "--enable-prefix-caching"],
+     "--enable-prefix-caching is not supported with --kv-policy prulong yet"),
+], ids=["fp8", "pp", "lora", "prefix-caching"])
 def test_vllm_serve_refuses(bundled_model_dir, argv, line):
     vllm = Path(sys.executable).parent / "vllm"
     proc = subprocess.run([str(vllm), "serve", str(bundled_model_dir), "--dtype", "float32",

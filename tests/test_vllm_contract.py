@@ -302,6 +302,19 @@ def test_cpu_platform_turns_async_scheduling_off():
     assert "scheduler_config.async_scheduling = False" in source
 
 
+def test_prefix_caching_is_unset_until_vllm_resolves_its_default():
+    """registration.create_engine_config tells an explicit --enable-prefix-caching (refused
+    with evicting policies) from vLLM's default (switched off) by the engine args' None."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    field = next(f for f in dataclasses.fields(EngineArgs) if f.name == "enable_prefix_caching")
+    assert field.default is None
+    source = inspect.getsource(EngineArgs)
+    assert "if self.enable_prefix_caching is None:" in source
+
+
 def test_seeded_partial_prefill_needs_a_generator_offset():
     """Why the compatibility matrix's `seed` row is n/a: vLLM 0.32 rewinds a seeded request's
     generator after a partial-prefill step with `set_offset`, which a CPU torch.Generator does

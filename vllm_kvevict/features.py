@@ -110,6 +110,18 @@ def prompt_embeds_error(policy_config, enabled: bool) -> str | None:
     return f"--enable-prompt-embeds is not supported with --kv-policy {policy_config.policy}"
 
 
+def prefix_caching_error(policy_config, requested: bool | None) -> str | None:
+    """Evicting policies run with prefix caching off: a hit would skip the eviction state a
+    request builds from its first token. vLLM's default (None: not asked for) is switched off
+    and logged; asking for it explicitly is refused rather than silently ignored."""
+    if requested is not True or policy_config.policy == "full":
+        return None
+    return (f"--enable-prefix-caching is not supported with --kv-policy {policy_config.policy} "
+            "yet (a cache hit would skip the eviction state each request builds from its first "
+            "token); valid: leave it out or pass --no-enable-prefix-caching, which evicting "
+            "policies run with; prefix caching is served with --kv-policy full")
+
+
 def lora_error(policy_config, enabled: bool) -> str | None:
     """Patched eviction runs its question rows as extra tokens of the step; vLLM's LoRA layers
     index their adapters per scheduled token and do not know those rows (the worker stopped on

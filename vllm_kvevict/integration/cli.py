@@ -19,7 +19,9 @@ from vllm_kvevict.served import ADDITIONAL_CONFIG_KEY
 # flag -> (KVPolicyConfig field, type, help)
 FLAGS = {
     "--kv-policy": ("policy", str,
-                    f"KV eviction policy: {', '.join(POLICIES)} (default: full = stock vLLM)."),
+                    f"KV eviction policy: {', '.join(POLICIES)} (default: full = stock vLLM). "
+                    "Every policy but full runs with prefix caching off (an explicit "
+                    "--enable-prefix-caching is refused)."),
     "--kv-sparsity": ("sparsity", float,
                       "Head sparsity (share of streaming KV heads) for duo/prulong; token "
                       "sparsity p (share of each prefill chunk's KVs evicted) for "

@@ -212,8 +212,9 @@ def create_engine_config(engine_args, stock_create, *args, **kwargs):
     from vllm_kvevict.integration import api_server, kv_transfer, validation
 
     kv_transfer.inject_config(engine_args)
+    requested = engine_args.enable_prefix_caching  # None unless the user set it
     vllm_config = stock_create(engine_args, *args, **kwargs)
-    validation.validate_against_model(vllm_config)
+    validation.validate_against_model(vllm_config, prefix_caching_requested=requested)
     api_server.remember_config(vllm_config)
     return vllm_config
 

@@ -11,7 +11,8 @@ import sys
 from vllm_kvevict.config import KVPolicyError
 from vllm_kvevict.features import (PARALLEL_FLAGS, connector_error, kv_cache_dtype_error,
                                      lora_error, model_error, parallel_error,
-                                     prompt_embeds_error, speculative_error)
+                                     prefix_caching_error, prompt_embeds_error,
+                                     speculative_error)
 from vllm_kvevict.integration.cli import fail
 from vllm_kvevict.served import policy_config_of, served_policy
 
@@ -20,7 +21,9 @@ def _running_vllm_cli() -> bool:
     return os.path.basename(sys.argv[0]) == "vllm"
 
 
-def validate_against_model(vllm_config) -> None:
+def validate_against_model(vllm_config, prefix_caching_requested: bool | None = None) -> None:
+    """`prefix_caching_requested`: the engine args' value before vLLM resolved its default
+    (None: the user did not ask)."""
     try:
         # the model first: a mask lookup for an unsupported model would only confuse
         model = getattr(vllm_config, "model_config", None)
@@ -44,6 +47,7 @@ def validate_against_model(vllm_config) -> None:
                       kv_cache_dtype_error(cfg, str(cache_dtype)),
                       speculative_error(cfg, method), connector_error(cfg, users),
                       prompt_embeds_error(cfg, embeds),
+                      prefix_caching_error(cfg, prefix_caching_requested),
                       lora_error(cfg, getattr(vllm_config, "lora_config", None) is not None)):
             if error:
                 raise KVPolicyError(error)
