@@ -354,3 +354,73 @@ def test_connector_stats_channel():
     src = inspect.getsource(async_llm.AsyncLLM.__init__)
     assert "load_stat_logger_plugin_factories()" in src
     assert "self.log_stats = log_stats or has_custom_loggers" in src
+
+
+def test_one_head_slot_groups_for_the_pool_proposal():
+    """docs/proposals/issue16-pool-streaming-heads.md, piece 1 (b): the proposal's layout is
+    expressible in vLLM 0.32 without patching its grouping. 90 one-head KV slots (27 full, 63
+    streaming, the bundled prulong 0.7 mask), tagged in widths of 9, become exactly 3 full and
+    7 sliding-window groups of 9 slots, one page size, accepted by the CPU layout's check; with
+    prefix caching on, vLLM's hybrid coordinator gives the full groups its full-attention
+    manager and the streaming ones its sliding-window manager. And the per-layer split the
+    proposal rejects (a layer's 1-3 heads in one spec) needs a block size the CPU kernel
+    cannot use (not a multiple of 32)."""
+    import dataclasses
+
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.core.kv_cache_coordinator import (HybridKVCacheCoordinator,
+                                                   get_kv_cache_coordinator)
+    from vllm.v1.core.single_type_kv_cache_manager import (FullAttentionManager,
+                                                           SlidingWindowManager)
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheLayout, SlidingWindowSpec
+
+    def tagged(base):
+        @dataclasses.dataclass(frozen=True)
+        class Tagged(base):
+            tag: int = 0
+
+            @classmethod
+            def merge(cls, specs):
+                tags = {getattr(s, "tag", None) for s in specs}
+                assert all(isinstance(s, Tagged) for s in specs) and len(tags) == 1
+                return dataclasses.replace(super().merge(specs), tag=tags.pop())
+
+            def is_uniform_with_collection(self, kv_cache_specs) -> bool:
+                return all(isinstance(s, Tagged) and s.tag == self.tag
+                           for s in kv_cache_specs.values())
+        return Tagged
+
+    Full, Window = tagged(FullAttentionSpec), tagged(SlidingWindowSpec)
+    common = dict(block_size=128, num_kv_heads=1, head_size=64, dtype=torch.float32)
+    specs = {f"kvevict_slot.{i}": Full(**common, tag=i // 9) for i in range(27)}
+    specs |= {f"kvevict_slot.{i}": Window(**common, sliding_window=257, tag=i // 9)
+              for i in range(27, 90)}
+    vllm_config = VllmConfig()
+    vllm_config.cache_config.kv_cache_layout = "LBHNC"  # the CPU backend's only layout
+    groups = kv_cache_utils.get_kv_cache_groups(vllm_config, dict(specs))
+    assert [len(g.layer_names) for g in groups] == [9] * 10
+    assert [type(g.kv_cache_spec) for g in groups] == [Full] * 3 + [Window] * 7
+    assert all(g.layer_names == [f"kvevict_slot.{i}" for i in range(9 * k, 9 * k + 9)]
+               for k, g in enumerate(groups))
+    assert len({g.kv_cache_spec.page_size_bytes for g in groups}) == 1
+    kv_cache_utils.validate_kv_cache_layout(KVCacheLayout.LBHNC, groups)
+    config = kv_cache_utils.get_kv_cache_config_from_groups(vllm_config, groups, 800 << 20)
+    coordinator = get_kv_cache_coordinator(config, 8192, 512, False, True, False, 1, 1, 128, 128)
+    assert isinstance(coordinator, HybridKVCacheCoordinator)
+    managers = [type(m) for m in coordinator.single_type_managers]
+    assert managers == [FullAttentionManager] * 3 + [SlidingWindowManager] * 7
+
+    # Rejected alternative: per-layer specs of 1, 2 and 3 heads unify by growing the block
+    # size of the smaller pages (3 heads x 128 tokens = 1 head x 384 tokens, 2 heads: padded).
+    split = {f"model.layers.{i}.self_attn.attn": FullAttentionSpec(
+        block_size=16, num_kv_heads=1 + i % 3, head_size=64, dtype=torch.float32)
+        for i in range(6)}
+    split |= {f"model.layers.{i}.self_attn.attn.stream": SlidingWindowSpec(
+        block_size=16, num_kv_heads=3 - i % 3 or 1, head_size=64, dtype=torch.float32,
+        sliding_window=257) for i in range(6)}
+    unified = kv_cache_utils.unify_kv_cache_spec_page_size(dict(split))
+    sizes = {s.block_size for s in unified.values() if s.num_kv_heads == 1}
+    assert sizes and all(size % 32 for size in sizes)  # 48: the CPU kernel needs multiples of 32
+    assert all(s.page_size_padded for s in unified.values() if s.num_kv_heads == 2)  # 1/3 waste
