@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -97,8 +98,13 @@ async def run_chat(tokenizer, shape: ChatShape, *, base_url: str, model: str, co
                 res = await send_request(client, base_url, model, prompt, t0, deadline,
                                          max_duration_s, ignore_eos=True,
                                          return_token_ids=True)
+                if res.ok and len(res.token_ids) != res.output_tokens:
+                    # without the answer's ids the next turn's history would be a guess
+                    res.outcome, res.error_type = "failed", "NoTokenIds"
+                    res.error = (f"{len(res.token_ids)} answer ids for {res.output_tokens} "
+                                 "tokens (a server without vLLM's return_token_ids?)")
                 turns.append(Turn(c, t, res))
-                if not res.ok or len(res.token_ids) != res.output_tokens:
+                if not res.ok:
                     return
                 history = ids + res.token_ids
 
@@ -274,8 +280,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import sys
-
     from transformers import AutoTokenizer
 
     from vllm_kvevict.launch import ServerProcess

@@ -94,7 +94,7 @@ def make_app() -> FastAPI:
             for i in range(n):
                 await asyncio.sleep(TOKEN_DELAY_S)
                 choice = {"index": 0, "text": f" t{i}"}
-                if body.get("return_token_ids"):
+                if body.get("return_token_ids") and body["model"] != "noids":
                     choice["token_ids"] = [1000 + i]
                 yield "data: " + json.dumps({"choices": [choice]}) + "\n\n"
                 if body["model"] == "streamerr":
@@ -668,6 +668,17 @@ def test_chat_turns_append_the_history_and_report_cache_hits(server, tmp_path):
     assert "| fake | 9/9 |" in text and "| 1.00 |" in text and "**again** per turn" in text
     plot_turns({"fake": run}, tmp_path / "turns.png")
     assert (tmp_path / "turns.png").stat().st_size > 10_000
+
+
+def test_chat_turn_without_answer_ids_fails_and_ends_its_conversation(server):
+    from loadtest.chat import ChatShape, run_chat
+
+    shape = ChatShape(conversations=2, turns=3, system_len=24, user_len=8, output_len=5)
+    run = asyncio.run(run_chat(WordTokenizer(), shape, base_url=server.base_url, model="noids",
+                               concurrency=1, max_duration_s=20.0, scrape_metrics=False))
+    assert [(x["conversation"], x["turn"], x["outcome"]) for x in run["turns"]] == [
+        (0, 1, "failed"), (1, 1, "failed")]
+    assert "return_token_ids" in run["turns"][0]["error"]
 
 
 def test_chat_policy_labels():
