@@ -171,6 +171,9 @@ def summary_markdown(runs: dict[str, dict[str, Any]], command: str) -> str:
         server = run["server"]
         kv = [x["kv_bytes_peak"] for x in run["turns"] if x["kv_bytes_peak"] is not None]
         hit = server.get("prefix_cache_hit_rate")
+        cached = [x["cached_tokens"] for x in run["turns"] if x["outcome"] == "ok"]
+        if hit is None and cached and not any(cached):
+            hit = 0.0  # vLLM counts no lookups with prefix caching off; no token came cached
         peak, mean = server.get("running_peak"), server.get("running_mean")
         lines.append(
             f"| {label} | {sum(x['outcome'] == 'ok' for x in run['turns'])}/"
