@@ -278,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-duration", type=float, default=1800.0, help="seconds per policy")
     p.add_argument("--out-dir", type=Path, default=Path("docs/results/chat"))
     p.add_argument("--rerun", action="store_true",
-                   help="run policies whose result file already exists (default: reuse it)")
+                   help="run policies whose result file already exists (default: reuse it when "
+                        "it has the same shape, concurrency and seed)")
     return p
 
 
@@ -308,9 +309,15 @@ def main(argv: list[str] | None = None) -> int:
         slug = text.replace(":", "-").replace("/", "-")
         out = args.out_dir / f"run_{slug}.json"
         if out.exists() and not args.rerun:
-            runs[text] = json.loads(out.read_text())
-            print(f"== {text}: reusing {out}", flush=True)
-            continue
+            stored = json.loads(out.read_text())
+            same = (stored.get("shape"), stored.get("concurrency"), stored.get("seed")) == (
+                asdict(shape), args.concurrency, args.seed)
+            if same:
+                runs[text] = stored
+                print(f"== {text}: reusing {out}", flush=True)
+                continue
+            print(f"== {text}: {out} is a run of another shape, concurrency or seed; rerunning",
+                  flush=True)
         argv_serve, env = server_argv(model, text, kv_cache_bytes=args.kv_cache_memory_bytes,
                                       chunk=args.chunk, port=args.port,
                                       max_model_len=args.max_model_len)
