@@ -26,6 +26,10 @@ EVICTION_MODES = ("patched", "naive")
 # preemption); vllm: stock admission (the prompt must fit), preempting under pressure, the
 # preempted request then replayed exactly (integration/admission.py).
 ADMISSION_MODES = ("reserve", "vllm")
+# Where streaming heads keep their sink + window: `ring`, a per-request ring buffer beside
+# vLLM's pool; `pool`, blocks of vLLM's own pool (integration/sink_window.py), freed as the
+# window moves, seen by vLLM's planner, admission and kv_cache_usage_perc.
+STREAMING_STORAGES = ("ring", "pool")
 
 DEFAULT_SINK = 64
 DEFAULT_WINDOW = 256
@@ -75,6 +79,8 @@ class KVPolicyConfig:
     # work: head-level and token-level eviction composed). Streaming heads keep sink + window.
     token_policy: str | None = None
     token_sparsity: float = DEFAULT_SPARSITY
+    # streaming / duo / prulong: one of STREAMING_STORAGES (see there).
+    streaming_storage: str = "ring"
 
     def __post_init__(self) -> None:
         validate(self)
@@ -205,6 +211,18 @@ def validate(cfg: KVPolicyConfig) -> None:
             or not 0.0 <= t <= 1.0:
         raise KVPolicyError(f"token_sparsity must be a number in [0, 1], got {t!r}",
                             "token_sparsity")
+    if cfg.streaming_storage not in STREAMING_STORAGES:
+        raise KVPolicyError(f"streaming_storage {cfg.streaming_storage!r} is unknown; valid: "
+                            f"{', '.join(STREAMING_STORAGES)}", "streaming_storage")
+    if cfg.streaming_storage == "pool":
+        if not cfg.uses_head_mask:
+            raise KVPolicyError(f"streaming_storage 'pool' only applies to streaming, "
+                                f"{', '.join(HEAD_MASK_POLICIES)}, not {cfg.policy!r}; valid "
+                                f"with {cfg.policy}: ring", "streaming_storage")
+        if cfg.token_policy is not None:
+            raise KVPolicyError("streaming_storage 'pool' is not built with token_policy yet "
+                                "(its full heads' compaction assumes one KV-cache group); "
+                                "valid with token_policy: ring", "streaming_storage")
     if cfg.mask_path is not None and cfg.policy not in HEAD_MASK_POLICIES:
         raise KVPolicyError(
             f"mask_path only applies to {', '.join(HEAD_MASK_POLICIES)}, not {cfg.policy!r}",

@@ -124,8 +124,8 @@ class ServedPolicy:
     def streaming_bytes_per_rank(self, dtype: torch.dtype, slack: int = 0,
                                  world: int = 1) -> tuple[int, ...]:
         """The same, per tensor-parallel rank (rank r holds KV heads [r H/world, ...))."""
-        if not self.config.uses_head_mask:
-            return (0,) * world
+        if not self.config.uses_head_mask or self.config.streaming_storage == "pool":
+            return (0,) * world  # (pool storage: the streaming heads' blocks are pool blocks)
         itemsize = torch.empty((), dtype=dtype).element_size()
         per_head = 2 * (self.config.sink + self.config.window + slack) * self.shape.head_dim
         streaming = self.policy.streaming_heads()

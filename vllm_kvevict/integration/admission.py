@@ -36,9 +36,23 @@ class GrowthReserve:
     def num_groups(self) -> int:
         return len(self.scheduler.kv_cache_manager.coordinator.single_type_managers)
 
+    def window_caps(self) -> list[int | None]:
+        """Per group, the most slots a request ever holds there: streaming heads in the pool
+        hold sink + window + a step (`sink_window.py`), other groups the whole sequence."""
+        caps = self.__dict__.get("_window_caps")
+        if caps is None:
+            from vllm_kvevict.integration.sink_window import SinkWindowManager
+
+            caps = self._window_caps = [
+                m.max_admission_blocks_per_request * m.block_size
+                if isinstance(m, SinkWindowManager) else None
+                for m in self.scheduler.kv_cache_manager.coordinator.single_type_managers]
+        return caps
+
     def peak_tokens(self, request, num_tokens: int) -> list[int]:
         """Per KV-cache group, the slots a request of `num_tokens` tokens needs at its peak."""
-        return [num_tokens] * self.num_groups()
+        return [num_tokens if cap is None else min(num_tokens, cap)
+                for cap in self.window_caps()]
 
     def final_need(self, request) -> list[int]:
         """Per group, the slots a request needs at its largest: prompt, every one of its
@@ -75,7 +89,8 @@ class GrowthReserve:
         for other in self.scheduler.running:
             if other.request_id == req_id:
                 continue
-            held = len(manager.req_to_blocks.get(other.request_id, ()))
+            # (blocks a sliding window freed are null entries: not held)
+            held = sum(not b.is_null for b in manager.req_to_blocks.get(other.request_id, ()))
             growth_blocks += max(-(-self.final_need(other)[group] // bs) - held, 0)
         return self.final_need(request)[group] + growth_blocks * bs
 

@@ -19,6 +19,8 @@ from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
                                                  CPUAttentionMetadataBuilder)
 
+from vllm_kvevict.integration.paged_layout import paged_layout
+from vllm_kvevict.integration.sink_window import POOL_LAYOUTS, lay_out_from_pool
 from vllm_kvevict.integration.worker import get_state, init_state
 
 
@@ -120,14 +122,18 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
         if not plan.valid:  # profiling / warm-up runs without real requests
             return out
         keys, values = key[:, stream_kv], value[:, stream_kv]
-        store = state.store(heads.layer)
         scales = (layer._k_scale_float, layer._v_scale_float)
-        laid_k, laid_v = store.lay_out(plan, keys, values, scales)
+        if state.in_pool:  # (vLLM's pool: sink_window.py)
+            store, dtype, write_scale = None, keys.dtype, scales
+            laid_k, laid_v = lay_out_from_pool(self, layer, plan, keys, values)
+        else:
+            store = state.store(heads.layer)
+            laid_k, laid_v = store.lay_out(plan, keys, values, scales)
+            # fp8: the laid-out values are already the codes' grid values (streaming_store.py)
+            dtype, write_scale = store.dtype, (1.0, 1.0) if store.fp8 else scales
         scratch = self._scratch_cache(len(stream_kv), int(plan.block_table.max()) + 1,
-                                      state.block_size, store.dtype)
+                                      state.block_size, dtype)
         k_cache, v_cache = self._split(scratch)
-        # fp8: the laid-out values are already the codes' grid values (streaming_store.py)
-        write_scale = (1.0, 1.0) if store.fp8 else scales
         ops.cpu_attn_reshape_and_cache(laid_k, laid_v, k_cache, v_cache, plan.scratch_slots,
                                        layer.isa, k_scale=write_scale[0],
                                        v_scale=write_scale[1],
@@ -137,7 +143,8 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
                                plan.query_start_loc, query.dtype)
         self._kernel(layer, query[:, stream_q], scratch, out, plan.query_start_loc,
                      plan.seq_lens, plan.block_table, sched)
-        store.commit(plan, keys, values, scales)
+        if store is not None:
+            store.commit(plan, keys, values, scales)
         return out
 
     def _forward_token_eviction(self, state, layer, query, key, value, kv_cache, attn_metadata,
@@ -199,7 +206,8 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
             chunk_k = key[job.start:job.end]
             chunk_v = value[job.start:job.end]
             if c > step:  # the chunk's earlier steps: read back from the paged cache
-                past_k, past_v = self._layout(layer, key_cache.dtype).read(
+                past_k, past_v = paged_layout(key_cache.dtype, get_state().block_size,
+                                              self.head_size, layer.isa).read(
                     key_cache, value_cache, plan.table(l)[job.row], job.phys_before[l], c - step)
                 chunk_k, chunk_v = torch.cat([past_k, chunk_k]), torch.cat([past_v, chunk_v])
             if job.question:  # patched: the question's queries, positioned after the chunk
@@ -228,16 +236,6 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
                                        kv_cache_dtype=self.kv_cache_dtype)
 
     # -- helpers -------------------------------------------------------------------------
-    def _layout(self, layer, dtype):
-        """How this layer's paged cache packs a block (probed once per impl)."""
-        layout = getattr(self, "_paged_layout", None)
-        if layout is None:
-            from vllm_kvevict.integration.paged_layout import PagedLayout
-
-            layout = self._paged_layout = PagedLayout(dtype, get_state().block_size,
-                                                      self.head_size, layer.isa)
-        return layout
-
     @staticmethod
     def _split(kv_cache: torch.Tensor):
         num_blocks, num_kv_heads, block_size, _ = kv_cache.size()
@@ -284,6 +282,12 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
 
 class KVEvictAttentionBackend(CPUAttentionBackend):
     """Keeps the name CPU_ATTN: vLLM's CPU platform selects backends by that name."""
+
+    @classmethod
+    def supported_kv_cache_layouts(cls):
+        state = get_state()  # (pool storage: groups of mixed page sizes, sink_window.py)
+        return POOL_LAYOUTS if state is not None and state.in_pool else \
+            super().supported_kv_cache_layouts()
 
     @staticmethod
     def get_impl_cls():

@@ -61,6 +61,13 @@ FLAGS = {
                             "Token sparsity p of --kv-token-policy (share of each prefill "
                             "chunk's KVs a full head evicts), while --kv-sparsity stays the "
                             f"head sparsity. In [0, 1]; default {DEFAULT_SPARSITY}."),
+    "--kv-streaming-storage": ("streaming_storage", str,
+                               "streaming/duo/prulong: where streaming heads keep their sink + "
+                               "window: ring (default: a per-request ring beside vLLM's pool) or "
+                               "pool (blocks of vLLM's own pool, freed as the window moves; "
+                               "counted by vLLM's admission and kv_cache_usage_perc; for now "
+                               "eager mode, one GPU/CPU rank, no fp8 KV cache, no speculative "
+                               "decoding, no LoRA; others refused at start-up)."),
     "--kv-mask": ("mask_path", str, "Head-mask file for duo/prulong (our JSON format, PruLong "
                                     "0/1 TSV or DuoAttention gate TSV). Default: the mask shipped "
                                     "in head_masks/ for the served model."),

@@ -32,6 +32,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from vllm_kvevict.ledger import LayerGroups
@@ -186,6 +187,8 @@ def declare_specs(runner, stock_get_kv_cache_spec, state) -> dict:
 
     layers = get_layers_from_vllm_config(runner.vllm_config, Attention)
     index = {name: extract_layer_index(name) for name in layers}
+    if state.in_pool:
+        return _declare_pool_specs(runner, stock_get_kv_cache_spec, state, layers, index)
     with_full = [n for n in layers if state.heads[index[n]].paged_heads]
     # vLLM needs one paged layer to schedule blocks at all; with every head streaming,
     # the first layer keeps a 1-head placeholder (reported as held bytes, never read).
@@ -200,6 +203,62 @@ def declare_specs(runner, stock_get_kv_cache_spec, state) -> dict:
     if state.token is not None:
         num_layers = state.served.shape.num_layers
         specs = tier_specs(specs, index, num_layers, state.config.num_tiers(num_layers))
+    return specs
+
+
+class StreamingCacheLayer(torch.nn.Module, AttentionLayerBase):
+    """A cache-only layer holding one attention layer's streaming heads in vLLM's pool
+    (`--kv-streaming-storage pool`): vLLM declares its spec, allocates, binds and builds
+    metadata for it like any attention layer; the real layer's backend reads and writes it
+    (the pattern of vLLM's own cache-only companion layers). Never run as a module."""
+
+    def __init__(self, layer_name: str, spec, backend, num_heads: int) -> None:
+        super().__init__()
+        self.layer_name, self.num_heads = layer_name, num_heads
+        self._spec, self._backend = spec, backend
+        self.kv_cache = torch.tensor([])
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
+
+    def get_attn_backend(self):
+        return self._backend
+
+    def get_kv_cache_spec(self, vllm_config):
+        return self._spec
+
+
+def _declare_pool_specs(runner, stock_get_kv_cache_spec, state, layers, index) -> dict:
+    """Pool storage: each layer's full heads in its own spec (a layer without any shares its
+    companion's cache, which gives it attention metadata), its streaming heads in a companion
+    `StreamingCacheLayer` with a `SinkWindowSpec` (`sink_window.py`)."""
+    from vllm_kvevict.integration.sink_window import COMPANION_SUFFIX, SinkWindowSpec
+
+    context = runner.vllm_config.compilation_config.static_forward_context
+    cfg = state.config
+    companions = {}
+    for name, layer in layers.items():
+        heads = state.heads[index[name]]
+        if not heads.streaming_kv:
+            continue
+        companion = name + COMPANION_SUFFIX
+        if not heads.paged_heads:
+            layer.kv_sharing_target_layer_name = companion
+        companions[name] = companion
+    specs = stock_get_kv_cache_spec(runner)
+    for name, companion in companions.items():
+        heads, base = state.heads[index[name]], layers[name]
+        spec = SinkWindowSpec(block_size=state.block_size, num_kv_heads=len(heads.streaming_kv),
+                              head_size=state.head_dim, dtype=runner.kv_cache_dtype,
+                              sliding_window=cfg.window + 1, sink=cfg.sink)
+        # (vLLM's registration of cache-only layers: a name -> layer entry of the context)
+        context[companion] = StreamingCacheLayer(
+            companion, spec, base.get_attn_backend(),
+            len(heads.streaming_kv) * heads.queries_per_kv)
+        specs[companion] = spec
+    for name, spec in list(specs.items()):
+        if name in layers:
+            specs[name] = paged_spec(spec, state.heads[index[name]])
     return specs
 
 

@@ -70,3 +70,24 @@ class PagedLayout:
             off = start - first * bs
             out.append(tokens[off:off + count])
         return out[0], out[1]
+
+    def gather(self, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [n, H, d] at flat pool slots (block id * block_size + offset), any order:
+        each block touched is unpacked once."""
+        bs, d = self.block_size, self.head_dim
+        blocks, where = torch.unique(slots // bs, return_inverse=True)
+        offsets = slots % bs
+        out = []
+        for cache, order in ((key_cache, self.key_from), (value_cache, self.value_from)):
+            raw = cache[blocks]                                    # [nb, H, bs, d] packed
+            nb, heads = raw.shape[0], raw.shape[1]
+            tiles = raw.reshape(nb, heads, bs * d)[:, :, order].view(nb, heads, bs, d)
+            out.append(tiles[where, :, offsets])                   # [n, H, d]
+        return out[0], out[1]
+
+
+@functools.lru_cache(maxsize=None)
+def paged_layout(dtype: torch.dtype, block_size: int, head_dim: int, isa: str) -> PagedLayout:
+    """The layout of a paged cache of these parameters (probed once per process)."""
+    return PagedLayout(dtype, block_size, head_dim, isa)

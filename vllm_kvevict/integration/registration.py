@@ -48,6 +48,9 @@ WRAPS: tuple[Wrap, ...] = (
          _I + "worker:forward_with_questions", "worker"),
     Wrap("vllm.v1.worker.block_table:MultiGroupBlockTable.compute_slot_mapping",
          _I + "worker:slot_mappings", "worker"),
+    # KV-cache groups of streaming heads held in the pool (engine core; worker too)
+    Wrap("vllm.v1.core.kv_cache_utils:get_kv_cache_groups", _I + "sink_window:group_kv_cache",
+         "engine core"),
     # scheduler and KV-cache manager (engine core)
     Wrap("vllm.v1.core.sched.scheduler:Scheduler.__init__", _I + "registration:attach_scheduler",
          "engine core"),
@@ -88,6 +91,14 @@ RELIED_ON = (
     # and rank r holds its contiguous slice of the KV heads
     "vllm.v1.core.kv_cache_utils.get_kv_cache_configs",
     "vllm.distributed.get_tensor_model_parallel_rank",
+    # streaming heads in the pool (sink_window.py): a spec + manager through vLLM's registry,
+    # a cache-only companion layer per attention layer, the block-outer layout
+    "vllm.v1.kv_cache_spec_registry.KVCacheSpecRegistry.register",
+    "vllm.v1.core.single_type_kv_cache_manager.SlidingWindowManager.remove_skipped_blocks",
+    "vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager._remove_blocks_in_range",
+    "vllm.v1.kv_cache_interface.SlidingWindowSpec.max_admission_blocks_per_request",
+    "vllm.v1.kv_cache_layout.KVCacheLayout.BLHNC",
+    "vllm.forward_context.ForwardContext.__dataclass_fields__",  # no_compile_layers (test)
 )
 
 PATCHED = tuple(w.target.replace(":", ".") for w in WRAPS)
@@ -154,6 +165,9 @@ def register() -> None:
         KVConnectorFactory.register_connector(
             "KVEvictStatsConnector", "vllm_kvevict.integration.stats_connector",
             "KVEvictStatsConnector")
+    from vllm_kvevict.integration.sink_window import register_manager
+
+    register_manager()  # our sink + window spec -> manager (vLLM's spec registry)
     import sys
 
     api_server = "vllm.entrypoints.launchers.api_server.entry" in sys.modules

@@ -104,6 +104,9 @@ def blocks_to_allocate(manager, stock_count, *args, **kwargs):
     request_id, num_tokens = arguments["request_id"], arguments["num_tokens"]
     if arguments.get("apply_admission_cap"):
         num_tokens = rule.admission_tokens(request_id, num_tokens, group)
+        # a sliding-window group's own cap is per request; ours already counts the window,
+        # and it reserves the running requests' growth too, which that cap would cut off
+        arguments["apply_admission_cap"] = False
     elif book is not None:
         num_tokens = book.physical(request_id, num_tokens, group)
     else:

@@ -51,6 +51,9 @@ class StepPlan:
     keep_src: torch.Tensor          # long: step token indices (in the batch) kept after the step
     keep_dst: torch.Tensor          # long: their store rows
     max_seq_len: int
+    # pool storage (sink_window.py): the position and batch row of each prefix_dst token
+    prefix_pos: torch.Tensor = None
+    prefix_row: torch.Tensor = None
     valid: bool = True
     # vLLM kernel work schedules for this step, per streaming-head count (filled lazily)
     kernel_schedules: dict = field(default_factory=dict)
@@ -84,11 +87,13 @@ def build_step_plan(slots: list[int], computed: list[int], query_lens: list[int]
     cap = sink + ring
     seq_lens, q_start, blocks = [], [0], []
     scratch_slots, prefix_dst, prefix_src, chunk_dst, chunk_src = [], [], [], [], []
+    prefix_pos, prefix_row = [], []
     keep_src, keep_dst = [], []
     laid = 0        # rows of the laid-out tensor so far
     next_block = 1  # block 0 stays unused (mirrors vLLM's null block)
 
-    def kernel_row(past_src: torch.Tensor, step_src: torch.Tensor, q_len: int) -> None:
+    def kernel_row(row: int, past: torch.Tensor, past_src: torch.Tensor,
+                   step_src: torch.Tensor, q_len: int) -> None:
         nonlocal laid, next_block
         v, n = len(past_src), len(past_src) + len(step_src)
         nblocks = -(-n // block_size)
@@ -99,6 +104,8 @@ def build_step_plan(slots: list[int], computed: list[int], query_lens: list[int]
                              * block_size + torch.arange(n) % block_size)
         prefix_dst.append(laid + torch.arange(v))
         prefix_src.append(past_src)
+        prefix_pos.append(past)
+        prefix_row.append(torch.full((v,), row))
         chunk_dst.append(laid + v + torch.arange(n - v))
         chunk_src.append(step_src)
         seq_lens.append(n)
@@ -114,10 +121,11 @@ def build_step_plan(slots: list[int], computed: list[int], query_lens: list[int]
         # queries before the prompt's end: one chunk row (the paper's chunk semantics)
         m = c if prompt_lens is None or c == 1 else min(c, max(prompt_lens[r] - a, 0))
         if m:
-            kernel_row(past_src, tokens[:m], m)
+            kernel_row(r, past, past_src, tokens[:m], m)
         for i in range(m, c):  # decode queries: a row each, with their own window
             lo = p[i] - window
-            kernel_row(past_src[(past < sink) | (past >= lo)],
+            seen = (past < sink) | (past >= lo)
+            kernel_row(r, past[seen], past_src[seen],
                        tokens[: i + 1][(p[: i + 1] < sink) | (p[: i + 1] >= lo)], 1)
         # tokens of this step that a later step may still see: the sink, and the last W + K
         # (a rejected draft moves the next step back by at most K)
@@ -125,10 +133,10 @@ def build_step_plan(slots: list[int], computed: list[int], query_lens: list[int]
         keep_src.append(tokens[keep])
         keep_dst.append(slot * cap + ring_slot(p[keep], sink, ring))
         token_base += c
-        row_tokens.append((past_src, tokens))
+        row_tokens.append((past, past_src, tokens))
     for r, k, first in questions:  # after every batch row, as the queries are ordered
-        past_src, tokens = row_tokens[r]
-        kernel_row(past_src, torch.cat([tokens, first + torch.arange(k)]), k)
+        past, past_src, tokens = row_tokens[r]
+        kernel_row(r, past, past_src, torch.cat([tokens, first + torch.arange(k)]), k)
     num_rows = len(blocks)
     width = max((len(b) for b in blocks), default=1)
     table = torch.zeros(num_rows, width, dtype=torch.int32)
@@ -141,7 +149,8 @@ def build_step_plan(slots: list[int], computed: list[int], query_lens: list[int]
                     prefix_dst=cat(prefix_dst), prefix_src=cat(prefix_src),
                     chunk_dst=cat(chunk_dst), chunk_src=cat(chunk_src),
                     keep_src=cat(keep_src), keep_dst=cat(keep_dst),
-                    max_seq_len=max(seq_lens, default=0))
+                    max_seq_len=max(seq_lens, default=0), prefix_pos=cat(prefix_pos),
+                    prefix_row=cat(prefix_row))
 
 
 class StreamingStore:

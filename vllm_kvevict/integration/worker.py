@@ -52,6 +52,11 @@ class WorkerState:
     def policy(self) -> KVPolicy:
         return self.served.policy
 
+    @property
+    def in_pool(self) -> bool:
+        """Streaming heads in vLLM's pool (`--kv-streaming-storage pool`), not in stores."""
+        return self.config.streaming_storage == "pool"
+
     # -- requests ------------------------------------------------------------------------
     def slot_for(self, req_id: str) -> int:
         if req_id not in self.slot_of:
@@ -99,7 +104,9 @@ class WorkerState:
 
     def _streaming_plan(self, req_ids, computed, q_lens, valid, questions=()) -> StepPlan:
         num_reqs = len(q_lens)
-        slots = [self.slot_for(r) for r in req_ids] if valid else [0] * num_reqs
+        # (pool storage addresses the past through the block tables, not store slots)
+        slots = [self.slot_for(r) for r in req_ids] if valid and not self.in_pool \
+            else [0] * num_reqs
         prompt_lens = self._prompt_lens(req_ids[:num_reqs]) if valid else None
         plan = build_step_plan(slots, computed, q_lens, self.config.sink, self.config.window,
                                self.block_size, prompt_lens, self.slack, questions)

@@ -1,0 +1,84 @@
+"""Streaming heads in vLLM's own block pool (`--kv-streaming-storage pool`,
+`integration/sink_window.py`) against the independent reference oracle, on the bundled model.
+
+One server, 32-token blocks so the sink + window manager frees many blocks mid-prompt: prompts
+alone and four at once (vLLM splits the token budget between them, so chunk boundaries are
+irregular and each request's streaming past sits in blocks of its own block tables); greedy
+tokens equal the reference's at the boundaries the server used, the first position's top-20
+log-probs agree; the ring store is gone from kv_stats, the streaming groups hold at most
+sink + window (+ one block) per request at the end, and vLLM's pool is empty afterwards.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import re
+
+import httpx
+import pytest
+
+from conftest import start_server
+from test_policies_vllm import (LOGPROB_TOL, NEW_TOKENS, flags, reference, served_top_logprobs,
+                                source_prompts)
+
+pytestmark = pytest.mark.server
+
+BLOCK = 32
+CASES = {
+    "prulong-0.7": {"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64,
+                    "streaming_storage": "pool"},
+    # every head streaming: no layer keeps a full-head cache, each shares its companion's
+    "streaming": {"policy": "streaming", "sink": 48, "window": 80, "streaming_storage": "pool"},
+}
+
+
+def _usage(base_url: str) -> float:
+    text = httpx.get(base_url + "/metrics", timeout=30).text
+    return float(re.search(r"^vllm:kv_cache_usage_perc\{[^}]*\} (\S+)$", text, re.M).group(1))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_pool_storage_matches_reference(case, bundled_model_dir, tokenizer, hf_model):
+    policy, chunk = CASES[case], 256
+    server = start_server(bundled_model_dir, [*flags(policy, chunk), "--block-size", str(BLOCK)])
+    log = server.log_path.read_text(errors="replace")
+    assert "KV-cache groups in the pool" in log
+    alone = source_prompts(tokenizer, (700, 1600))
+    batch = source_prompts(tokenizer, (400, 700, 1000, 1300))
+    results = [served_top_logprobs(server.base_url, p) for p in alone]
+    with cf.ThreadPoolExecutor(len(batch)) as pool:
+        results += list(pool.map(lambda p: served_top_logprobs(server.base_url, p), batch))
+    irregular = 0
+    sink_blocks = -(-policy["sink"] // BLOCK)
+    for prompt, (text, top, stats) in zip(alone + batch, results):
+        ends = stats["chunk_boundaries"]
+        irregular += any(b - a != chunk for a, b in zip([0] + ends[:-2], ends[:-1]))
+        ref = reference(hf_model, bundled_model_dir, policy, prompt, ends)
+        assert text == tokenizer.decode(ref.token_ids), (case, len(prompt), ends)
+        for token, lp in top.items():
+            assert abs(lp - float(ref.first_token_logprobs[token])) < LOGPROB_TOL, (case, token)
+        assert stats["streaming_store_bytes"] == 0
+        assert stats["blocks_freed"] > 0, stats  # the window's blocks went back mid-request
+        assert stats["kv_bytes_peak"] < stats["full_kv_bytes_peak"]
+        # at the end: full groups hold the sequence, streaming groups sink + window (+ 1)
+        total = len(prompt) + NEW_TOKENS - 1
+        groups = stats_groups(log)
+        bound = (groups["full"] * -(-total // BLOCK)
+                 + groups["streaming"] * (sink_blocks + -(-(policy["window"] + 1) // BLOCK) + 1))
+        assert stats["blocks_held_end"] <= bound, (stats["blocks_held_end"], bound)
+    assert irregular, "the batch never split a chunk: the concurrent case checked nothing new"
+    assert _usage(server.base_url) == 0.0  # every group's blocks back in vLLM's pool
+    # the README's 37-token chat: with the ring store prulong 0.7 held 2.05x full attention's
+    # bytes (a preallocated sink + window for each of 63 streaming heads); in the pool it
+    # holds blocks as full attention does
+    r = httpx.post(server.base_url + "/v1/chat/completions", timeout=120, json={
+        "model": "smollm2", "max_tokens": 32, "temperature": 0,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}]}).json()
+    kv = r["kv_stats"]
+    assert kv["prompt_tokens"] == 37 and kv["streaming_store_bytes"] == 0
+    assert kv["kv_bytes_peak"] <= kv["full_kv_bytes_peak"], kv
+
+
+def stats_groups(log: str) -> dict[str, int]:
+    m = re.search(r"KV-cache groups in the pool: (\d+) of full heads, (\d+) of streaming", log)
+    return {"full": int(m.group(1)), "streaming": int(m.group(2))}

@@ -1,0 +1,131 @@
+"""Pool storage of streaming heads without a server: vLLM's own BlockPool and manager factory
+drive `SinkWindowManager` (which blocks a request holds as it advances), the group planner, the
+paged read-back at arbitrary slots, and the start-up refusals of what pool storage does not
+serve yet."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_kvevict.config import KVPolicyConfig, KVPolicyError
+from vllm_kvevict.features import pool_storage_error
+from vllm_kvevict.integration.sink_window import (SinkWindowManager, SinkWindowSpec,
+                                                  plan_widths, register_manager)
+
+
+def _manager(sink: int, window: int, block: int = 16, blocks: int = 64):
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.single_type_kv_cache_manager import get_manager_for_kv_cache_spec
+
+    register_manager()
+    spec = SinkWindowSpec(block_size=block, num_kv_heads=2, head_size=64, dtype=torch.float32,
+                          sliding_window=window + 1, sink=sink)
+    pool = BlockPool(blocks, enable_caching=False, hash_block_size=block)
+    manager = get_manager_for_kv_cache_spec(spec, max_in_flight_tokens=64, max_model_len=4096,
+                                            block_pool=pool, enable_caching=False,
+                                            kv_cache_group_id=0, scheduler_block_size=block)
+    return manager, pool, spec
+
+
+def _held(manager, req="r") -> list[int]:
+    """Block positions (index in the request's row) that hold a real block."""
+    return [i for i, b in enumerate(manager.req_to_blocks[req]) if not b.is_null]
+
+
+def test_vllm_builds_our_manager_with_the_window_cap():
+    manager, _, spec = _manager(sink=20, window=40)
+    assert isinstance(manager, SinkWindowManager)
+    # sink blocks + (window + a step of 64 in flight) + 1
+    assert manager.max_admission_blocks_per_request == 2 + -(-(40 + 64) // 16) + 1
+    assert spec.max_admission_blocks_per_request(64, 4096) == manager.max_admission_blocks_per_request
+
+
+def test_sink_blocks_kept_gap_freed_window_kept():
+    """Chunks of 48 tokens through 200 tokens, then decode: before each step vLLM calls
+    remove_skipped_blocks with the tokens computed so far (a); every block that holds a token
+    of [0, sink) or [a - W, a) stays, blocks wholly inside the gap go back to the pool."""
+    sink, window, bs = 20, 40, 16
+    manager, pool, _ = _manager(sink, window, bs)
+    free0 = pool.get_num_free_blocks()
+    computed = 0
+    for step in [48] * 4 + [8] + [1] * 30:
+        manager.remove_skipped_blocks("r", computed)
+        manager.allocate_new_blocks("r", computed + step, computed + step)
+        held = _held(manager)
+        needed = {p // bs for p in range(min(sink, computed))}
+        needed |= {p // bs for p in range(max(computed - window, 0), computed + step)}
+        # exactly the blocks the step can see: the sink's, the window before it, the step's
+        assert set(held) == needed, (computed, held, sorted(needed))
+        assert pool.get_num_free_blocks() == free0 - len(held)
+        computed += step
+    manager.free("r")
+    assert pool.get_num_free_blocks() == free0
+
+
+def test_plan_widths_balances_groups_of_equal_width():
+    # the bundled prulong 0.7 mask has 27 full and 63 streaming heads over 30 layers of 3
+    full = [(f"l{i}", h) for i, h in enumerate([1, 2, 0, 1, 3, 0] * 5) if h]
+    streaming = [(f"l{i}.s", 3 - h) for i, h in enumerate([1, 2, 0, 1, 3, 0] * 5) if 3 - h]
+    width, full_groups, stream_groups = plan_widths(full, streaming, 8192, 64 + 257 + 1024)
+    sizes = {n: h for n, h in full + streaming}
+    used = [sum(sizes[n] for n in g) for g in full_groups + stream_groups]
+    assert max(used) <= width
+    # every layer in exactly one group
+    names = [n for g in full_groups + stream_groups for n in g]
+    assert sorted(names) == sorted(sizes)
+    # full groups hold whole sequences: no padding on them here
+    assert all(sum(sizes[n] for n in g) == width for g in full_groups), (width, used)
+
+
+def test_gather_reads_any_slots_back_exactly():
+    """The read-back behind pool storage: K/V written through vLLM's own reshape-and-cache at
+    scattered slots of a block-outer (strided) cache come back exactly."""
+    from vllm import _custom_ops as ops
+
+    from vllm_kvevict.integration.paged_layout import PagedLayout
+
+    torch.manual_seed(0)
+    bs, heads, d, blocks = 32, 3, 64, 6
+    isa = "vec"
+    # a block-outer buffer: another layer's page sits between this layer's blocks
+    buf = torch.zeros(blocks, 2, heads, 2 * bs, d)
+    cache = buf[:, 1]                                  # [B, H, 2 * bs, d], block stride 2 pages
+    key_cache, value_cache = cache.chunk(2, dim=2)
+    slots = torch.randperm(blocks * bs)[:100]
+    k, v = torch.randn(100, heads, d), torch.randn(100, heads, d)
+    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa, k_scale=1.0,
+                                   v_scale=1.0, kv_cache_dtype="auto")
+    layout = PagedLayout(torch.float32, bs, d, isa)
+    order = torch.randperm(100)
+    got_k, got_v = layout.gather(key_cache, value_cache, slots[order])
+    assert torch.equal(got_k, k[order]) and torch.equal(got_v, v[order])
+    assert torch.count_nonzero(buf[:, 0]) == 0  # the other layer's pages untouched
+
+
+@pytest.mark.parametrize("raw, field", [
+    ({"policy": "prulong", "streaming_storage": "disk"}, "streaming_storage"),
+    ({"policy": "snapkv", "streaming_storage": "pool"}, "streaming_storage"),
+    ({"policy": "prulong", "token_policy": "snapkv", "streaming_storage": "pool"},
+     "streaming_storage"),
+])
+def test_streaming_storage_values_are_checked(raw, field):
+    with pytest.raises(KVPolicyError) as err:
+        KVPolicyConfig.from_dict(raw)
+    assert err.value.field == field and "ring" in str(err.value)
+
+
+@pytest.mark.parametrize("kwargs, flag", [
+    ({"tensor_parallel": 2}, "--tensor-parallel-size 2"),
+    ({"cache_dtype": "fp8"}, "--kv-cache-dtype fp8"),
+    ({"speculative": "ngram"}, "--speculative-config"),
+    ({"lora": True}, "--enable-lora"),
+    ({"enforce_eager": False}, "compile mode"),
+    ({"connectors": ["LMCacheConnectorV1"]}, "--kv-transfer-config"),
+])
+def test_pool_storage_refuses_what_it_does_not_serve_yet(kwargs, flag):
+    cfg = KVPolicyConfig.from_dict({"policy": "prulong", "streaming_storage": "pool"})
+    error = pool_storage_error(cfg, **kwargs)
+    assert error and flag in error and "--kv-streaming-storage ring" in error
+    assert pool_storage_error(cfg) is None
+    assert pool_storage_error(cfg.replace(streaming_storage="ring"), **kwargs) is None

@@ -1,0 +1,222 @@
+"""Streaming heads in vLLM's own block pool: a sink + sliding-window KV-cache spec, its
+manager, and the plan of KV-cache groups (`--kv-streaming-storage pool`).
+
+A streaming head running a prefill chunk [a, a + c) sees the sink (positions [0, s)), the W
+tokens before a, and the chunk; a decode query at q sees the sink and [q - W, q]. vLLM 0.32 has
+a sliding-window manager (frees a prefix of blocks) and a sink spec whose sink is a model's
+learned static K/V, but nothing that keeps the prompt's first tokens *and* frees the gap after
+them. `SinkWindowManager` is `SlidingWindowManager` with the freed range moved: the sink blocks
+stay, blocks wholly inside [sink, a - W) are freed as the request advances (vLLM calls
+`remove_skipped_blocks` from `allocate_slots` with a = the tokens computed before the step).
+
+Storage: each layer with streaming heads gets a companion cache-only layer
+(`<layer>.kvevict_streaming`, `kv_cache_specs.StreamingCacheLayer`) whose spec holds that
+layer's streaming heads; the real layer's spec keeps its full heads, as before. Pages of
+different layers differ in size (a layer's head count), and vLLM's CPU layout (layer-outer,
+LBHNC) refuses groups of mixed page sizes, so the pool uses the block-outer layout BLHNC
+(the CPU kernels take any block stride: the tensor-parallel padding path relies on the same).
+Then a block of any group costs the widest group's bytes, and `plan_groups` packs layers into
+groups of near-equal width: the full heads' layers, and the streaming companions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+from vllm.v1.kv_cache_interface import SlidingWindowSpec
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
+
+COMPANION_SUFFIX = ".kvevict_streaming"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SinkWindowSpec(SlidingWindowSpec):
+    """vLLM's sliding-window spec (`sliding_window` = W + 1: a query sees itself and the W
+    tokens before it) plus the sink tokens kept from the start, and the group this layer was
+    planned into (specs of different groups never merge)."""
+
+    sink: int = 0
+    group: int = 0
+
+    def max_admission_blocks_per_request(self, max_in_flight_tokens: int,
+                                         max_model_len: int) -> int:
+        # the sink blocks, then the window before the step plus the step itself
+        window = min(self.sliding_window - 1 + max_in_flight_tokens, max_model_len)
+        return cdiv(self.sink, self.block_size) + cdiv(window, self.block_size) + 1
+
+    def is_uniform_with_collection(self, kv_cache_specs) -> bool:
+        return all(isinstance(spec, SinkWindowSpec) and spec.group == self.group
+                   and spec.sink == self.sink and spec.sliding_window == self.sliding_window
+                   for spec in kv_cache_specs.values())
+
+    @classmethod
+    def merge(cls, specs):
+        groups = {getattr(spec, "group", None) for spec in specs}
+        # AssertionError is what vLLM's grouping code catches as "not mergeable"
+        assert all(isinstance(spec, SinkWindowSpec) for spec in specs) and len(groups) == 1, (
+            "streaming caches of different planned groups do not merge")
+        return super().merge(specs)
+
+
+class SinkWindowManager(SlidingWindowManager):
+    """Keeps the sink blocks and the blocks that hold [a - W, ...); frees the gap between."""
+
+    def __init__(self, kv_cache_spec: SinkWindowSpec, **kwargs) -> None:
+        super().__init__(kv_cache_spec, **kwargs)
+        self.sink = kv_cache_spec.sink
+        self.window = kv_cache_spec.sliding_window - 1
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:
+        first = cdiv(self.sink, self.block_size)
+        last = max(processed_computed_tokens - self.window, 0) // self.block_size
+        # backward from `last`, stopping at the previous call's gap (vLLM's helper)
+        self._remove_blocks_in_range(request_id, first, last)
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        # the freed range is a gap, not a prefix: allocation counts every block position
+        # (nulls included), as it does for a request whose blocks were never freed
+        return 0
+
+
+def register_manager() -> None:
+    """Our spec -> our manager in vLLM's KV-cache spec registry (every process that builds
+    managers or groups; idempotent)."""
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    KVCacheSpecRegistry._ensure_registered()
+    KVCacheSpecRegistry.register(SinkWindowSpec, SinkWindowManager,
+                                 uniform_type_base_spec=SinkWindowSpec)
+
+
+# -- the plan of KV-cache groups ----------------------------------------------------------------
+
+def _pack(items: list[tuple[str, int]], width: int) -> list[list[str]]:
+    """First-fit decreasing of (name, heads) into bins of `width` heads; bins keep layer order."""
+    bins: list[tuple[int, list[tuple[int, str]]]] = []
+    order = {name: i for i, (name, _) in enumerate(items)}
+    for name, heads in sorted(items, key=lambda x: (-x[1], order[x[0]])):
+        for i, (used, names) in enumerate(bins):
+            if used + heads <= width:
+                bins[i] = (used + heads, names + [(order[name], name)])
+                break
+        else:
+            bins.append((heads, [(order[name], name)]))
+    return [[n for _, n in sorted(names)] for _, names in bins]
+
+
+def plan_widths(full: list[tuple[str, int]], streaming: list[tuple[str, int]],
+                full_tokens: int, streaming_tokens: int,
+                max_groups: int = 16) -> tuple[int, list[list[str]], list[list[str]]]:
+    """Choose the block width (in head pages) and pack layers into groups of at most that
+    width. A block of any group costs the widest group's bytes, so a narrow group wastes the
+    difference on every block it holds: full groups hold a whole sequence (`full_tokens`),
+    streaming groups about sink + window + a chunk (`streaming_tokens`). Returns the width
+    and the full and streaming groups (lists of layer names) of the cheapest plan."""
+    widest = max([h for _, h in full + streaming], default=1)
+    total = sum(h for _, h in full) + sum(h for _, h in streaming)
+    best = None
+    for width in range(widest, max(total, widest) + 1):
+        full_groups, stream_groups = _pack(full, width), _pack(streaming, width)
+        if len(full_groups) + len(stream_groups) > max_groups:
+            continue
+        cost = width * (len(full_groups) * full_tokens + len(stream_groups) * streaming_tokens)
+        if best is None or cost < best[0]:
+            best = (cost, width, full_groups, stream_groups)
+    if best is None:
+        raise ValueError(f"vllm-kvevict: no plan of at most {max_groups} KV-cache groups")
+    return best[1], best[2], best[3]
+
+
+def kv_cache_groups(vllm_config, specs: dict) -> list:
+    """vLLM's KV-cache groups for a head mask whose streaming heads are in the pool: the real
+    layers' full-head specs and the companions' streaming specs, packed by `plan_widths`."""
+    from vllm.v1.core.kv_cache_utils import KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    spec0 = next(iter(specs.values()))
+    per_head = spec0.page_size_bytes // max(spec0.num_kv_heads, 1)
+    heads = {name: spec.page_size_bytes // per_head for name, spec in specs.items()}
+    full = [(n, heads[n]) for n in specs if not n.endswith(COMPANION_SUFFIX)]
+    streaming = [(n, heads[n]) for n in specs if n.endswith(COMPANION_SUFFIX)]
+    stream_spec = specs[streaming[0][0]] if streaming else None
+    chunk = vllm_config.scheduler_config.max_num_batched_tokens
+    streaming_tokens = (stream_spec.sink + stream_spec.sliding_window + chunk
+                        if stream_spec else 0)
+    width, full_groups, stream_groups = plan_widths(
+        full, streaming, vllm_config.model_config.max_model_len, streaming_tokens)
+    groups = []
+    for names in full_groups:
+        groups.append(KVCacheGroupSpec(names, UniformTypeKVCacheSpecs.from_specs(
+            {n: specs[n] for n in names})))
+    for g, names in enumerate(stream_groups):
+        tagged = {n: dataclasses.replace(specs[n], group=g) for n in names}
+        groups.append(KVCacheGroupSpec(names, UniformTypeKVCacheSpecs.from_specs(tagged)))
+    logger.info("vllm-kvevict: KV-cache groups in the pool: %d of full heads, %d of streaming "
+                "heads, blocks of %d head pages (heads per group: full %s, streaming %s)",
+                len(full_groups), len(stream_groups), width,
+                [sum(heads[n] for n in g) for g in full_groups],
+                [sum(heads[n] for n in g) for g in stream_groups])
+    return groups
+
+
+def group_kv_cache(stock_groups, vllm_config, kv_cache_spec):
+    """`kv_cache_utils.get_kv_cache_groups`: our plan when the specs hold streaming companions
+    (vLLM's own packing would bucket by balanced page-size patterns and may split a bucket
+    across groups), vLLM's otherwise."""
+    if not any(name.endswith(COMPANION_SUFFIX) for name in kv_cache_spec):
+        return stock_groups(vllm_config, kv_cache_spec)
+    register_manager()
+    return kv_cache_groups(vllm_config, kv_cache_spec)
+
+
+# -- worker side --------------------------------------------------------------------------------
+
+# Groups of different page sizes: the block-outer layout (the CPU kernels take any block stride)
+POOL_LAYOUTS = (KVCacheLayout.BLHNC,)
+
+
+def lay_out_from_pool(impl, layer, plan, keys, values):
+    """One layer's streaming heads in a step (`impl`: the attention impl of `layer`): write the
+    step's K/V at their logical slots in the companion layer's cache (vLLM's slot mapping of
+    its KV-cache group; the manager above frees what leaves sink + window), then read each
+    kernel row's visible past back from the group's blocks and lay it out before the step's
+    tokens, as `StreamingStore.lay_out` does from its ring."""
+    from vllm import _custom_ops as ops
+    from vllm.forward_context import get_forward_context
+
+    context = get_forward_context()
+    name = layer.layer_name + COMPANION_SUFFIX
+    meta = context.attn_metadata[name]
+    key_cache, value_cache = impl._split(context.no_compile_layers[name].kv_cache)
+    n, block_size = keys.shape[0], key_cache.shape[2]
+    ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, meta.slot_mapping[:n],
+                                   layer.isa, k_scale=layer._k_scale_float,
+                                   v_scale=layer._v_scale_float,
+                                   kv_cache_dtype=impl.kv_cache_dtype)
+    # the past's pool slots, once per step and group (the group's layers share its table)
+    key = ("pool", id(meta.block_table))
+    slots = plan.kernel_schedules.get(key)
+    if slots is None:
+        pos = plan.prefix_pos
+        table = meta.block_table.long()
+        slots = plan.kernel_schedules[key] = (table[plan.prefix_row, pos // block_size]
+                                              * block_size + pos % block_size)
+    from vllm_kvevict.integration.paged_layout import paged_layout
+
+    past_k, past_v = paged_layout(key_cache.dtype, block_size, impl.head_size,
+                                  layer.isa).gather(key_cache, value_cache, slots)
+    total = int(plan.seq_lens.sum())
+    out = []
+    for past, x in ((past_k, keys), (past_v, values)):
+        laid = x.new_empty(total, x.shape[1], x.shape[2])
+        laid[plan.prefix_dst] = past
+        laid[plan.chunk_dst] = x[plan.chunk_src]
+        out.append(laid)
+    return out[0], out[1]
