@@ -122,10 +122,13 @@ def test_streaming_storage_values_are_checked(raw, field):
     ({"lora": True}, "--enable-lora"),
     ({"enforce_eager": False}, "compile mode"),
     ({"connectors": ["LMCacheConnectorV1"]}, "--kv-transfer-config"),
+    ({"admission": "vllm"}, "--kv-admission vllm"),
 ])
 def test_pool_storage_refuses_what_it_does_not_serve_yet(kwargs, flag):
     cfg = KVPolicyConfig.from_dict({"policy": "prulong", "streaming_storage": "pool"})
+    if kwargs.pop("admission", None):
+        cfg = cfg.replace(admission="vllm")
     error = pool_storage_error(cfg, **kwargs)
     assert error and flag in error and "--kv-streaming-storage ring" in error
-    assert pool_storage_error(cfg) is None
+    assert pool_storage_error(cfg.replace(admission="reserve")) is None
     assert pool_storage_error(cfg.replace(streaming_storage="ring"), **kwargs) is None

@@ -66,7 +66,7 @@ FLAGS = {
                                "window: ring (default: a per-request ring beside vLLM's pool) or "
                                "pool (blocks of vLLM's own pool, freed as the window moves; "
                                "counted by vLLM's admission and kv_cache_usage_perc; for now "
-                               "eager mode, one GPU/CPU rank, no fp8 KV cache, no speculative "
+                               "eager mode, one rank, reserve admission, no fp8 KV cache, no speculative "
                                "decoding, no LoRA; others refused at start-up)."),
     "--kv-mask": ("mask_path", str, "Head-mask file for duo/prulong (our JSON format, PruLong "
                                     "0/1 TSV or DuoAttention gate TSV). Default: the mask shipped "
