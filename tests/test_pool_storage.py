@@ -2,10 +2,9 @@
 `integration/sink_window.py`) against the independent reference oracle, on the bundled model.
 
 One server, 32-token blocks so the sink + window manager frees many blocks mid-prompt: prompts
-alone and four at once (vLLM splits the token budget between them, so chunk boundaries are
-irregular and each request's streaming past sits in blocks of its own block tables); greedy
-tokens equal the reference's at the boundaries the server used, the first position's top-20
-log-probs agree; the ring store is gone from kv_stats, the streaming groups hold at most
+alone and four at once (vLLM splits the token budget between them, so its steps are irregular,
+while the policy's chunks stay canonical: multiples of the budget); greedy tokens equal the
+reference's at those chunks, the first position's top-20 log-probs agree; the ring store is gone from kv_stats, the streaming groups hold at most
 sink + window (+ one block) per request at the end, and vLLM's pool is empty afterwards.
 """
 
@@ -43,22 +42,29 @@ def test_pool_storage_matches_reference(case, bundled_model_dir, tokenizer, hf_m
     server = start_server(bundled_model_dir, [*flags(policy, chunk), "--block-size", str(BLOCK)])
     log = server.log_path.read_text(errors="replace")
     assert "KV-cache groups in the pool" in log
-    alone = source_prompts(tokenizer, (700, 1600))
-    batch = source_prompts(tokenizer, (400, 700, 1000, 1300))
+    prompts = source_prompts(tokenizer, (700, 1600, 400, 700, 1000, 1300))
+    alone, batch = prompts[:2], prompts[2:]  # (other texts: no prefix shared between them)
     results = [served_top_logprobs(server.base_url, p) for p in alone]
     with cf.ThreadPoolExecutor(len(batch)) as pool:
         results += list(pool.map(lambda p: served_top_logprobs(server.base_url, p), batch))
+    # prefixes of the prompts sent alone: served from vLLM's prefix cache, then the rest
+    hits = [alone[0][:400], alone[1][:900]]
+    results += [served_top_logprobs(server.base_url, p) for p in hits]
     irregular = 0
     sink_blocks = -(-policy["sink"] // BLOCK)
-    for prompt, (text, top, stats) in zip(alone + batch, results):
-        ends = stats["chunk_boundaries"]
-        irregular += any(b - a != chunk for a, b in zip([0] + ends[:-2], ends[:-1]))
+    for prompt, (text, top, stats) in zip(alone + batch + hits, results):
+        # canonical chunks: the prompt is chunked at multiples of the step budget whatever
+        # steps vLLM ran (in the batch more, and irregular ones: each request's share)
+        ends = list(range(chunk, len(prompt), chunk)) + [len(prompt)]
+        assert stats["chunk_boundaries"] == ends, stats["chunk_boundaries"]
+        irregular += stats["engine_steps"] > len(ends) + NEW_TOKENS - 1
         ref = reference(hf_model, bundled_model_dir, policy, prompt, ends)
         assert text == tokenizer.decode(ref.token_ids), (case, len(prompt), ends)
         for token, lp in top.items():
             assert abs(lp - float(ref.first_token_logprobs[token])) < LOGPROB_TOL, (case, token)
         assert stats["streaming_store_bytes"] == 0
-        assert stats["blocks_freed"] > 0, stats  # the window's blocks went back mid-request
+        # the window's blocks went back mid-request (a cache hit starts with its gap empty)
+        assert stats["blocks_freed"] > 0 or stats["cached_tokens"], stats
         assert stats["kv_bytes_peak"] < stats["full_kv_bytes_peak"]
         # at the end: full groups hold the sequence, streaming groups sink + window (+ 1)
         total = len(prompt) + NEW_TOKENS - 1
@@ -67,6 +73,14 @@ def test_pool_storage_matches_reference(case, bundled_model_dir, tokenizer, hf_m
                  + groups["streaming"] * (sink_blocks + -(-(policy["window"] + 1) // BLOCK) + 1))
         assert stats["blocks_held_end"] <= bound, (stats["blocks_held_end"], bound)
     assert irregular, "the batch never split a chunk: the concurrent case checked nothing new"
+    # and so a prompt's output does not depend on what it was batched with; sent again it
+    # is served from vLLM's prefix cache (every block but the last), with the same tokens
+    again = served_top_logprobs(server.base_url, batch[2])
+    assert again[0] == results[len(alone) + 2][0]
+    assert again[2]["cached_tokens"] == (len(batch[2]) - 1) // BLOCK * BLOCK
+    # hits as long as stock vLLM's (block-aligned, below the prompt's last token)
+    for prompt, (_, _, stats) in zip(hits, results[-len(hits):]):
+        assert stats["cached_tokens"] == (len(prompt) - 1) // BLOCK * BLOCK, stats
     assert _usage(server.base_url) == 0.0  # every group's blocks back in vLLM's pool
     # the README's 37-token chat: with the ring store prulong 0.7 held 2.05x full attention's
     # bytes (a preallocated sink + window for each of 63 streaming heads); in the pool it

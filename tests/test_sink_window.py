@@ -14,13 +14,13 @@ from vllm_kvevict.integration.sink_window import (SinkWindowManager, SinkWindowS
                                                   plan_widths, register_manager)
 
 
-def _manager(sink: int, window: int, block: int = 16, blocks: int = 64):
+def _manager(sink: int, window: int, block: int = 16, blocks: int = 64, chunk: int = 0):
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.single_type_kv_cache_manager import get_manager_for_kv_cache_spec
 
     register_manager()
     spec = SinkWindowSpec(block_size=block, num_kv_heads=2, head_size=64, dtype=torch.float32,
-                          sliding_window=window + 1, sink=sink)
+                          sliding_window=window + 1, sink=sink, chunk=chunk)
     pool = BlockPool(blocks, enable_caching=False, hash_block_size=block)
     manager = get_manager_for_kv_cache_spec(spec, max_in_flight_tokens=64, max_model_len=4096,
                                             block_pool=pool, enable_caching=False,
@@ -41,20 +41,23 @@ def test_vllm_builds_our_manager_with_the_window_cap():
     assert spec.max_admission_blocks_per_request(64, 4096) == manager.max_admission_blocks_per_request
 
 
-def test_sink_blocks_kept_gap_freed_window_kept():
-    """Chunks of 48 tokens through 200 tokens, then decode: before each step vLLM calls
+@pytest.mark.parametrize("chunk", [0, 64])
+def test_sink_blocks_kept_gap_freed_window_kept(chunk):
+    """Steps of 48 tokens through a 200-token prompt, then decode: before each step vLLM calls
     remove_skipped_blocks with the tokens computed so far (a); every block that holds a token
-    of [0, sink) or [a - W, a) stays, blocks wholly inside the gap go back to the pool."""
-    sink, window, bs = 20, 40, 16
-    manager, pool, _ = _manager(sink, window, bs)
+    of [0, sink) or [anchor - W, a) stays (anchor: a, or with canonical chunks of E the start
+    of a's chunk while in the prompt), blocks wholly inside the gap go back to the pool."""
+    sink, window, bs, prompt = 20, 40, 16, 200
+    manager, pool, _ = _manager(sink, window, bs, chunk=chunk)
     free0 = pool.get_num_free_blocks()
     computed = 0
     for step in [48] * 4 + [8] + [1] * 30:
-        manager.remove_skipped_blocks("r", computed)
+        manager.remove_skipped_blocks("r", computed, num_prompt_tokens=prompt)
         manager.allocate_new_blocks("r", computed + step, computed + step)
         held = _held(manager)
+        anchor = computed // chunk * chunk if chunk and computed < prompt else computed
         needed = {p // bs for p in range(min(sink, computed))}
-        needed |= {p // bs for p in range(max(computed - window, 0), computed + step)}
+        needed |= {p // bs for p in range(max(anchor - window, 0), computed + step)}
         # exactly the blocks the step can see: the sink's, the window before it, the step's
         assert set(held) == needed, (computed, held, sorted(needed))
         assert pool.get_num_free_blocks() == free0 - len(held)
@@ -132,3 +135,25 @@ def test_pool_storage_refuses_what_it_does_not_serve_yet(kwargs, flag):
     assert error and flag in error and "--kv-streaming-storage ring" in error
     assert pool_storage_error(cfg.replace(admission="reserve")) is None
     assert pool_storage_error(cfg.replace(streaming_storage="ring"), **kwargs) is None
+
+
+def test_canonical_chunks_split_a_step_that_crosses_one():
+    """A step [20, 40) of a 100-token prompt with canonical chunks of 16 (sink 4, window 8):
+    its queries in [20, 32) belong to chunk [16, 32) and see the sink, [8, 16) and the chunk so
+    far ([16, 20) from the pool, the rest from the step); those in [32, 40) see the sink and
+    [24, 32), all from the step. A decode step keeps its own window."""
+    from vllm_kvevict.integration.streaming_store import build_step_plan
+
+    plan = build_step_plan([0, 0], [20, 100], [20, 1], sink=4, window=8, block_size=32,
+                           prompt_lens=[100, 100], chunk=16)
+    assert plan.num_reqs == 3 and plan.query_start_loc.tolist() == [0, 12, 20, 21]
+    pos = plan.prefix_pos.tolist()
+    rows = plan.prefix_row.tolist()
+    # kernel rows' pool past, in order: piece 1, piece 2, the decode row of request 1
+    lens = plan.seq_lens.tolist()
+    step = plan.chunk_src.tolist()
+    assert pos[:16] == [0, 1, 2, 3, *range(8, 20)] and set(rows[:16]) == {0}
+    assert lens[0] == 16 + 12 and step[:12] == list(range(12))   # tokens 20..31
+    assert pos[16:20] == [0, 1, 2, 3] and lens[1] == 4 + 16       # past: sink only
+    assert step[12:28] == list(range(4, 20))                     # positions 24..39
+    assert pos[20:] == [0, 1, 2, 3, *range(92, 100)] and lens[2] == 4 + 8 + 1

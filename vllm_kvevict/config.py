@@ -90,6 +90,13 @@ class KVPolicyConfig:
         return self.policy in HEAD_MASK_POLICIES or self.policy == "streaming"
 
     @property
+    def caches_prefixes(self) -> bool:
+        """Prefix caching served exactly: head masks whose streaming heads live in vLLM's pool
+        (their sink + window state is in cached blocks; chunks are canonical)."""
+        return self.uses_head_mask and self.streaming_storage == "pool" \
+            and not self.evicts_tokens
+
+    @property
     def evicts_tokens(self) -> bool:
         return self.policy in TOKEN_EVICTION_POLICIES or self.token_policy is not None
 

@@ -114,12 +114,14 @@ def prefix_caching_error(policy_config, requested: bool | None) -> str | None:
     """Evicting policies run with prefix caching off: a hit would skip the eviction state a
     request builds from its first token. vLLM's default (None: not asked for) is switched off
     and logged; asking for it explicitly is refused rather than silently ignored."""
-    if requested is not True or policy_config.policy == "full":
+    if requested is not True or policy_config.policy == "full" \
+            or getattr(policy_config, "caches_prefixes", False):
         return None
     return (f"--enable-prefix-caching is not supported with --kv-policy {policy_config.policy} "
             "yet (a cache hit would skip the eviction state each request builds from its first "
             "token); valid: leave it out or pass --no-enable-prefix-caching, which evicting "
-            "policies run with; prefix caching is served with --kv-policy full")
+            "policies run with; prefix caching is served with --kv-policy full, and with "
+            "streaming/duo/prulong with --kv-streaming-storage pool")
 
 
 def lora_error(policy_config, enabled: bool) -> str | None:

@@ -192,8 +192,9 @@ def served_policy(vllm_config) -> ServedPolicy:
     builds += 1
     _served, _served_key = served, key
     cache = getattr(vllm_config, "cache_config", None)
-    if config.policy != "full" and cache is not None:
-        # Per-request eviction state starts at token 0: a prefix-cache hit would skip it.
+    if config.policy != "full" and cache is not None and not config.caches_prefixes:
+        # Per-request eviction state starts at token 0: a prefix-cache hit would skip it
+        # (streaming heads in the pool keep their state in cached blocks: sink_window.py).
         cache.enable_prefix_caching = False
     logger.info("vllm-kvevict: serving %s (process %d, build %d)",
                 " ".join(f"{k}={v}" for k, v in serving(served, vllm_config).items()),

@@ -77,6 +77,7 @@ class RequestRecord:
     layout: ByteLayout
     overrides: dict[str, Any] = field(default_factory=dict)
     teacher_forced: int = 0  # prompt tokens after prompt_len, served as decode tokens
+    canonical_chunk: int = 0  # pool storage: prompt chunked at multiples of this, not steps
 
     boundaries: list[int] = field(default_factory=list)
     cached_tokens: int = 0
@@ -110,11 +111,19 @@ class RequestRecord:
             self._held = []
         ends_prefill = False
         if computed < self.prompt_len:
+            E = self.canonical_chunk
             if not self.boundaries and computed > 0:  # a prefix-cache hit served [0, computed)
                 self.cached_tokens = computed
-                self.boundaries.append(computed)
+                if not E:
+                    self.boundaries.append(computed)
             end = min(computed + scheduled, self.prompt_len)
-            if not self.boundaries or end > self.boundaries[-1]:
+            if E:  # the chunks the policy ran: multiples of E, then the prompt's end
+                last = self.boundaries[-1] if self.boundaries else 0
+                self.boundaries += [b for b in range(last // E * E + E, end + 1, E)
+                                    if b < self.prompt_len]
+                if end == self.prompt_len:
+                    self.boundaries.append(end)
+            elif not self.boundaries or end > self.boundaries[-1]:
                 self.boundaries.append(end)
             ends_prefill = computed + scheduled >= self.prompt_len
 

@@ -232,7 +232,8 @@ def _declare_pool_specs(runner, stock_get_kv_cache_spec, state, layers, index) -
     """Pool storage: each layer's full heads in its own spec (a layer without any shares its
     companion's cache, which gives it attention metadata), its streaming heads in a companion
     `StreamingCacheLayer` with a `SinkWindowSpec` (`sink_window.py`)."""
-    from vllm_kvevict.integration.sink_window import COMPANION_SUFFIX, SinkWindowSpec
+    from vllm_kvevict.integration.sink_window import (COMPANION_SUFFIX, PromptFullSpec,
+                                                      SinkWindowSpec)
 
     context = runner.vllm_config.compilation_config.static_forward_context
     cfg = state.config
@@ -250,7 +251,7 @@ def _declare_pool_specs(runner, stock_get_kv_cache_spec, state, layers, index) -
         heads, base = state.heads[index[name]], layers[name]
         spec = SinkWindowSpec(block_size=state.block_size, num_kv_heads=len(heads.streaming_kv),
                               head_size=state.head_dim, dtype=runner.kv_cache_dtype,
-                              sliding_window=cfg.window + 1, sink=cfg.sink)
+                              sliding_window=cfg.window + 1, sink=cfg.sink, chunk=state.chunk)
         # (vLLM's registration of cache-only layers: a name -> layer entry of the context)
         context[companion] = StreamingCacheLayer(
             companion, spec, base.get_attn_backend(),
@@ -258,7 +259,9 @@ def _declare_pool_specs(runner, stock_get_kv_cache_spec, state, layers, index) -
         specs[companion] = spec
     for name, spec in list(specs.items()):
         if name in layers:
-            specs[name] = paged_spec(spec, state.heads[index[name]])
+            full = paged_spec(spec, state.heads[index[name]])
+            specs[name] = PromptFullSpec(**{f.name: getattr(full, f.name)
+                                            for f in dataclasses.fields(full) if f.init})
     return specs
 
 

@@ -100,6 +100,10 @@ class RequestStatsTracker:
             full_bytes_per_block=full_bytes_per_block,
             streaming_bytes_per_request=streaming_bytes, ranks=ranks,
             streaming_bytes_per_rank=per_rank)
+        # pool storage: streaming heads chunk the prompt at multiples of the step budget
+        self.canonical_chunk = (int(vllm_config.scheduler_config.max_num_batched_tokens)
+                                if self.cfg.uses_head_mask
+                                and self.cfg.streaming_storage == "pool" else 0)
         self.records: dict[str, RequestRecord] = {}
         self._requests: dict[str, Any] = {}
         self.num_blocks = getattr(kv_cache_config, "num_blocks", None)
@@ -140,7 +144,7 @@ class RequestStatsTracker:
             request_id=request.request_id, prompt_len=policy_prompt,
             teacher_forced=request.num_prompt_tokens - policy_prompt,
             arrival_time=getattr(request, "arrival_time", None), layout=self.layout,
-            overrides=overrides)
+            overrides=overrides, canonical_chunk=self.canonical_chunk)
         self._requests[request.request_id] = request
 
     def on_schedule(self, scheduler_output, kv_cache_manager) -> None:

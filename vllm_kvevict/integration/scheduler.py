@@ -63,6 +63,12 @@ def schedule(scheduler, stock_schedule, *args, **kwargs):
         return stock_schedule(scheduler, *args, **kwargs)
     if book is not None:
         book.before_schedule()
+    if scheduler.cache_config.enable_prefix_caching:
+        # a teacher-forced tail is decode for the policy: a hit reaching into it would be
+        # prompt K/V (and caching stops at the policy's prompt, sink_window.cached_tokens)
+        for request in scheduler.waiting:
+            if prompt_len(request) < request.num_prompt_tokens:
+                request.skip_reading_prefix_cache = True
     output = stock_schedule(scheduler, *args, **kwargs)
     rule.record_chunks(output)
     if book is not None:
@@ -104,6 +110,10 @@ def blocks_to_allocate(manager, stock_count, *args, **kwargs):
     request_id, num_tokens = arguments["request_id"], arguments["num_tokens"]
     if arguments.get("apply_admission_cap"):
         num_tokens = rule.admission_tokens(request_id, num_tokens, group)
+        # a prefix hit's null entries (a sliding window's gap) hold nothing: vLLM subtracts
+        # every hit entry from the need, so add the nulls back
+        hit = arguments.get("new_computed_blocks") or ()
+        num_tokens += sum(b.is_null for b in hit) * manager.block_size
         # a sliding-window group's own cap is per request; ours already counts the window,
         # and it reserves the running requests' growth too, which that cap would cut off
         arguments["apply_admission_cap"] = False

@@ -26,8 +26,8 @@ import logging
 from dataclasses import dataclass
 
 from vllm.utils.math_utils import cdiv
-from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
-from vllm.v1.kv_cache_interface import SlidingWindowSpec
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, SlidingWindowManager
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
@@ -42,18 +42,20 @@ class SinkWindowSpec(SlidingWindowSpec):
     planned into (specs of different groups never merge)."""
 
     sink: int = 0
+    chunk: int = 0  # canonical prefill chunk E (0: each step is its own chunk)
     group: int = 0
 
     def max_admission_blocks_per_request(self, max_in_flight_tokens: int,
                                          max_model_len: int) -> int:
-        # the sink blocks, then the window before the step plus the step itself
-        window = min(self.sliding_window - 1 + max_in_flight_tokens, max_model_len)
+        # the sink blocks, then the window before the chunk, the chunk so far and the step
+        window = min(self.sliding_window - 1 + max(self.chunk - 1, 0) + max_in_flight_tokens,
+                     max_model_len)
         return cdiv(self.sink, self.block_size) + cdiv(window, self.block_size) + 1
 
     def is_uniform_with_collection(self, kv_cache_specs) -> bool:
         return all(isinstance(spec, SinkWindowSpec) and spec.group == self.group
                    and spec.sink == self.sink and spec.sliding_window == self.sliding_window
-                   for spec in kv_cache_specs.values())
+                   and spec.chunk == self.chunk for spec in kv_cache_specs.values())
 
     @classmethod
     def merge(cls, specs):
@@ -69,13 +71,18 @@ class SinkWindowManager(SlidingWindowManager):
 
     def __init__(self, kv_cache_spec: SinkWindowSpec, **kwargs) -> None:
         super().__init__(kv_cache_spec, **kwargs)
-        self.sink = kv_cache_spec.sink
+        self.sink, self.chunk = kv_cache_spec.sink, kv_cache_spec.chunk
         self.window = kv_cache_spec.sliding_window - 1
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
+        a = processed_computed_tokens
+        # a prompt step in canonical chunk k still sees [kE - W, ...); vLLM's prompt length
+        # may include a teacher-forced tail (decode for the policy): keeping more is safe
+        if self.chunk and (num_prompt_tokens is None or a < num_prompt_tokens):
+            a = a // self.chunk * self.chunk
         first = cdiv(self.sink, self.block_size)
-        last = max(processed_computed_tokens - self.window, 0) // self.block_size
+        last = max(a - self.window, 0) // self.block_size
         # backward from `last`, stopping at the previous call's gap (vLLM's helper)
         self._remove_blocks_in_range(request_id, first, last)
 
@@ -83,6 +90,68 @@ class SinkWindowManager(SlidingWindowManager):
         # the freed range is a gap, not a prefix: allocation counts every block position
         # (nulls included), as it does for a request whose blocks were never freed
         return 0
+
+
+    # -- prefix caching ----------------------------------------------------------------------
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool,
+                               kv_cache_spec, drop_eagle_block, alignment_tokens,
+                               dcp_world_size=1, pcp_world_size=1):
+        """The longest block-aligned h <= max_length this group can resume at: the blocks of
+        the sink and of [kE - W, h) cached (k: h's canonical chunk), the gap left null. Any
+        block boundary can be a hit: with canonical chunks a cached block's K/V depend only on
+        the tokens before it, never on the steps that computed them."""
+        bs, sink = kv_cache_spec.block_size, kv_cache_spec.sink
+        chunk, window = kv_cache_spec.chunk, kv_cache_spec.sliding_window - 1
+        null, found = block_pool.null_block, {}
+
+        def cached(i):
+            if i not in found:
+                found[i] = block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids)
+            return found[i]
+
+        for i in range(min(max_length // bs, len(block_hashes)), 0, -1):
+            h = i * bs
+            if alignment_tokens and h % alignment_tokens:
+                continue
+            anchor = h // chunk * chunk if chunk else h
+            needed = sorted(set(range(min(cdiv(sink, bs), i)))
+                            | set(range(max(anchor - window, 0) // bs, i)))
+            if all(cached(j) for j in needed):
+                rows = tuple([null] * i for _ in kv_cache_group_ids)
+                for j in needed:
+                    for row, block in zip(rows, cached(j)):
+                        row[j] = block
+                return rows, h
+        return tuple([] for _ in kv_cache_group_ids), 0
+
+    @classmethod
+    def reachable_block_mask(cls, *args, **kwargs):
+        return None  # cache every full block (a hit needs the sink and its own window)
+
+    def cache_blocks(self, request, num_tokens, *args, **kwargs) -> None:
+        super().cache_blocks(request, cached_tokens(request, num_tokens), *args, **kwargs)
+
+
+def cached_tokens(request, num_tokens: int) -> int:
+    """Tokens of a request whose blocks may be cached: its prompt as the policy serves it.
+    Generated (and teacher-forced) tokens ran as decode queries, whose streaming heads see
+    [q - W, q] rather than their chunk: a later prompt holding them would compute other K/V
+    under the same block hash."""
+    from vllm_kvevict.integration.token_ledger import prompt_len
+
+    return min(num_tokens, prompt_len(request))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PromptFullSpec(FullAttentionSpec):
+    """vLLM's full-attention spec for the full heads of a layer whose streaming heads are in
+    the pool: the same, but only prompt blocks are cached (`cached_tokens`)."""
+
+
+class PromptFullManager(FullAttentionManager):
+    def cache_blocks(self, request, num_tokens, *args, **kwargs) -> None:
+        super().cache_blocks(request, cached_tokens(request, num_tokens), *args, **kwargs)
 
 
 def register_manager() -> None:
@@ -93,6 +162,8 @@ def register_manager() -> None:
     KVCacheSpecRegistry._ensure_registered()
     KVCacheSpecRegistry.register(SinkWindowSpec, SinkWindowManager,
                                  uniform_type_base_spec=SinkWindowSpec)
+    KVCacheSpecRegistry.register(PromptFullSpec, PromptFullManager,
+                                 uniform_type_base_spec=FullAttentionSpec)
 
 
 # -- the plan of KV-cache groups ----------------------------------------------------------------

@@ -64,17 +64,20 @@ def ring_slot(positions: torch.Tensor, sink: int, ring: int) -> torch.Tensor:
     return torch.where(positions < sink, positions, sink + (positions - sink) % ring)
 
 
-def visible_before(a: int, sink: int, window: int) -> torch.Tensor:
-    """Positions < a that a streaming head sees from a query at a: sink and [a - W, a)."""
-    if a <= sink + window:
+def visible_before(a: int, sink: int, window: int, anchor: int | None = None) -> torch.Tensor:
+    """Positions < a that a streaming head sees from a query at a whose chunk starts at
+    `anchor` (default a): the sink and [anchor - W, a)."""
+    lo = a - window if anchor is None else anchor - window
+    if lo <= sink:
         return torch.arange(a)
-    return torch.cat([torch.arange(sink), torch.arange(a - window, a)])
+    return torch.cat([torch.arange(sink), torch.arange(lo, a)])
 
 
 def build_step_plan(slots: list[int], computed: list[int], query_lens: list[int],
                     sink: int, window: int, block_size: int,
                     prompt_lens: list[int] | None = None, slack: int = 0,
-                    questions: list[tuple[int, int, int]] = ()) -> StepPlan:
+                    questions: list[tuple[int, int, int]] = (),
+                    chunk: int | None = None) -> StepPlan:
     """Indices for one step. Row r: request in store slot `slots[r]`, `computed[r]` tokens
     already processed, `query_lens[r]` tokens in this step (a prefill chunk, one decode token,
     or a verification step of 1 + K decode tokens). Queries at positions >= `prompt_lens[r]`
@@ -82,7 +85,11 @@ def build_step_plan(slots: list[int], computed: list[int], query_lens: list[int]
     without speculation). `slack`: the ring's K extra slots (see the module docstring).
     `questions`: (row, k, first index) of patched scoring's question tokens (a head mask with
     a token policy), k extra tokens after the batch's, at positions right after row r's chunk:
-    a kernel row each, [visible past | the chunk | the question], that nothing commits."""
+    a kernel row each, [visible past | the chunk | the question], that nothing commits.
+    `chunk`: canonical chunks (pool storage): prompt positions are chunked at multiples of
+    `chunk` whatever vLLM's steps are, so a step's prompt queries are split there, and a piece
+    of chunk [kE, ...) sees the sink, [kE - W, kE) and the chunk so far (None: the step is
+    the chunk)."""
     ring = window + slack
     cap = sink + ring
     seq_lens, q_start, blocks = [], [0], []
@@ -114,13 +121,24 @@ def build_step_plan(slots: list[int], computed: list[int], query_lens: list[int]
 
     token_base, row_tokens = 0, []  # first batch token of this row; the rows' tokens
     for r, (slot, a, c) in enumerate(zip(slots, computed, query_lens)):
-        past = visible_before(a, sink, window)
+        in_prompt = prompt_lens is None or a < prompt_lens[r]
+        anchor = a // chunk * chunk if chunk and in_prompt else a
+        past = visible_before(a, sink, window, anchor)
         past_src = slot * cap + ring_slot(past, sink, ring)
         p = a + torch.arange(c)
         tokens = token_base + torch.arange(c)
         # queries before the prompt's end: one chunk row (the paper's chunk semantics)
-        m = c if prompt_lens is None or c == 1 else min(c, max(prompt_lens[r] - a, 0))
-        if m:
+        m = c if prompt_lens is None or (c == 1 and not chunk) else \
+            min(c, max(prompt_lens[r] - a, 0))
+        lo = a
+        while lo < a + m and chunk:  # canonical chunks: a row per piece of a chunk
+            start = lo // chunk * chunk
+            hi = min(start + chunk, a + m)
+            seen, upto = (past < sink) | (past >= start - window), p[: hi - a]
+            kernel_row(r, past[seen], past_src[seen],
+                       tokens[: hi - a][(upto < sink) | (upto >= start - window)], hi - lo)
+            lo = hi
+        if m and not chunk:
             kernel_row(r, past, past_src, tokens[:m], m)
         for i in range(m, c):  # decode queries: a row each, with their own window
             lo = p[i] - window

@@ -32,6 +32,7 @@ class WorkerState:
     block_size: int
     slack: int = 0  # speculative K: extra streaming-store ring slots (streaming_store.py)
     kv_cache_dtype: str = "auto"  # vLLM's --kv-cache-dtype (fp8.py)
+    chunk: int = 0  # pool storage: the canonical prefill chunk (sink_window.canonical_chunk)
     stores: dict[int, StreamingStore] = field(default_factory=dict)
     slot_of: dict[str, int] = field(default_factory=dict)
     free_slots: list[int] = field(default_factory=list)
@@ -109,7 +110,8 @@ class WorkerState:
             else [0] * num_reqs
         prompt_lens = self._prompt_lens(req_ids[:num_reqs]) if valid else None
         plan = build_step_plan(slots, computed, q_lens, self.config.sink, self.config.window,
-                               self.block_size, prompt_lens, self.slack, questions)
+                               self.block_size, prompt_lens, self.slack, questions,
+                               chunk=self.chunk if self.in_pool else None)
         plan.valid = valid
         return plan
 
@@ -213,6 +215,7 @@ def init_state(vllm_config) -> WorkerState | None:
         head_dim=served.shape.head_dim, dtype=vllm_config.model_config.dtype,
         block_size=block_size, slack=speculative_slack(vllm_config),
         kv_cache_dtype=str(vllm_config.cache_config.cache_dtype or "auto"),
+        chunk=int(vllm_config.scheduler_config.max_num_batched_tokens),
         token=TokenEvictionWorker(served.policy, block_size, for_request=served.for_request)
         if served.policy.evicts_tokens else None)
     return _state
