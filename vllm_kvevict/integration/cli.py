@@ -21,7 +21,8 @@ FLAGS = {
     "--kv-policy": ("policy", str,
                     f"KV eviction policy: {', '.join(POLICIES)} (default: full = stock vLLM). "
                     "Every policy but full runs with prefix caching off (an explicit "
-                    "--enable-prefix-caching is refused)."),
+                    "--enable-prefix-caching is refused), except streaming/duo/prulong with "
+                    "--kv-streaming-storage pool."),
     "--kv-sparsity": ("sparsity", float,
                       "Head sparsity (share of streaming KV heads) for duo/prulong; token "
                       "sparsity p (share of each prefill chunk's KVs evicted) for "
@@ -65,7 +66,9 @@ FLAGS = {
                                "streaming/duo/prulong: where streaming heads keep their sink + "
                                "window: ring (default: a per-request ring beside vLLM's pool) or "
                                "pool (blocks of vLLM's own pool, freed as the window moves; "
-                               "counted by vLLM's admission and kv_cache_usage_perc; for now "
+                               "counted by vLLM's admission and kv_cache_usage_perc; prompt "
+                               "chunked at multiples of --max-num-batched-tokens; prefix "
+                               "caching on; for now "
                                "eager mode, one rank, reserve admission, no fp8 KV cache, no speculative "
                                "decoding, no LoRA; others refused at start-up)."),
     "--kv-mask": ("mask_path", str, "Head-mask file for duo/prulong (our JSON format, PruLong "
