@@ -20,7 +20,7 @@ NEW_TOKENS, CHUNK = 12, 32  # 100-token prompts: chunks [0, 32), ..., [96, 100)
 @pytest.fixture(scope="module", params=FAMILIES)
 def model(request, tmp_path_factory):
     path = build_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
-    # eager: the same matmul-softmax-matmul as the reference (they agree to the bit; sdpa's
+    # eager: the same matmul-softmax-matmul as the reference (on some CPUs to the bit; sdpa's
     # differ by up to 1e-4 on these logits of magnitude ~20)
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                 attn_implementation="eager").eval()
@@ -52,7 +52,11 @@ def test_full_equals_transformers(model):
     ids = prompt(model, 100)
     ref = runner(model, policy="full")
     logits = ref.prefill(ids, CHUNK, all_logits=True).logits
-    torch.testing.assert_close(logits, model(torch.tensor([ids])).logits[0], atol=1e-4, rtol=0)
+    # Chunked prefill runs its matmuls on 32-row blocks, transformers on all 100 rows: on an
+    # AVX-512 CPU (this machine) oneDNN's GEMMs then round differently, up to 2.7e-4 on these
+    # logits of magnitude ~20 (elsewhere < 1e-4). A semantic error (mask, rope, q/k norm, bias)
+    # moves them by > 1e-2 (test_streaming_differs_from_full); the tokens below are exact.
+    torch.testing.assert_close(logits, model(torch.tensor([ids])).logits[0], atol=1e-3, rtol=0)
 
     eos = model.config.eos_token_id
     out = ref.generate(ids, NEW_TOKENS, CHUNK, stop_token_ids=[eos])
