@@ -157,3 +157,60 @@ def test_canonical_chunks_split_a_step_that_crosses_one():
     assert pos[16:20] == [0, 1, 2, 3] and lens[1] == 4 + 16       # past: sink only
     assert step[12:28] == list(range(4, 20))                     # positions 24..39
     assert pos[20:] == [0, 1, 2, 3, *range(92, 100)] and lens[2] == 4 + 8 + 1
+
+
+def test_vllm_cpu_kernel_reads_a_block_outer_cache_exactly():
+    """Pool storage declares vLLM's block-outer layout (BLHNC): a layer's blocks are strided by
+    the whole block (every layer's pages), not by its own page. vLLM's CPU reshape-and-cache
+    and attention kernels must give bit-identical results on such a view."""
+    from vllm import _custom_ops as ops
+
+    torch.manual_seed(0)
+    bs, heads, q_per_kv, d, blocks = 32, 2, 3, 64, 8
+    isa = "vec"
+    strided = torch.zeros(blocks, 3, heads, 2 * bs, d)[:, 1]   # two other pages per block
+    dense = torch.zeros(blocks, heads, 2 * bs, d)
+    lens = [70, 33]
+    table = torch.tensor([[5, 2, 7, 0], [1, 4, 0, 0]], dtype=torch.int32)
+    slots = torch.cat([table[r, torch.arange(n) // bs].long() * bs + torch.arange(n) % bs
+                       for r, n in enumerate(lens)])
+    k, v = torch.randn(len(slots), heads, d), torch.randn(len(slots), heads, d)
+    q = torch.randn(sum(lens), heads * q_per_kv, d)
+    outs = []
+    for cache in (strided, dense):
+        key_cache, value_cache = cache.chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa, k_scale=1.0,
+                                       v_scale=1.0, kv_cache_dtype="auto")
+        seq_lens = torch.tensor(lens, dtype=torch.int32)
+        start = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32)
+        sched = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=2, num_heads=heads * q_per_kv, num_kv_heads=heads, head_dim=d,
+            seq_lens=seq_lens, dtype=torch.float32, query_start_loc=start, causal=True,
+            sliding_window_size=-1, isa=isa, enable_kv_split=False, dynamic_causal=None,
+            kv_cache_dtype="auto")
+        out = torch.empty_like(q)
+        ops.cpu_attention_with_kv_cache(
+            query=q, key_cache=key_cache, value_cache=value_cache, output=out,
+            query_start_loc=start, seq_lens=seq_lens, scale=d ** -0.5, causal=True,
+            alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0,
+            scheduler_metadata=sched, s_aux=None, dynamic_causal=None, k_scale=1.0,
+            v_scale=1.0, kv_cache_dtype="auto")
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and torch.isfinite(outs[0]).all()
+
+
+def test_vllm_internals_pool_storage_overrides():
+    """The vLLM methods our sink + window manager overrides keep the signatures we wrote
+    against (vLLM calls them by keyword)."""
+    import inspect
+
+    from vllm.v1.core.single_type_kv_cache_manager import (SingleTypeKVCacheManager,
+                                                           SlidingWindowManager)
+
+    params = lambda f: list(inspect.signature(f).parameters)  # noqa: E731
+    assert params(SlidingWindowManager.find_longest_cache_hit) == params(
+        SinkWindowManager.find_longest_cache_hit)
+    assert params(SingleTypeKVCacheManager.remove_skipped_blocks) == [
+        "self", "request_id", "processed_computed_tokens", "num_prompt_tokens"]
+    assert params(SingleTypeKVCacheManager.cache_blocks)[:3] == ["self", "request", "num_tokens"]
+    assert "reachable_block_mask" in SlidingWindowManager.__dict__
