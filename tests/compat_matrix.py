@@ -120,7 +120,8 @@ ROWS = [
         "full": Cell("exact", (C + "test_repeated_prompt_prefix_cache[full]",)),
         **each("n/a", C + "test_repeated_prompt_prefix_cache[{id}]", EVICTING,
                why="switched off at start-up for evicting policies (logged; "
-                   "`/v1/kv_stats` shows it): issue 16")}),
+                   "`/v1/kv_stats` shows it); streaming, duo and prulong serve it exactly with "
+                   "`--kv-streaming-storage pool` (tests/test_pool_storage.py)")}),
     Row("`--enable-prefix-caching` asked for explicitly", {
         "full": Cell("exact", (C + "test_repeated_prompt_prefix_cache[full]",)),
         **{c: Cell("refused", (
