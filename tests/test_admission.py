@@ -86,6 +86,10 @@ SLOW = pytest.mark.slow  # the rest of the compatibility matrix's preemption row
                  id="snapkv"),
     # stock vLLM's recompute (prefix caching on): 46 KiB of KV per token
     pytest.param({"policy": "full"}, 64, 1024, id="full", marks=SLOW),
+    # streaming heads in vLLM's pool (canonical chunks, prefix caching on): vLLM preempts
+    # and frees every group's blocks, the recompute may hit the request's own prompt blocks
+    pytest.param({"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64,
+                  "streaming_storage": "pool"}, 64, 2048, id="prulong-pool"),
     # every head streaming: the pool holds one placeholder head of one layer (64 KiB a block)
     pytest.param({"policy": "streaming", "sink": 16, "window": 64}, 1, 1024, id="streaming",
                  marks=SLOW),

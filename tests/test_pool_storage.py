@@ -3,9 +3,11 @@
 
 One server, 32-token blocks so the sink + window manager frees many blocks mid-prompt: prompts
 alone and four at once (vLLM splits the token budget between them, so its steps are irregular,
-while the policy's chunks stay canonical: multiples of the budget); greedy tokens equal the
-reference's at those chunks, the first position's top-20 log-probs agree; the ring store is gone from kv_stats, the streaming groups hold at most
-sink + window (+ one block) per request at the end, and vLLM's pool is empty afterwards.
+while the policy's chunks stay canonical: multiples of the budget), then prefixes of the first
+two served from vLLM's prefix cache; greedy tokens equal the reference's at those chunks, the
+first position's top-20 log-probs agree; the ring store is gone from kv_stats, the streaming
+groups hold at most sink + window (+ one block) per request at the end, and vLLM's pool is
+empty afterwards.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ def _held(manager, req="r") -> list[int]:
 def test_vllm_builds_our_manager_with_the_window_cap():
     manager, _, spec = _manager(sink=20, window=40)
     assert isinstance(manager, SinkWindowManager)
-    # sink blocks + (window + a step of 64 in flight) + 1
+    # no canonical chunk: sink blocks + (window + a step of 64 in flight) + 1
     assert manager.max_admission_blocks_per_request == 2 + -(-(40 + 64) // 16) + 1
     assert spec.max_admission_blocks_per_request(64, 4096) == manager.max_admission_blocks_per_request
 
@@ -125,15 +125,12 @@ def test_streaming_storage_values_are_checked(raw, field):
     ({"lora": True}, "--enable-lora"),
     ({"enforce_eager": False}, "compile mode"),
     ({"connectors": ["LMCacheConnectorV1"]}, "--kv-transfer-config"),
-    ({"admission": "vllm"}, "--kv-admission vllm"),
 ])
 def test_pool_storage_refuses_what_it_does_not_serve_yet(kwargs, flag):
     cfg = KVPolicyConfig.from_dict({"policy": "prulong", "streaming_storage": "pool"})
-    if kwargs.pop("admission", None):
-        cfg = cfg.replace(admission="vllm")
     error = pool_storage_error(cfg, **kwargs)
     assert error and flag in error and "--kv-streaming-storage ring" in error
-    assert pool_storage_error(cfg.replace(admission="reserve")) is None
+    assert pool_storage_error(cfg) is None
     assert pool_storage_error(cfg.replace(streaming_storage="ring"), **kwargs) is None
 
 
@@ -214,3 +211,21 @@ def test_vllm_internals_pool_storage_overrides():
         "self", "request_id", "processed_computed_tokens", "num_prompt_tokens"]
     assert params(SingleTypeKVCacheManager.cache_blocks)[:3] == ["self", "request", "num_tokens"]
     assert "reachable_block_mask" in SlidingWindowManager.__dict__
+
+
+def test_pool_storage_prompt_steps_stop_at_canonical_chunk_ends():
+    """The scheduler side: a prompt step never crosses a multiple of E (so a streaming group
+    holds at most sink + W + E tokens, the admission cap); decode steps are left alone."""
+    from types import SimpleNamespace
+
+    from vllm_kvevict.integration.admission import GrowthReserve
+
+    rule = GrowthReserve()
+    rule.canonical_chunk = 256
+    request = SimpleNamespace(request_id="r", num_prompt_tokens=700, num_preemptions=0)
+    assert rule.step_cap(request, 0, 256) == 256
+    assert rule.step_cap(request, 200, 256) == 56     # up to 256
+    assert rule.step_cap(request, 512, 256) == 188    # up to the prompt's end (replay_cap)
+    assert rule.step_cap(request, 700, 1) == 1        # decode
+    rule.canonical_chunk = 0
+    assert rule.step_cap(request, 200, 256) == 256

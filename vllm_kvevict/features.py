@@ -185,8 +185,6 @@ def pool_storage_error(policy_config, *, tensor_parallel: int = 1, cache_dtype: 
     if getattr(policy_config, "streaming_storage", "ring") != "pool":
         return None
     untested = []
-    if getattr(policy_config, "admission", "reserve") != "reserve":
-        untested.append(f"--kv-admission {policy_config.admission} (valid: reserve)")
     if tensor_parallel != 1:
         untested.append(f"--tensor-parallel-size {tensor_parallel} (valid: 1)")
     if (cache_dtype or "auto") != "auto":

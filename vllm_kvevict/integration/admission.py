@@ -114,9 +114,17 @@ class GrowthReserve:
             if before == sum(chunks):
                 chunks.append(min(c, n - before))
 
+    canonical_chunk = 0  # pool storage: the prompt's canonical chunk E (sink_window.py)
+
     def step_cap(self, request, num_computed: int, num_new: int) -> int:
-        """The tokens a request may run this step (vLLM would run `num_new`)."""
-        return self.replay_cap(request, num_computed, num_new)
+        """The tokens a request may run this step (vLLM would run `num_new`). Pool storage:
+        a prompt step ends at the next multiple of E at the latest, so a streaming group holds
+        at most sink + W + E tokens (its admission cap) however vLLM splits its budget."""
+        num_new = self.replay_cap(request, num_computed, num_new)
+        E = self.canonical_chunk
+        if E and num_new > 0 and num_computed < request.num_prompt_tokens:
+            num_new = min(num_new, E - num_computed % E)
+        return num_new
 
     def replay_cap(self, request, num_computed: int, num_new: int) -> int:
         """The tokens a request may run this step, given the `num_new` vLLM would schedule:

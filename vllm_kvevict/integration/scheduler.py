@@ -40,6 +40,8 @@ def attach(scheduler) -> None:
     reserve_growth = cfg.admission == "reserve"
     if cfg.uses_head_mask and not cfg.evicts_tokens:
         _reserve = GrowthReserve(reserve_growth=reserve_growth)
+        if cfg.streaming_storage == "pool":
+            _reserve.canonical_chunk = scheduler.vllm_config.scheduler_config.max_num_batched_tokens
     elif cfg.evicts_tokens:  # (a head mask with a token policy: its full heads' slots)
         groups = layer_groups(scheduler.kv_cache_config, served.shape.num_layers)
         # the prompt is compressed once per eviction chunk: its peak need follows that chunk

@@ -47,9 +47,11 @@ class SinkWindowSpec(SlidingWindowSpec):
 
     def max_admission_blocks_per_request(self, max_in_flight_tokens: int,
                                          max_model_len: int) -> int:
-        # the sink blocks, then the window before the chunk, the chunk so far and the step
-        window = min(self.sliding_window - 1 + max(self.chunk - 1, 0) + max_in_flight_tokens,
-                     max_model_len)
+        # the sink blocks, then the window before the step's chunk and the chunk up to the
+        # step's end (canonical chunks: a prompt step never crosses a multiple of E,
+        # admission.step_cap; without: the window before the step and the step)
+        span = self.chunk if self.chunk else max_in_flight_tokens
+        window = min(self.sliding_window - 1 + span, max_model_len)
         return cdiv(self.sink, self.block_size) + cdiv(window, self.block_size) + 1
 
     def is_uniform_with_collection(self, kv_cache_specs) -> bool:
