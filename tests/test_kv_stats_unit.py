@@ -89,6 +89,24 @@ def test_record_counts_blocks_freed_and_reused_in_the_same_step():
     assert rec.blocks_freed == 5 and rec.blocks_held == 11
 
 
+def test_record_canonical_chunks_whatever_the_steps():
+    """Pool storage: the prompt is chunked at multiples of E (256) whatever steps vLLM runs;
+    a prefix-cache hit is not a boundary; a preempted request's recompute adds nothing."""
+    rec = record(prompt_len=700, streaming=0)
+    rec.canonical_chunk = 256
+    for computed, step in ((0, 200), (200, 56), (256, 300), (556, 144), (700, 1)):
+        rec.on_step(computed, step, [blocks(1)], now=1.0)
+    assert rec.boundaries == [256, 512, 700]
+    for computed, step in ((0, 256), (256, 256), (512, 188)):  # preempted: recomputed
+        rec.on_step(computed, step, [blocks(1)], now=2.0, preemptions=1)
+    assert rec.boundaries == [256, 512, 700]
+    hit = record(prompt_len=700, streaming=0)
+    hit.canonical_chunk = 256
+    hit.on_step(384, 128, [blocks(1)], now=1.0)  # served [0, 384) from the prefix cache
+    hit.on_step(512, 188, [blocks(1)], now=1.0)
+    assert hit.boundaries == [256, 512, 700] and hit.cached_tokens == 384
+
+
 def test_record_prefix_cache_hit_is_a_first_chunk():
     rec = record(prompt_len=300)
     rec.on_step(256, 44, [blocks(3)], now=1.0)

@@ -121,8 +121,8 @@ class RequestRecord:
                 last = self.boundaries[-1] if self.boundaries else 0
                 self.boundaries += [b for b in range(last // E * E + E, end + 1, E)
                                     if b < self.prompt_len]
-                if end == self.prompt_len:
-                    self.boundaries.append(end)
+                if end == self.prompt_len and (not self.boundaries or last < end):
+                    self.boundaries.append(end)  # (once: a preempted request recomputes)
             elif not self.boundaries or end > self.boundaries[-1]:
                 self.boundaries.append(end)
             ends_prefill = computed + scheduled >= self.prompt_len
