@@ -179,7 +179,7 @@ def pool_storage_error(policy_config, *, tensor_parallel: int = 1, cache_dtype: 
                        speculative: str | None = None, lora: bool = False,
                        enforce_eager: bool = True, connectors: list[str] = ()) -> str | None:
     """`--kv-streaming-storage pool` is new: served with what its tests cover (one rank, the
-    model's KV dtype, eager mode, reserve admission (no preemption), no speculation, no LoRA,
+    model's KV dtype, eager mode, no speculation, no LoRA,
     no user connector); everything else is refused at start-up until it is tested against
     the reference."""
     if getattr(policy_config, "streaming_storage", "ring") != "pool":

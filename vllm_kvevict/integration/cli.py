@@ -69,7 +69,7 @@ FLAGS = {
                                "counted by vLLM's admission and kv_cache_usage_perc; prompt "
                                "chunked at multiples of --max-num-batched-tokens; prefix "
                                "caching on; for now "
-                               "eager mode, one rank, reserve admission, no fp8 KV cache, no speculative "
+                               "eager mode, one rank, no fp8 KV cache, no speculative "
                                "decoding, no LoRA; others refused at start-up)."),
     "--kv-mask": ("mask_path", str, "Head-mask file for duo/prulong (our JSON format, PruLong "
                                     "0/1 TSV or DuoAttention gate TSV). Default: the mask shipped "
