@@ -129,6 +129,12 @@ class TierAttentionSpec(FullAttentionSpec):
                    for spec in kv_cache_specs.values())
 
 
+def retyped(spec, cls, **extra):
+    """`spec`'s fields as a `cls` (a subclass of its spec type), plus `extra` fields."""
+    return cls(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.init},
+               **extra)
+
+
 def tier_of_layer(layer: int, num_layers: int, num_tiers: int) -> int:
     """Tiers are runs of consecutive layers (PyramidKV's budget decreases with depth)."""
     return layer // (num_layers // num_tiers)
@@ -148,9 +154,8 @@ def tier_specs(specs: dict, layer_index: dict[str, int], num_layers: int, num_ti
         return specs
     out = {}
     for name, spec in specs.items():
-        values = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.init}
-        out[name] = TierAttentionSpec(
-            **values, tier=tier_of_layer(layer_index[name], num_layers, num_tiers))
+        out[name] = retyped(spec, TierAttentionSpec,
+                            tier=tier_of_layer(layer_index[name], num_layers, num_tiers))
     logger.info("vllm-kvevict: %d layers in %d eviction tiers (one KV-cache group each)",
                 num_layers, num_tiers)
     return out
@@ -260,8 +265,7 @@ def _declare_pool_specs(runner, stock_get_kv_cache_spec, state, layers, index) -
     for name, spec in list(specs.items()):
         if name in layers:
             full = paged_spec(spec, state.heads[index[name]])
-            specs[name] = PromptFullSpec(**{f.name: getattr(full, f.name)
-                                            for f in dataclasses.fields(full) if f.init})
+            specs[name] = retyped(full, PromptFullSpec)
     return specs
 
 

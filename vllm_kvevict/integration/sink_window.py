@@ -285,11 +285,7 @@ def lay_out_from_pool(impl, layer, plan, keys, values):
 
     past_k, past_v = paged_layout(key_cache.dtype, block_size, impl.head_size,
                                   layer.isa).gather(key_cache, value_cache, slots)
-    total = int(plan.seq_lens.sum())
-    out = []
-    for past, x in ((past_k, keys), (past_v, values)):
-        laid = x.new_empty(total, x.shape[1], x.shape[2])
-        laid[plan.prefix_dst] = past
-        laid[plan.chunk_dst] = x[plan.chunk_src]
-        out.append(laid)
-    return out[0], out[1]
+    from vllm_kvevict.integration.streaming_store import lay_out_rows
+
+    return (lay_out_rows(plan, past_k, keys[plan.chunk_src]),
+            lay_out_rows(plan, past_v, values[plan.chunk_src]))

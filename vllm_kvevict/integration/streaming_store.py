@@ -171,6 +171,15 @@ def build_step_plan(slots: list[int], computed: list[int], query_lens: list[int]
                     prefix_row=cat(prefix_row))
 
 
+def lay_out_rows(plan: StepPlan, past: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """Token-major [visible past | visible step tokens] of every kernel row: `past` in
+    `prefix_dst` order, `step` in `chunk_dst` order."""
+    laid = step.new_empty(int(plan.seq_lens.sum()), *step.shape[1:])
+    laid[plan.prefix_dst] = past
+    laid[plan.chunk_dst] = step
+    return laid
+
+
 class StreamingStore:
     """Sink + window K/V of one layer's streaming heads for every running request. With an fp8
     KV cache the ring holds fp8 codes (`fp8.py`), one byte per element like the paged cache."""
@@ -204,17 +213,13 @@ class StreamingStore:
                 scales: tuple[float, float] = (1.0, 1.0)):
         """[visible past | visible step tokens] per kernel row, as token-major K and V. fp8:
         as the codes' grid values (to be written with scale 1; `scales` quantize the step)."""
-        total = int(plan.seq_lens.sum())
         out = []
         for ring, x, scale in ((self.k, key, scales[0]), (self.v, value, scales[1])):
-            laid = x.new_empty(total, self.num_heads, self.head_dim)
             past, step = ring[plan.prefix_src], x[plan.chunk_src]
             if self.fp8:
                 past = grid_values(past, self.fp8, x.dtype)
                 step = grid_values(quantize(step, scale, self.fp8), self.fp8, x.dtype)
-            laid[plan.prefix_dst] = past
-            laid[plan.chunk_dst] = step
-            out.append(laid)
+            out.append(lay_out_rows(plan, past, step))
         return out[0], out[1]
 
     def commit(self, plan: StepPlan, key: torch.Tensor, value: torch.Tensor,
