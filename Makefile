@@ -22,7 +22,7 @@ serve: model
 		--kv-sparsity $(SPARSITY) $(SERVE_FLAGS)
 
 test: model
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=40
 
 # the developers' tier: no server, 2-3 minutes here (the full suite starts vllm serve ~35x)
 test-fast: model

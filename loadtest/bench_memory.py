@@ -43,6 +43,7 @@ async def run_policy(base_url: str, prompts: list[list[int]], output_len: int) -
             try:
                 text = (await client.get(base_url + "/metrics")).text
                 m = parse_vllm_metrics(text)
+                m["kvevict_groups"] = text.count("vllm_kvevict_pool_blocks_used{")
                 timeline.append({"t": time.monotonic() - start, **m})
             except httpx.HTTPError:
                 pass
@@ -77,6 +78,14 @@ def summarize(label: str, result: dict) -> dict:
     held = [s["measured_footprint"] / s["footprint_chunk_held"] for s in stats
             if s.get("footprint_chunk_held")]
     mean = lambda xs: statistics.fmean(xs) if xs else float("nan")
+    # vLLM's pool usage against the blocks our per-request accounting says are held (the
+    # two gauges come from different reports of the engine, so a sample may pair two steps)
+    diffs, bounds = [], []
+    for p in tl:
+        if p.get("kvevict_pool_blocks") and "kvevict_blocks_used" in p and "kv_cache_usage" in p:
+            used = round(p["kv_cache_usage"] * (p["kvevict_pool_blocks"] - 1))
+            diffs.append(used - p["kvevict_blocks_used"])
+            bounds.append(max(p.get("running", 0), 1) * max(p.get("kvevict_groups", 1), 1))
     return {
         "policy": label,
         "ok": len(result["kv_stats"]), "failed": len(result["failures"]),
@@ -92,7 +101,19 @@ def summarize(label: str, result: dict) -> dict:
         "kv_bytes_peak_per_request": mean([s["kv_bytes_peak"] for s in stats]),
         "full_kv_bytes_peak_per_request": mean([s["full_kv_bytes_peak"] for s in stats]),
         "elapsed_s": result["elapsed_s"],
+        "usage_samples": len(diffs),
+        "usage_max_abs_diff_blocks": max((abs(d) for d in diffs), default=None),
+        "usage_samples_within_bound": sum(abs(d) <= b for d, b in zip(diffs, bounds)),
     }
+
+
+def _agreement(row: dict) -> str:
+    """'k/n samples, max |diff| d blocks': samples where vLLM's used blocks and the sum of the
+    blocks requests hold differ by at most one per running request and KV-cache group."""
+    if not row.get("usage_samples"):
+        return "–"
+    return (f"{row['usage_samples_within_bound']}/{row['usage_samples']} within 1 block/req/"
+            f"group, max {row['usage_max_abs_diff_blocks']}")
 
 
 def load_results(out_dir: Path) -> dict[str, dict]:
@@ -113,7 +134,8 @@ def write_report(results: dict[str, dict], out_dir: Path) -> None:
         lines.append(f"- {label}: `{res.get('command', 'not recorded')}`")
     lines += ["", "| policy | ok | failed | max running | x full | preemptions | peak pool use | "
               "footprint (paper) | footprint, chunk held | measured footprint | measured / "
-              "paper | measured / chunk held | KV bytes peak/req | wall s |", "|" + "---|" * 14]
+              "paper | measured / chunk held | KV bytes peak/req | wall s | vLLM usage vs ours |",
+              "|" + "---|" * 15]
     for r in rows:
         ratio = (r["max_running"] / base["max_running"]) if base and base["max_running"] else 0
         lines.append(
@@ -121,7 +143,8 @@ def write_report(results: dict[str, dict], out_dir: Path) -> None:
             f"{r['preemptions']:.0f} | {r['peak_pool_usage'] * 100:.0f}% | {r['footprint']:.3f} | "
             f"{r['footprint_chunk_held']:.3f} | {r['measured_footprint']:.3f} | "
             f"{r['measured_over_idealized']:.3f} | {r['measured_over_chunk_held']:.3f} | "
-            f"{r['kv_bytes_peak_per_request'] / 2**20:.0f} MiB | {r['elapsed_s']:.0f} |")
+            f"{r['kv_bytes_peak_per_request'] / 2**20:.0f} MiB | {r['elapsed_s']:.0f} | "
+            f"{_agreement(r)} |")
     (out_dir / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     import matplotlib
@@ -163,6 +186,8 @@ def main() -> None:
     ap.add_argument("--streaming-storage", choices=("ring", "pool"), default=None,
                     help="--kv-streaming-storage of the head-mask policies (default: the "
                          "plugin's, ring)")
+    ap.add_argument("--no-prefix-caching", action="store_true",
+                    help="serve with --no-enable-prefix-caching (vLLM's default is on)")
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", type=Path, default=Path("docs/results/memory"))
@@ -184,6 +209,7 @@ def main() -> None:
     base_url = f"http://127.0.0.1:{args.port}"
     command = "python -m loadtest.bench_memory " + " ".join(sys.argv[1:])
     serve_extra = ["--block-size", str(args.block_size)] if args.block_size else []
+    serve_extra += ["--no-enable-prefix-caching"] if args.no_prefix_caching else []
     admission = ["--kv-admission", args.admission] if args.admission else []
     storage = ["--kv-streaming-storage", args.streaming_storage] if args.streaming_storage \
         else []

@@ -25,6 +25,9 @@ VLLM_METRICS = {
     "vllm:num_requests_waiting": ("waiting", sum),
     "vllm:prefix_cache_queries_total": ("prefix_cache_queries", sum),  # tokens looked up
     "vllm:prefix_cache_hits_total": ("prefix_cache_hits", sum),  # tokens found cached
+    # ours (server/metrics.py): blocks the running requests hold, over KV-cache groups
+    "vllm_kvevict_pool_blocks_used": ("kvevict_blocks_used", sum),
+    "vllm_kvevict_pool_blocks": ("kvevict_pool_blocks", max),
 }
 
 

@@ -90,6 +90,10 @@ SLOW = pytest.mark.slow  # the rest of the compatibility matrix's preemption row
     # and frees every group's blocks, the recompute may hit the request's own prompt blocks
     pytest.param({"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64,
                   "streaming_storage": "pool"}, 64, 2048, id="prulong-pool"),
+    # ... and without prefix caching: a step's tokens before its last W are never stored, the
+    # recompute replays the first run's steps
+    pytest.param({"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64,
+                  "streaming_storage": "pool"}, 64, 2048, id="prulong-pool-nopc"),
     # every head streaming: the pool holds one placeholder head of one layer (64 KiB a block)
     pytest.param({"policy": "streaming", "sink": 16, "window": 64}, 1, 1024, id="streaming",
                  marks=SLOW),
@@ -106,13 +110,15 @@ SLOW = pytest.mark.slow  # the rest of the compatibility matrix's preemption row
                   "token_policy": "snapkv", "token_sparsity": 0.9, "eviction": "patched"}, 32,
                  1024, id="prulong-snapkv", marks=SLOW),
 ])
-def test_forced_preemption_replays_exactly(bundled_model_dir, tokenizer, hf_model, policy,
-                                           pool_mib, max_len):
+def test_forced_preemption_replays_exactly(request, bundled_model_dir, tokenizer, hf_model,
+                                           policy, pool_mib, max_len):
     """Stock admission in the same pools: vLLM preempts, and a preempted request's output is
     still the reference oracle's (its recompute follows its first run's chunks)."""
+    nopc = ["--no-enable-prefix-caching"] if request.node.callspec.id.endswith("-nopc") else []
     server = start_server(bundled_model_dir, [*flags(policy, 256), "--kv-admission", "vllm",
                                               "--max-model-len", str(max_len),
-                                              "--kv-cache-memory-bytes", str(pool_mib << 20)])
+                                              "--kv-cache-memory-bytes", str(pool_mib << 20),
+                                              *nopc])
     # real text: a plain recompute (new chunk boundaries, generated tokens as one chunk)
     # changes these outputs; synthetic id runs are continued the same way whatever the KV
     prompts = source_prompts(tokenizer, [PROMPT_LEN] * NUM_REQUESTS)

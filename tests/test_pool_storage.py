@@ -100,3 +100,39 @@ def test_pool_storage_matches_reference(case, bundled_model_dir, tokenizer, hf_m
 def stats_groups(log: str) -> dict[str, int]:
     m = re.search(r"KV-cache groups in the pool: (\d+) of full heads, (\d+) of streaming", log)
     return {"full": int(m.group(1)), "streaming": int(m.group(2))}
+
+
+def test_pool_storage_without_prefix_caching_holds_the_windows_only(bundled_model_dir, tokenizer,
+                                                                   hf_model):
+    """`--no-enable-prefix-caching`: each step is its own chunk (as with the ring store) and a
+    step's tokens that leave the window before the step ends are never stored (vLLM's null
+    block). Alone and batched, greedy tokens equal the reference at the steps kv_stats
+    reports; at its peak a request holds its full heads' blocks and, per streaming group, the
+    sink and the windows before and after a step, never the step's whole chunk; the pool is
+    empty afterwards."""
+    policy, chunk = CASES["prulong-0.7"], 256
+    server = start_server(bundled_model_dir, [*flags(policy, chunk), "--block-size", str(BLOCK),
+                                              "--no-enable-prefix-caching"])
+    groups = stats_groups(server.log_path.read_text(errors="replace"))
+    prompts = source_prompts(tokenizer, (900, 500, 700, 1100))
+    results = [served_top_logprobs(server.base_url, prompts[0])]
+    with cf.ThreadPoolExecutor(3) as pool:
+        results += list(pool.map(lambda p: served_top_logprobs(server.base_url, p), prompts[1:]))
+    window_blocks = -(-policy["window"] // BLOCK) + 1
+    per_stream = -(-policy["sink"] // BLOCK) + 2 * window_blocks
+    irregular = 0
+    for prompt, (text, top, stats) in zip(prompts, results):
+        ends = stats["chunk_boundaries"]
+        assert ends[-1] == len(prompt) and stats["cached_tokens"] == 0
+        irregular += any(b - a != chunk for a, b in zip([0] + ends[:-2], ends[:-1]))
+        ref = reference(hf_model, bundled_model_dir, policy, prompt, ends)
+        assert text == tokenizer.decode(ref.token_ids), (len(prompt), ends)
+        for token, lp in top.items():
+            assert abs(lp - float(ref.first_token_logprobs[token])) < LOGPROB_TOL, token
+        # storing a 256-token step whole would hold 2 + 11 blocks per streaming group
+        full_blocks = -(-(len(prompt) + NEW_TOKENS - 1) // BLOCK)
+        bound = groups["full"] * full_blocks + groups["streaming"] * per_stream
+        assert stats["blocks_held_peak"] <= bound, (stats["blocks_held_peak"], bound)
+        assert stats["streaming_store_bytes"] == 0 and stats["blocks_freed"] > 0
+    assert irregular, "no request ran irregular steps: the batch checked nothing new"
+    assert _usage(server.base_url) == 0.0

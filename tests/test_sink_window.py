@@ -36,32 +36,51 @@ def _held(manager, req="r") -> list[int]:
 def test_vllm_builds_our_manager_with_the_window_cap():
     manager, _, spec = _manager(sink=20, window=40)
     assert isinstance(manager, SinkWindowManager)
-    # no canonical chunk: sink blocks + (window + a step of 64 in flight) + 1
-    assert manager.max_admission_blocks_per_request == 2 + -(-(40 + 64) // 16) + 1
+    # no canonical chunk: sink blocks + the windows before and after a step of 64 in flight
+    assert manager.max_admission_blocks_per_request == 2 + min(-(-(40 + 64) // 16) + 1,
+                                                               2 * (-(-40 // 16) + 1))
     assert spec.max_admission_blocks_per_request(64, 4096) == manager.max_admission_blocks_per_request
 
 
 @pytest.mark.parametrize("chunk", [0, 64])
 def test_sink_blocks_kept_gap_freed_window_kept(chunk):
-    """Steps of 48 tokens through a 200-token prompt, then decode: before each step vLLM calls
-    remove_skipped_blocks with the tokens computed so far (a); every block that holds a token
-    of [0, sink) or [anchor - W, a) stays (anchor: a, or with canonical chunks of E the start
-    of a's chunk while in the prompt), blocks wholly inside the gap go back to the pool."""
+    """Steps through a 200-token prompt, then decode: before each step vLLM calls
+    remove_skipped_blocks with the tokens computed so far (a), then counts and allocates the
+    step's blocks. Held after the allocation: every block with a token of the sink, of
+    [anchor - W, a) (anchor: a, or with canonical chunks of E the start of a's chunk while in
+    the prompt) and of the step's tokens a later step reads: all of them with canonical chunks
+    (a prefix hit may start anywhere), else only the step's last W (the rest are null blocks,
+    never allocated). Everything else is back in the pool, and vLLM's count of blocks to
+    allocate is what was allocated."""
     sink, window, bs, prompt = 20, 40, 16, 200
     manager, pool, _ = _manager(sink, window, bs, chunk=chunk)
     free0 = pool.get_num_free_blocks()
     computed = 0
-    for step in [48] * 4 + [8] + [1] * 30:
+    for step in [96, 48, 56] + [1] * 30:
         manager.remove_skipped_blocks("r", computed, num_prompt_tokens=prompt)
-        manager.allocate_new_blocks("r", computed + step, computed + step)
+        end = computed + step
+        free_before = pool.get_num_free_blocks()
+        count = manager.get_num_blocks_to_allocate("r", end, [], computed, computed, end)
+        manager.allocate_new_blocks("r", end, end)
+        assert free_before - pool.get_num_free_blocks() == count, (computed, count)
         held = _held(manager)
         anchor = computed // chunk * chunk if chunk and computed < prompt else computed
-        needed = {p // bs for p in range(min(sink, computed))}
-        needed |= {p // bs for p in range(max(anchor - window, 0), computed + step)}
-        # exactly the blocks the step can see: the sink's, the window before it, the step's
+        needed = {p // bs for p in range(min(sink, end))}
+        needed |= {p // bs for p in range(max(anchor - window, 0), computed)}
+        step_kept = computed if chunk else max(end - window, computed)
+        needed |= {p // bs for p in range(step_kept, end)}
         assert set(held) == needed, (computed, held, sorted(needed))
         assert pool.get_num_free_blocks() == free0 - len(held)
-        computed += step
+        computed = end
+    manager.free("r")
+    assert pool.get_num_free_blocks() == free0
+    # a preempted request comes back under the same id and is freed from the start again
+    manager.allocate_new_blocks("r", 96, 96)
+    manager.remove_skipped_blocks("r", 96, num_prompt_tokens=prompt)
+    manager.allocate_new_blocks("r", 192, 192)
+    # (without canonical chunks: sink blocks 0-1, [56, 96) kept by the first step, [152, 192)
+    # by the second; with them the first chunk's window starts at 64 - 40)
+    assert _held(manager) == ([0, 1, 3, 4, 5, 9, 10, 11] if not chunk else list(range(12)))
     manager.free("r")
     assert pool.get_num_free_blocks() == free0
 

@@ -17,6 +17,7 @@ from vllm_kvevict.features import speculative_slack
 from vllm_kvevict.integration.connector_stats import (PENDING_LIMIT, SNAPSHOT_INTERVAL_S,
                                                       KVEvictConnectorStats)
 from vllm_kvevict.integration.fp8 import is_fp8
+from vllm_kvevict.integration.sink_window import canonical_chunk
 from vllm_kvevict.integration.token_ledger import prompt_len
 from vllm_kvevict.overrides import effective_config
 from vllm_kvevict.served import ServedPolicy
@@ -100,10 +101,8 @@ class RequestStatsTracker:
             full_bytes_per_block=full_bytes_per_block,
             streaming_bytes_per_request=streaming_bytes, ranks=ranks,
             streaming_bytes_per_rank=per_rank)
-        # pool storage: streaming heads chunk the prompt at multiples of the step budget
-        self.canonical_chunk = (int(vllm_config.scheduler_config.max_num_batched_tokens)
-                                if self.cfg.uses_head_mask
-                                and self.cfg.streaming_storage == "pool" else 0)
+        # pool storage with prefix caching: the prompt is chunked at multiples of the budget
+        self.canonical_chunk = canonical_chunk(vllm_config)
         self.records: dict[str, RequestRecord] = {}
         self._requests: dict[str, Any] = {}
         self.num_blocks = getattr(kv_cache_config, "num_blocks", None)

@@ -34,14 +34,14 @@ def attach(scheduler) -> None:
     for token-eviction ones (`full` stays stock vLLM)."""
     global _reserve
     from vllm_kvevict.integration.kv_cache_specs import layer_groups
+    from vllm_kvevict.integration.sink_window import canonical_chunk
 
     served = served_policy(scheduler.vllm_config)
     cfg = served.config
     reserve_growth = cfg.admission == "reserve"
     if cfg.uses_head_mask and not cfg.evicts_tokens:
         _reserve = GrowthReserve(reserve_growth=reserve_growth)
-        if cfg.streaming_storage == "pool":
-            _reserve.canonical_chunk = scheduler.vllm_config.scheduler_config.max_num_batched_tokens
+        _reserve.canonical_chunk = canonical_chunk(scheduler.vllm_config)
     elif cfg.evicts_tokens:  # (a head mask with a token policy: its full heads' slots)
         groups = layer_groups(scheduler.kv_cache_config, served.shape.num_layers)
         # the prompt is compressed once per eviction chunk: its peak need follows that chunk

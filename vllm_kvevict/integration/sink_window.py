@@ -17,6 +17,15 @@ LBHNC) refuses groups of mixed page sizes, so the pool uses the block-outer layo
 (the CPU kernels take any block stride: the tensor-parallel padding path relies on the same).
 Then a block of any group costs the widest group's bytes, and `plan_groups` packs layers into
 groups of near-equal width: the full heads' layers, and the streaming companions.
+
+Two regimes, chosen by vLLM's prefix caching (`canonical_chunk`):
+- prefix caching on: the prompt is chunked at multiples of E (the step budget) whatever vLLM's
+  steps, so a cached block's K/V depend only on the tokens before it, and every position of a
+  chunk is stored (a hit may start at any block: it needs [kE - W, h) from the cache);
+- prefix caching off: each step is its own chunk, and the positions of a step that leave the
+  window before the step ends ([s, e - W)) are never stored: their blocks are vLLM's null block,
+  the kernel reads them from the step's own K/V. The group then holds sink + the window before
+  the step + the window after it, what the ring store held, inside the pool.
 """
 
 from __future__ import annotations
@@ -35,6 +44,20 @@ logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler a
 COMPANION_SUFFIX = ".kvevict_streaming"
 
 
+def canonical_chunk(vllm_config) -> int:
+    """The canonical prefill chunk E of pool storage: the step budget when prefix caching is on
+    (cached blocks must not depend on how vLLM split the steps), 0 otherwise (each step is its
+    own chunk, as with the ring store). One value for the scheduler, the specs, the worker and
+    the stats."""
+    from vllm_kvevict.served import served_policy
+
+    cfg = served_policy(vllm_config).config
+    if not (cfg.uses_head_mask and cfg.streaming_storage == "pool"
+            and vllm_config.cache_config.enable_prefix_caching):
+        return 0
+    return int(vllm_config.scheduler_config.max_num_batched_tokens)
+
+
 @dataclass(frozen=True, kw_only=True)
 class SinkWindowSpec(SlidingWindowSpec):
     """vLLM's sliding-window spec (`sliding_window` = W + 1: a query sees itself and the W
@@ -49,10 +72,14 @@ class SinkWindowSpec(SlidingWindowSpec):
                                          max_model_len: int) -> int:
         # the sink blocks, then the window before the step's chunk and the chunk up to the
         # step's end (canonical chunks: a prompt step never crosses a multiple of E,
-        # admission.step_cap; without: the window before the step and the step)
+        # admission.step_cap); without canonical chunks the step's positions before its last
+        # W are not stored: the window before the step and the window after it
+        bs, W = self.block_size, self.sliding_window - 1
         span = self.chunk if self.chunk else max_in_flight_tokens
-        window = min(self.sliding_window - 1 + span, max_model_len)
-        return cdiv(self.sink, self.block_size) + cdiv(window, self.block_size) + 1
+        held = cdiv(min(W + span, max_model_len), bs) + 1
+        if not self.chunk:
+            held = min(held, 2 * (cdiv(W, bs) + 1))
+        return cdiv(self.sink, bs) + held
 
     def is_uniform_with_collection(self, kv_cache_specs) -> bool:
         return all(isinstance(spec, SinkWindowSpec) and spec.group == self.group
@@ -69,12 +96,76 @@ class SinkWindowSpec(SlidingWindowSpec):
 
 
 class SinkWindowManager(SlidingWindowManager):
-    """Keeps the sink blocks and the blocks that hold [a - W, ...); frees the gap between."""
+    """Keeps the sink blocks and the blocks that hold [a - W, ...); frees the gap between.
+    Without canonical chunks, a step's new blocks that hold only positions before its last W
+    tokens are vLLM's null block (never allocated)."""
 
     def __init__(self, kv_cache_spec: SinkWindowSpec, **kwargs) -> None:
         super().__init__(kv_cache_spec, **kwargs)
         self.sink, self.chunk = kv_cache_spec.sink, kv_cache_spec.chunk
         self.window = kv_cache_spec.sliding_window - 1
+        self._freed_to: dict[str, int] = {}  # per request: blocks below are null or sink
+
+    def _dropped(self, first: int, end: int, num_tokens: int) -> list[bool]:
+        """For new block positions [first, end) of a step ending at `num_tokens`: which hold
+        nothing a later step reads (past the sink, wholly before the step's last W tokens)."""
+        if self.chunk:
+            return [False] * max(end - first, 0)
+        keep_from = max(num_tokens - self.window, 0) // self.block_size
+        sink_blocks = cdiv(self.sink, self.block_size)
+        return [sink_blocks <= j < keep_from for j in range(first, end)]
+
+    def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks,
+                                   total_computed_tokens, num_local_computed_tokens,
+                                   num_tokens_main_model, apply_admission_cap=False,
+                                   prefill_end=0) -> int:
+        n = super().get_num_blocks_to_allocate(
+            request_id, num_tokens, new_computed_blocks, total_computed_tokens,
+            num_local_computed_tokens, num_tokens_main_model, apply_admission_cap, prefill_end)
+        if self.chunk or apply_admission_cap:  # (the cap already counts what is held)
+            return n
+        first = len(self.req_to_blocks.get(request_id, ())) + len(new_computed_blocks)
+        end = cdiv(num_tokens, self.block_size)
+        return max(n - sum(self._dropped(first, end, num_tokens_main_model)), 0)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int,
+                            num_tokens_main_model: int) -> list:
+        if self.chunk or request_id in self._partial_hit_reqs:
+            return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
+        blocks = self.req_to_blocks[request_id]
+        dropped = self._dropped(len(blocks), cdiv(num_tokens, self.block_size),
+                                num_tokens_main_model)
+        new = self.block_pool.get_new_blocks(dropped.count(False))
+        if self._record_new_block_ids:
+            self.new_block_ids.extend(b.block_id for b in new)
+        it = iter(new)
+        added = [self._null_block if drop else next(it) for drop in dropped]
+        blocks.extend(added)
+        return added  # nulls included: the worker's block table is appended position by position
+
+    def _remove_blocks_in_range(self, request_id: str, first_block: int,
+                                last_block: int) -> None:
+        # vLLM's helper walks back from `last_block` and stops at the first null, the end of
+        # the previous call's gap; null blocks inside the window (dropped positions, a prefix
+        # hit's gap) would stop it early, so walk forward from where the last call ended
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is None:
+            return
+        start = max(first_block, self._freed_to.get(request_id, 0))
+        last_block = min(last_block, len(blocks))
+        if start >= last_block:
+            return
+        freed = [b for b in blocks[start:last_block] if not b.is_null]
+        blocks[start:last_block] = [self._null_block] * (last_block - start)
+        self._freed_to[request_id] = last_block
+        if freed:
+            # vLLM frees in reverse so a request's tail blocks are evicted first
+            self.block_pool.free_blocks(reversed(freed))
+
+    def pop_blocks_for_free(self, request_id: str) -> list:
+        # (`free` goes through here too; a preempted request comes back under the same id)
+        self._freed_to.pop(request_id, None)
+        return super().pop_blocks_for_free(request_id)
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
@@ -219,9 +310,10 @@ def kv_cache_groups(vllm_config, specs: dict) -> list:
     full = [(n, heads[n]) for n in specs if not n.endswith(COMPANION_SUFFIX)]
     streaming = [(n, heads[n]) for n in specs if n.endswith(COMPANION_SUFFIX)]
     stream_spec = specs[streaming[0][0]] if streaming else None
-    chunk = vllm_config.scheduler_config.max_num_batched_tokens
-    streaming_tokens = (stream_spec.sink + stream_spec.sliding_window + chunk
-                        if stream_spec else 0)
+    budget = vllm_config.scheduler_config.max_num_batched_tokens
+    streaming_tokens = (stream_spec.max_admission_blocks_per_request(
+        budget, vllm_config.model_config.max_model_len) * stream_spec.block_size
+        if stream_spec else 0)
     width, full_groups, stream_groups = plan_widths(
         full, streaming, vllm_config.model_config.max_model_len, streaming_tokens)
     groups = []

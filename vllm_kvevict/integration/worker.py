@@ -14,6 +14,7 @@ from vllm_kvevict.config import KVPolicyConfig
 from vllm_kvevict.features import speculative_slack
 from vllm_kvevict.integration.kv_cache_specs import (LayerHeads, declare_specs, layer_groups,
                                                      layer_heads)
+from vllm_kvevict.integration.sink_window import canonical_chunk
 from vllm_kvevict.integration.streaming_store import StepPlan, StreamingStore, build_step_plan
 from vllm_kvevict.integration.token_eviction_worker import TokenEvictionWorker, TokenStepPlan
 from vllm_kvevict.overrides import policy_prompt_len
@@ -215,7 +216,7 @@ def init_state(vllm_config) -> WorkerState | None:
         head_dim=served.shape.head_dim, dtype=vllm_config.model_config.dtype,
         block_size=block_size, slack=speculative_slack(vllm_config),
         kv_cache_dtype=str(vllm_config.cache_config.cache_dtype or "auto"),
-        chunk=int(vllm_config.scheduler_config.max_num_batched_tokens),
+        chunk=canonical_chunk(vllm_config),
         token=TokenEvictionWorker(served.policy, block_size, for_request=served.for_request)
         if served.policy.evicts_tokens else None)
     return _state
