@@ -78,12 +78,13 @@ def summarize(label: str, result: dict) -> dict:
     held = [s["measured_footprint"] / s["footprint_chunk_held"] for s in stats
             if s.get("footprint_chunk_held")]
     mean = lambda xs: statistics.fmean(xs) if xs else float("nan")
-    # vLLM's pool usage against the blocks our per-request accounting says are held (the
-    # two gauges come from different reports of the engine, so a sample may pair two steps)
+    # vLLM's pool usage against the blocks our per-request accounting says are held, both
+    # read at the same engine step (vllm_kvevict_pool_usage_vllm)
     diffs, bounds = [], []
     for p in tl:
-        if p.get("kvevict_pool_blocks") and "kvevict_blocks_used" in p and "kv_cache_usage" in p:
-            used = round(p["kv_cache_usage"] * (p["kvevict_pool_blocks"] - 1))
+        if p.get("kvevict_pool_blocks") and "kvevict_blocks_used" in p \
+                and "kvevict_vllm_usage" in p:
+            used = round(p["kvevict_vllm_usage"] * (p["kvevict_pool_blocks"] - 1))
             diffs.append(used - p["kvevict_blocks_used"])
             bounds.append(max(p.get("running", 0), 1) * max(p.get("kvevict_groups", 1), 1))
     return {

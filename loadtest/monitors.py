@@ -28,6 +28,7 @@ VLLM_METRICS = {
     # ours (server/metrics.py): blocks the running requests hold, over KV-cache groups
     "vllm_kvevict_pool_blocks_used": ("kvevict_blocks_used", sum),
     "vllm_kvevict_pool_blocks": ("kvevict_pool_blocks", max),
+    "vllm_kvevict_pool_usage_vllm": ("kvevict_vllm_usage", max),  # vLLM's, same step
 }
 
 

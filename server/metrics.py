@@ -10,7 +10,9 @@
 - vllm_kvevict_requests_total{policy,finish_reason}: counter of requests that reported
   kv_stats, by how they ended (stop, length, abort, error);
 - vllm_kvevict_pool_blocks_used{policy,group}, vllm_kvevict_pool_blocks{policy}: gauges of the
-  KV pool at the last engine step: distinct blocks held per KV-cache group, and the pool's size.
+  KV pool at the last engine step: distinct blocks held per KV-cache group, and the pool's size;
+- vllm_kvevict_pool_usage_vllm{policy}: vLLM's own pool usage at that same step (the value of
+  vllm:kv_cache_usage_perc then), so the two accountings can be compared exactly.
 
 Created lazily in the API-server process, in prometheus_client's default registry, which is the
 one vLLM's /metrics serves (with PROMETHEUS_MULTIPROC_DIR set, prometheus_client writes them to
@@ -56,6 +58,10 @@ class KVEvictMetrics:
             "vllm_kvevict_pool_blocks_used", "Blocks of vLLM's KV pool held by requests, per "
             "KV-cache group.", labels + ["group"], registry=registry,
             multiprocess_mode="mostrecent")
+        self.pool_usage_vllm = Gauge(
+            "vllm_kvevict_pool_usage_vllm", "vLLM's own KV pool usage (block_pool.get_usage, "
+            "what vllm:kv_cache_usage_perc reports) at the step of vllm_kvevict_pool_blocks_used.",
+            labels, registry=registry, multiprocess_mode="mostrecent")
         self.pool_blocks = Gauge(
             "vllm_kvevict_pool_blocks", "Blocks in vLLM's KV pool (shared by all KV-cache "
             "groups).", labels, registry=registry, multiprocess_mode="mostrecent")
@@ -76,6 +82,8 @@ class KVEvictMetrics:
     def observe_pool(self, policy: str, snapshot: Mapping[str, Any]) -> None:
         for group, used in enumerate(snapshot.get("blocks_used") or ()):
             self.pool_blocks_used.labels(policy, str(group)).set(used)
+        if isinstance(snapshot.get("vllm_usage"), float):
+            self.pool_usage_vllm.labels(policy).set(snapshot["vllm_usage"])
         if isinstance(snapshot.get("num_blocks"), int):
             self.pool_blocks.labels(policy).set(snapshot["num_blocks"])
 

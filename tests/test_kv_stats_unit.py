@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import pytest
 
@@ -392,7 +393,8 @@ def test_metrics_series():
                      "kv_bytes_saved": 1000, "blocks_freed": 7, "finish_reason": "length"})
     metrics.observe({"policy": "snapkv", "footprint": 0.5, "kv_bytes_saved": -50,
                      "blocks_freed": 0, "finish_reason": "abort"})
-    metrics.observe_pool("snapkv", {"blocks_used": [12, 3], "num_blocks": 100})
+    metrics.observe_pool("snapkv", {"blocks_used": [12, 3], "num_blocks": 100,
+                                    "vllm_usage": 15 / 99})
     text = generate_latest(registry).decode()
     assert 'vllm_kvevict_footprint_count{policy="snapkv"} 2.0' in text
     assert 'vllm_kvevict_footprint_sum{policy="snapkv"} 0.8' in text
@@ -402,6 +404,8 @@ def test_metrics_series():
     assert 'vllm_kvevict_requests_total{finish_reason="abort",policy="snapkv"} 1.0' in text
     assert 'vllm_kvevict_pool_blocks_used{group="1",policy="snapkv"} 3.0' in text
     assert 'vllm_kvevict_pool_blocks{policy="snapkv"} 100.0' in text
+    usage = re.search(r'vllm_kvevict_pool_usage_vllm\{policy="snapkv"\} (\S+)', text)
+    assert round(float(usage.group(1)) * 99) == 15
 
 
 def test_engine_request_ids():

@@ -189,8 +189,12 @@ class RequestStatsTracker:
             used.append(len(ids))
         requests = {rid: [r.bytes_now, r.full_bytes_now] for rid, r in self.records.items()
                     if r.steps}
+        # vLLM's own pool usage at this very step (what vllm:kv_cache_usage_perc reports), to
+        # check the per-request accounting against it without pairing two reports in time
+        vllm_usage = managers[0].block_pool.get_usage() if managers else None
         self._snapshots.append({
             "t": now, "blocks_used": used, "num_blocks": self.num_blocks,
+            "vllm_usage": vllm_usage,
             "group_names": self.group_names,
             "bytes_per_block": list(self.layout.group_bytes_per_block),
             "block_size": self.layout.block_size, "requests": requests})
