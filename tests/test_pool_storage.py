@@ -30,6 +30,8 @@ CASES = {
                     "streaming_storage": "pool"},
     # every head streaming: no layer keeps a full-head cache, each shares its companion's
     "streaming": {"policy": "streaming", "sink": 48, "window": 80, "streaming_storage": "pool"},
+    "duo-0.3": {"policy": "duo", "sparsity": 0.3, "sink": 16, "window": 64,
+                "streaming_storage": "pool"},
 }
 
 
@@ -38,8 +40,8 @@ def _usage(base_url: str) -> float:
     return float(re.search(r"^vllm:kv_cache_usage_perc\{[^}]*\} (\S+)$", text, re.M).group(1))
 
 
-# (streaming in the slow tier: CI's budget; prulong runs the same path with full heads too)
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "streaming"
+# (streaming and duo in the slow tier: CI's budget; prulong runs the same path)
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c != "prulong-0.7"
                                   else c for c in CASES])
 def test_pool_storage_matches_reference(case, bundled_model_dir, tokenizer, hf_model):
     policy, chunk = CASES[case], 256

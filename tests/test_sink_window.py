@@ -230,6 +230,16 @@ def test_vllm_internals_pool_storage_overrides():
         "self", "request_id", "processed_computed_tokens", "num_prompt_tokens"]
     assert params(SingleTypeKVCacheManager.cache_blocks)[:3] == ["self", "request", "num_tokens"]
     assert "reachable_block_mask" in SlidingWindowManager.__dict__
+    # without prefix caching: the step's dropped blocks (allocate_new_blocks, counted by
+    # get_num_blocks_to_allocate), the forward gap walk, the per-request watermark's reset
+    for name in ("allocate_new_blocks", "get_num_blocks_to_allocate", "_remove_blocks_in_range",
+                 "pop_blocks_for_free"):
+        assert params(getattr(SingleTypeKVCacheManager, name)) == params(
+            getattr(SinkWindowManager, name)), name
+    manager, _, _ = _manager(sink=16, window=32)
+    for attr in ("_null_block", "_partial_hit_reqs", "_record_new_block_ids", "new_block_ids",
+                 "req_to_blocks"):
+        assert hasattr(manager, attr), attr
 
 
 def test_pool_storage_prompt_steps_stop_at_canonical_chunk_ends():
