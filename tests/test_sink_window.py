@@ -10,8 +10,8 @@ import torch
 
 from vllm_kvevict.config import KVPolicyConfig, KVPolicyError
 from vllm_kvevict.features import pool_storage_error
-from vllm_kvevict.integration.sink_window import (SinkWindowManager, SinkWindowSpec,
-                                                  plan_widths, register_manager)
+from vllm_kvevict.integration.pool_groups import plan_widths
+from vllm_kvevict.integration.sink_window import SinkWindowManager, SinkWindowSpec, register_manager
 
 
 def _manager(sink: int, window: int, block: int = 16, blocks: int = 64, chunk: int = 0):

@@ -20,7 +20,7 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
                                                  CPUAttentionMetadataBuilder)
 
 from vllm_kvevict.integration.paged_layout import paged_layout
-from vllm_kvevict.integration.sink_window import POOL_LAYOUTS, lay_out_from_pool
+from vllm_kvevict.integration.paged_layout import POOL_LAYOUTS, lay_out_from_pool
 from vllm_kvevict.integration.worker import get_state, init_state
 
 

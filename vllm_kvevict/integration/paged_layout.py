@@ -8,7 +8,8 @@ each packing, `PagedLayout` learns it: it writes two index patterns through vLLM
 landed. The patterns are small integers (< 256), exact in every float dtype the kernels take.
 
 Used by decoupled token eviction (`eviction_chunk`): when an eviction chunk was prefilled over
-several engine steps, its earlier steps' keys and values are only in the paged cache.
+several engine steps, its earlier steps' keys and values are only in the paged cache; and by
+pool storage of streaming heads (`lay_out_from_pool`): each step reads their window back.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ import functools
 
 import torch
 from vllm import _custom_ops as ops
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from vllm_kvevict.integration.sink_window import COMPANION_SUFFIX
+from vllm_kvevict.integration.streaming_store import lay_out_rows
 
 
 @functools.lru_cache(maxsize=None)
@@ -91,3 +96,40 @@ class PagedLayout:
 def paged_layout(dtype: torch.dtype, block_size: int, head_dim: int, isa: str) -> PagedLayout:
     """The layout of a paged cache of these parameters (probed once per process)."""
     return PagedLayout(dtype, block_size, head_dim, isa)
+
+
+# -- streaming heads in vLLM's pool (sink_window.py): the worker side ---------------------------
+
+# Groups of different page sizes: the block-outer layout (the CPU kernels take any block stride)
+POOL_LAYOUTS = (KVCacheLayout.BLHNC,)
+
+
+def lay_out_from_pool(impl, layer, plan, keys, values):
+    """One layer's streaming heads in a step (`impl`: the attention impl of `layer`): write the
+    step's K/V at their logical slots in the companion layer's cache (vLLM's slot mapping of
+    its KV-cache group; the manager above frees what leaves sink + window), then read each
+    kernel row's visible past back from the group's blocks and lay it out before the step's
+    tokens, as `StreamingStore.lay_out` does from its ring."""
+    from vllm.forward_context import get_forward_context
+
+    context = get_forward_context()
+    name = layer.layer_name + COMPANION_SUFFIX
+    meta = context.attn_metadata[name]
+    key_cache, value_cache = impl._split(context.no_compile_layers[name].kv_cache)
+    n, block_size = keys.shape[0], key_cache.shape[2]
+    ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, meta.slot_mapping[:n],
+                                   layer.isa, k_scale=layer._k_scale_float,
+                                   v_scale=layer._v_scale_float,
+                                   kv_cache_dtype=impl.kv_cache_dtype)
+    # the past's pool slots, once per step and group (the group's layers share its table)
+    key = ("pool", id(meta.block_table))
+    slots = plan.kernel_schedules.get(key)
+    if slots is None:
+        pos = plan.prefix_pos
+        table = meta.block_table.long()
+        slots = plan.kernel_schedules[key] = (table[plan.prefix_row, pos // block_size]
+                                              * block_size + pos % block_size)
+    past_k, past_v = paged_layout(key_cache.dtype, block_size, impl.head_size,
+                                  layer.isa).gather(key_cache, value_cache, slots)
+    return (lay_out_rows(plan, past_k, keys[plan.chunk_src]),
+            lay_out_rows(plan, past_v, values[plan.chunk_src]))

@@ -49,7 +49,7 @@ WRAPS: tuple[Wrap, ...] = (
     Wrap("vllm.v1.worker.block_table:MultiGroupBlockTable.compute_slot_mapping",
          _I + "worker:slot_mappings", "worker"),
     # KV-cache groups of streaming heads held in the pool (engine core; worker too)
-    Wrap("vllm.v1.core.kv_cache_utils:get_kv_cache_groups", _I + "sink_window:group_kv_cache",
+    Wrap("vllm.v1.core.kv_cache_utils:get_kv_cache_groups", _I + "pool_groups:group_kv_cache",
          "engine core"),
     # scheduler and KV-cache manager (engine core)
     Wrap("vllm.v1.core.sched.scheduler:Scheduler.__init__", _I + "registration:attach_scheduler",

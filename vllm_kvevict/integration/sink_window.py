@@ -15,8 +15,9 @@ layer's streaming heads; the real layer's spec keeps its full heads, as before. 
 different layers differ in size (a layer's head count), and vLLM's CPU layout (layer-outer,
 LBHNC) refuses groups of mixed page sizes, so the pool uses the block-outer layout BLHNC
 (the CPU kernels take any block stride: the tensor-parallel padding path relies on the same).
-Then a block of any group costs the widest group's bytes, and `plan_groups` packs layers into
-groups of near-equal width: the full heads' layers, and the streaming companions.
+Then a block of any group costs the widest group's bytes, and `pool_groups.plan_widths` packs
+layers into groups of near-equal width: the full heads' layers, and the streaming companions.
+The worker side (writing a step, reading the window back) is `paged_layout.lay_out_from_pool`.
 
 Two regimes, chosen by vLLM's prefix caching (`canonical_chunk`):
 - prefix caching on: the prompt is chunked at multiples of E (the step budget) whatever vLLM's
@@ -30,16 +31,11 @@ Two regimes, chosen by vLLM's prefix caching (`canonical_chunk`):
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 from dataclasses import dataclass
 
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, SlidingWindowManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
-from vllm.v1.kv_cache_layout import KVCacheLayout
-
-logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
 
 COMPANION_SUFFIX = ".kvevict_streaming"
 
@@ -257,127 +253,3 @@ def register_manager() -> None:
                                  uniform_type_base_spec=SinkWindowSpec)
     KVCacheSpecRegistry.register(PromptFullSpec, PromptFullManager,
                                  uniform_type_base_spec=FullAttentionSpec)
-
-
-# -- the plan of KV-cache groups ----------------------------------------------------------------
-
-def _pack(items: list[tuple[str, int]], width: int) -> list[list[str]]:
-    """First-fit decreasing of (name, heads) into bins of `width` heads; bins keep layer order."""
-    bins: list[tuple[int, list[tuple[int, str]]]] = []
-    order = {name: i for i, (name, _) in enumerate(items)}
-    for name, heads in sorted(items, key=lambda x: (-x[1], order[x[0]])):
-        for i, (used, names) in enumerate(bins):
-            if used + heads <= width:
-                bins[i] = (used + heads, names + [(order[name], name)])
-                break
-        else:
-            bins.append((heads, [(order[name], name)]))
-    return [[n for _, n in sorted(names)] for _, names in bins]
-
-
-def plan_widths(full: list[tuple[str, int]], streaming: list[tuple[str, int]],
-                full_tokens: int, streaming_tokens: int,
-                max_groups: int = 16) -> tuple[int, list[list[str]], list[list[str]]]:
-    """Choose the block width (in head pages) and pack layers into groups of at most that
-    width. A block of any group costs the widest group's bytes, so a narrow group wastes the
-    difference on every block it holds: full groups hold a whole sequence (`full_tokens`),
-    streaming groups about sink + window + a chunk (`streaming_tokens`). Returns the width
-    and the full and streaming groups (lists of layer names) of the cheapest plan."""
-    widest = max([h for _, h in full + streaming], default=1)
-    total = sum(h for _, h in full) + sum(h for _, h in streaming)
-    best = None
-    for width in range(widest, max(total, widest) + 1):
-        full_groups, stream_groups = _pack(full, width), _pack(streaming, width)
-        if len(full_groups) + len(stream_groups) > max_groups:
-            continue
-        cost = width * (len(full_groups) * full_tokens + len(stream_groups) * streaming_tokens)
-        if best is None or cost < best[0]:
-            best = (cost, width, full_groups, stream_groups)
-    if best is None:
-        raise ValueError(f"vllm-kvevict: no plan of at most {max_groups} KV-cache groups")
-    return best[1], best[2], best[3]
-
-
-def kv_cache_groups(vllm_config, specs: dict) -> list:
-    """vLLM's KV-cache groups for a head mask whose streaming heads are in the pool: the real
-    layers' full-head specs and the companions' streaming specs, packed by `plan_widths`."""
-    from vllm.v1.core.kv_cache_utils import KVCacheGroupSpec
-    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
-
-    spec0 = next(iter(specs.values()))
-    per_head = spec0.page_size_bytes // max(spec0.num_kv_heads, 1)
-    heads = {name: spec.page_size_bytes // per_head for name, spec in specs.items()}
-    full = [(n, heads[n]) for n in specs if not n.endswith(COMPANION_SUFFIX)]
-    streaming = [(n, heads[n]) for n in specs if n.endswith(COMPANION_SUFFIX)]
-    stream_spec = specs[streaming[0][0]] if streaming else None
-    budget = vllm_config.scheduler_config.max_num_batched_tokens
-    streaming_tokens = (stream_spec.max_admission_blocks_per_request(
-        budget, vllm_config.model_config.max_model_len) * stream_spec.block_size
-        if stream_spec else 0)
-    width, full_groups, stream_groups = plan_widths(
-        full, streaming, vllm_config.model_config.max_model_len, streaming_tokens)
-    groups = []
-    for names in full_groups:
-        groups.append(KVCacheGroupSpec(names, UniformTypeKVCacheSpecs.from_specs(
-            {n: specs[n] for n in names})))
-    for g, names in enumerate(stream_groups):
-        tagged = {n: dataclasses.replace(specs[n], group=g) for n in names}
-        groups.append(KVCacheGroupSpec(names, UniformTypeKVCacheSpecs.from_specs(tagged)))
-    logger.info("vllm-kvevict: KV-cache groups in the pool: %d of full heads, %d of streaming "
-                "heads, blocks of %d head pages (heads per group: full %s, streaming %s)",
-                len(full_groups), len(stream_groups), width,
-                [sum(heads[n] for n in g) for g in full_groups],
-                [sum(heads[n] for n in g) for g in stream_groups])
-    return groups
-
-
-def group_kv_cache(stock_groups, vllm_config, kv_cache_spec):
-    """`kv_cache_utils.get_kv_cache_groups`: our plan when the specs hold streaming companions
-    (vLLM's own packing would bucket by balanced page-size patterns and may split a bucket
-    across groups), vLLM's otherwise."""
-    if not any(name.endswith(COMPANION_SUFFIX) for name in kv_cache_spec):
-        return stock_groups(vllm_config, kv_cache_spec)
-    register_manager()
-    return kv_cache_groups(vllm_config, kv_cache_spec)
-
-
-# -- worker side --------------------------------------------------------------------------------
-
-# Groups of different page sizes: the block-outer layout (the CPU kernels take any block stride)
-POOL_LAYOUTS = (KVCacheLayout.BLHNC,)
-
-
-def lay_out_from_pool(impl, layer, plan, keys, values):
-    """One layer's streaming heads in a step (`impl`: the attention impl of `layer`): write the
-    step's K/V at their logical slots in the companion layer's cache (vLLM's slot mapping of
-    its KV-cache group; the manager above frees what leaves sink + window), then read each
-    kernel row's visible past back from the group's blocks and lay it out before the step's
-    tokens, as `StreamingStore.lay_out` does from its ring."""
-    from vllm import _custom_ops as ops
-    from vllm.forward_context import get_forward_context
-
-    context = get_forward_context()
-    name = layer.layer_name + COMPANION_SUFFIX
-    meta = context.attn_metadata[name]
-    key_cache, value_cache = impl._split(context.no_compile_layers[name].kv_cache)
-    n, block_size = keys.shape[0], key_cache.shape[2]
-    ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, meta.slot_mapping[:n],
-                                   layer.isa, k_scale=layer._k_scale_float,
-                                   v_scale=layer._v_scale_float,
-                                   kv_cache_dtype=impl.kv_cache_dtype)
-    # the past's pool slots, once per step and group (the group's layers share its table)
-    key = ("pool", id(meta.block_table))
-    slots = plan.kernel_schedules.get(key)
-    if slots is None:
-        pos = plan.prefix_pos
-        table = meta.block_table.long()
-        slots = plan.kernel_schedules[key] = (table[plan.prefix_row, pos // block_size]
-                                              * block_size + pos % block_size)
-    from vllm_kvevict.integration.paged_layout import paged_layout
-
-    past_k, past_v = paged_layout(key_cache.dtype, block_size, impl.head_size,
-                                  layer.isa).gather(key_cache, value_cache, slots)
-    from vllm_kvevict.integration.streaming_store import lay_out_rows
-
-    return (lay_out_rows(plan, past_k, keys[plan.chunk_src]),
-            lay_out_rows(plan, past_v, values[plan.chunk_src]))
