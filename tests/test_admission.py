@@ -93,7 +93,7 @@ SLOW = pytest.mark.slow  # the rest of the compatibility matrix's preemption row
     # ... and without prefix caching: a step's tokens before its last W are never stored, the
     # recompute replays the first run's steps
     pytest.param({"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64,
-                  "streaming_storage": "pool"}, 64, 2048, id="prulong-pool-nopc"),
+                  "streaming_storage": "pool"}, 64, 2048, id="prulong-pool-nopc", marks=SLOW),
     # every head streaming: the pool holds one placeholder head of one layer (64 KiB a block)
     pytest.param({"policy": "streaming", "sink": 16, "window": 64}, 1, 1024, id="streaming",
                  marks=SLOW),

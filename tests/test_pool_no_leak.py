@@ -68,13 +68,13 @@ def wait_for_idle_pool(base_url: str, timeout: float = 60) -> float:
 
 @pytest.mark.parametrize("flags, num_requests, overrides", [
     (["--kv-policy", "snapkv", "--kv-sparsity", "0.7", "--kv-eviction", "patched",
-      "--max-num-batched-tokens", "256"], 120,
+      "--max-num-batched-tokens", "256"], 60,
      [{}, {"kv_sparsity": 0.3}, {"kv_sparsity": 0.9, "kv_obs_window": 16}]),
     # streaming heads in the pool (their groups free blocks mid-request), prefix caching on
     # (cached blocks count as free), some requests with a teacher-forced tail (no cache reads)
     (["--kv-policy", "prulong", "--kv-sparsity", "0.7", "--kv-sink", "16", "--kv-window", "64",
       "--kv-streaming-storage", "pool", "--block-size", "32",
-      "--max-num-batched-tokens", "256"], 80, [{}, {"kv_teacher_forced": 8}]),
+      "--max-num-batched-tokens", "256"], 50, [{}, {"kv_teacher_forced": 8}]),
     # one KV-cache group per layer: every group's blocks must come back
     (["--kv-policy", "pyramidkv", "--kv-sparsity", "0.7", "--kv-eviction", "patched",
       "--max-num-batched-tokens", "256"], 60, [{}, {"kv_sparsity": 0.5}]),
