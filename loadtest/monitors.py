@@ -8,6 +8,7 @@ not abort a load test.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import time
 from typing import Any
@@ -46,8 +47,9 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
     return out
 
 
-class _Sampler:
-    """Calls `_sample()` every `interval` seconds between start() and stop()."""
+class _Sampler(abc.ABC):
+    """Calls `_sample()` every `interval` seconds between start() and stop() (subclasses:
+    `MetricsSampler`, `RssSampler`)."""
 
     interval = 1.0
 
@@ -56,8 +58,9 @@ class _Sampler:
         self._stop = asyncio.Event()
         self._task: asyncio.Task | None = None
 
+    @abc.abstractmethod
     async def _sample(self) -> None:
-        raise NotImplementedError
+        """Take one sample."""
 
     async def start(self, t0: float) -> None:
         self.t0 = t0

@@ -19,8 +19,7 @@ from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
                                                  CPUAttentionMetadataBuilder)
 
-from vllm_kvevict.integration.paged_layout import paged_layout
-from vllm_kvevict.integration.paged_layout import POOL_LAYOUTS, lay_out_from_pool
+from vllm_kvevict.integration.paged_layout import POOL_LAYOUTS, lay_out_from_pool, paged_layout
 from vllm_kvevict.integration.worker import get_state, init_state
 
 

@@ -104,9 +104,8 @@ class SinkWindowManager(SlidingWindowManager):
 
     def _dropped(self, first: int, end: int, num_tokens: int) -> list[bool]:
         """For new block positions [first, end) of a step ending at `num_tokens`: which hold
-        nothing a later step reads (past the sink, wholly before the step's last W tokens)."""
-        if self.chunk:
-            return [False] * max(end - first, 0)
+        nothing a later step reads (past the sink, wholly before the step's last W tokens).
+        Without canonical chunks only (the callers' check)."""
         keep_from = max(num_tokens - self.window, 0) // self.block_size
         sink_blocks = cdiv(self.sink, self.block_size)
         return [sink_blocks <= j < keep_from for j in range(first, end)]
