@@ -18,6 +18,7 @@ COLUMNS = {
     "streaming": "streaming",
     "duo 0.3": "duo-0.3",
     "prulong 0.7": "prulong-0.7",
+    "prulong 0.7 pool": "prulong-0.7-pool",
     "snapkv naive": "snapkv-naive-0.5",
     "snapkv patched": "snapkv-patched-0.5",
     "pyramidkv naive": "pyramidkv-naive-0.5-tiers3",
@@ -25,12 +26,17 @@ COLUMNS = {
     "prulong 0.5 + snapkv patched 0.5": "hybrid-prulong-0.5-snapkv-patched-0.5",
 }
 HYBRID = "prulong 0.5 + snapkv patched 0.5"  # --kv-token-policy (tests/test_hybrid.py)
+POOL = "prulong 0.7 pool"  # --kv-streaming-storage pool (tests/test_pool_storage.py)
+POOL_REFUSES = "tests/test_sink_window.py::test_pool_storage_refuses_what_it_does_not_serve_yet"
+POOL_UNTESTED = ("not yet tested with the streaming heads in vLLM's pool, so refused at start-up "
+                 "(features.pool_storage_error); the ring store (the default) serves it")
 EVICTING = [c for c in COLUMNS if c != "full"]
+NOT_POOL = [c for c in EVICTING if c != POOL]
 # The per-request rows (tests/test_compat.py) cost a server start and reference decodes per
 # column; CI runs the columns that cover each mechanism (full; head masks; token eviction in one
 # KV-cache group, patched; in tiers of groups, naive), the slow tier the other four.
 PATCHED_COLUMNS = ("snapkv patched", "pyramidkv patched", HYBRID)
-SLOW_COLUMNS = ("streaming", "duo 0.3", "snapkv naive", "pyramidkv patched", HYBRID)
+SLOW_COLUMNS = ("streaming", "duo 0.3", "snapkv naive", "pyramidkv patched", HYBRID, POOL)
 STATUSES = ("exact", "refused", "n/a")
 # tests/test_tensor_parallel.py: one TP = 2 server per column on a 4-KV-head model
 TP_IDS = {"full": "kv4-full", "streaming": "kv4-streaming", "duo 0.3": "kv4-duo-0.3",
@@ -73,8 +79,11 @@ ADMISSION = "tests/test_admission.py::"
 ADMISSION_IDS = {"full": "full", "streaming": "streaming", "duo 0.3": "duo",
                  "prulong 0.7": "prulong", "snapkv naive": "snapkv-naive",
                  "snapkv patched": "snapkv", "pyramidkv naive": "pyramidkv-naive",
-                 "pyramidkv patched": "pyramidkv-patched", HYBRID: "prulong-snapkv"}
-TESTED_ADMISSION = ("prulong 0.7", "snapkv patched")  # both modes in CI; the rest: slow tier
+                 "pyramidkv patched": "pyramidkv-patched", HYBRID: "prulong-snapkv",
+                 POOL: "prulong-pool"}
+TESTED_ADMISSION = ("prulong 0.7", "snapkv patched")  # reserve mode in CI; the rest: slow tier
+FORCED_IN_CI = ("snapkv patched",)  # stock admission (forced preemption) in CI; prulong's in the
+# pool is in CI too (tests/test_admission.py[prulong-pool]), its ring-store run in the slow tier
 
 HYBRID_TEST = "tests/test_hybrid.py::"
 HYBRID_UNTESTED = ("not yet tested with a token policy on a head mask, so refused at start-up "
@@ -112,14 +121,23 @@ ROWS = [
     Row("preemption (pool too small; `--kv-admission reserve` and `vllm`)", {
         **{c: Cell("exact", (
             f"{ADMISSION}test_no_preemption_and_exact_outputs_under_pressure[{ADMISSION_IDS[c]}]",
-            f"{ADMISSION}test_forced_preemption_replays_exactly[{ADMISSION_IDS[c]}]"))
+            ("" if c in FORCED_IN_CI else "(s)")
+            + f"{ADMISSION}test_forced_preemption_replays_exactly[{ADMISSION_IDS[c]}]"))
            for c in TESTED_ADMISSION},
         **{c: Cell("exact", (
             f"(s){ADMISSION}test_forced_preemption_replays_exactly[{ADMISSION_IDS[c]}]",))
-           for c in COLUMNS if c not in TESTED_ADMISSION}}),
+           for c in COLUMNS if c not in (*TESTED_ADMISSION, POOL)},
+        POOL: Cell("exact", (f"{ADMISSION}test_forced_preemption_replays_exactly[prulong-pool]",
+                             f"(s){ADMISSION}test_forced_preemption_replays_exactly"
+                             "[prulong-pool-nopc]"),
+                   "`--kv-admission vllm`, with and without prefix caching")}),
     Row("prefix caching (vLLM's default)", {
         "full": Cell("exact", (C + "test_repeated_prompt_prefix_cache[full]",)),
-        **each("n/a", C + "test_repeated_prompt_prefix_cache[{id}]", EVICTING,
+        POOL: Cell("exact", ("(s)" + C + "test_repeated_prompt_prefix_cache[prulong-0.7-pool]",
+                             "tests/test_pool_storage.py::test_pool_storage_matches_reference"
+                             "[prulong-0.7]"),
+                   "hits at any block, served from the cached sink + window blocks"),
+        **each("n/a", C + "test_repeated_prompt_prefix_cache[{id}]", NOT_POOL,
                why="switched off at start-up for evicting policies (logged; "
                    "`/v1/kv_stats` shows it); streaming, duo and prulong serve it exactly with "
                    "`--kv-streaming-storage pool` (tests/test_pool_storage.py)")}),
@@ -128,14 +146,19 @@ ROWS = [
         **{c: Cell("refused", (
             f"tests/test_features.py::test_explicit_prefix_caching_refused_with_eviction"
             f"[{COLUMNS[c]}]", "tests/test_features.py::test_vllm_serve_refuses[prefix-caching]"))
-           for c in EVICTING}}),
+           for c in NOT_POOL},
+        POOL: Cell("exact", ("tests/test_features.py::"
+                             "test_explicit_prefix_caching_refused_with_eviction[prulong-0.7-pool]",
+                             "tests/test_pool_storage.py::test_pool_storage_matches_reference"
+                             "[prulong-0.7]"))}),
     Row("KV connector (`--kv-transfer-config`)", {
         "full": Cell("exact", ("tests/test_vllm_features.py::"
                                "test_full_policy_with_the_users_kv_connector_keeps_kv_stats",)),
         **{c: Cell("refused", (
             f"tests/test_features.py::test_connector_refused[{COLUMNS[c]}]",
             "tests/test_vllm_features.py::"
-            "test_evicting_policy_with_a_kv_connector_is_refused_at_startup"))
+            "test_evicting_policy_with_a_kv_connector_is_refused_at_startup",
+            *((f"{POOL_REFUSES}[connector]",) if c == POOL else ())))
            for c in EVICTING}}),
     Row("fp8 KV cache (`--kv-cache-dtype fp8`, also `fp8_e4m3`, `fp8_e5m2`)",
         {**{c: Cell("exact", (("" if c in FP8_CI else "(s)")
@@ -146,7 +169,8 @@ ROWS = [
                  "against the reference quantizing its cache as vLLM's CPU kernels do; refused "
                  "with --kv-eviction-chunk (tests/test_features.py::test_vllm_serve_refuses"
                  "[fp8])")
-         for c in COLUMNS if c != HYBRID},
+         for c in COLUMNS if c not in (HYBRID, POOL)},
+         POOL: Cell("refused", (f"{POOL_REFUSES}[fp8]",), POOL_UNTESTED),
          HYBRID: Cell("exact", ("(s)" + HYBRID_TEST + "test_hybrid_serves_the_reference_tokens"
                                               "[snapkv-patched-h0.5-t0.5-c128-fp8]",),
                       "against the reference quantizing its cache as vLLM's CPU kernels do; "
@@ -158,11 +182,13 @@ ROWS = [
                              f"test_compiled_mode_matches_reference[{COLUMNS[c]}]",))
            for c in ("prulong 0.7", "pyramidkv patched", HYBRID)},
         **{c: Cell("exact", ("(s)scripts/policy_matrix.py --compiled",))
-           for c in COLUMNS if c not in ("prulong 0.7", "pyramidkv patched", HYBRID)}}),
+           for c in COLUMNS if c not in ("prulong 0.7", "pyramidkv patched", HYBRID, POOL)},
+        POOL: Cell("refused", (f"{POOL_REFUSES}[compile]",), POOL_UNTESTED)}),
     Row("speculative decoding, ngram", {
         **{c: Cell("exact", (("(s)" if c in SLOW_SPEC else "") + "tests/test_speculative.py::"
                              f"test_ngram_speculation_matches_one_token_decode[{SPEC_IDS[c]}]",))
-           for c in COLUMNS if c != HYBRID},
+           for c in COLUMNS if c not in (HYBRID, POOL)},
+        POOL: Cell("refused", (f"{POOL_REFUSES}[speculative]",), POOL_UNTESTED),
         HYBRID: Cell("refused", (HYBRID_TEST + "test_hybrid_refuses_what_it_is_not_tested_with",),
                      HYBRID_UNTESTED)}),
     Row("speculative decoding, draft model / EAGLE / MTP / medusa / suffix",
@@ -185,7 +211,8 @@ ROWS = [
                               f"test_tp2_serves_the_reference_tokens[{TP_IDS[c]}]",),
                     "when the ranks split the KV heads evenly (else refused: "
                     "tests/test_features.py::test_parallel_layouts)")
-            for c in COLUMNS if c != HYBRID},
+            for c in COLUMNS if c not in (HYBRID, POOL)},
+         POOL: Cell("refused", (f"{POOL_REFUSES}[tp]",), POOL_UNTESTED),
          HYBRID: Cell("refused", (HYBRID_TEST + "test_hybrid_refuses_what_it_is_not_tested_with",
                                   f"tests/test_features.py::test_parallel_layouts"
                                   f"[{COLUMNS[HYBRID]}]"), HYBRID_UNTESTED)}),
@@ -205,6 +232,12 @@ def node_ids() -> list[str]:
         for cell in row.cells.values():
             out += [t.removeprefix("(s)") for t in cell.tests if "::" in t]
     return sorted(set(out))
+
+
+def slow_node_ids() -> set[str]:
+    """The node ids the matrix marks (s): they must be exactly the slow-tier ones it names."""
+    return {t.removeprefix("(s)") for row in ROWS for cell in row.cells.values()
+            for t in cell.tests if t.startswith("(s)") and "::" in t}
 
 
 def render() -> str:
@@ -227,6 +260,8 @@ def render() -> str:
         "sparsity 0.9 in pools of a few blocks). The tensor-parallel and fp8 rows run on a tiny "
         "random Qwen3 with 4 KV heads (tests/test_tensor_parallel.py, tests/test_fp8.py); fp8 "
         "under `full` is also compared with stock vLLM on the same fp8 cache, bit for bit. "
+        "`prulong 0.7 pool` is the same mask with `--kv-streaming-storage pool` (streaming heads "
+        "in vLLM's block pool, prefix caching on). "
         "The last column is a head mask composed with token eviction (`--kv-policy prulong "
         "--kv-sparsity 0.5 --kv-token-policy snapkv --kv-token-sparsity 0.5`, sink 16 / window "
         "64, the shipped mask; its fp8 row on the tiny Qwen3 with a random mask).",

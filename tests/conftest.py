@@ -120,6 +120,16 @@ def served_policy_builds(server: VLLMServer) -> dict[int, int]:
     return builds
 
 
+def pytest_collection_modifyitems(config, items):
+    """KVEVICT_LIST_SLOW=1: name the slow-tier items while collecting (test_compat_doc.py checks
+    the compatibility page's tier marks against them in one collection)."""
+    if os.environ.get("KVEVICT_LIST_SLOW") == "1":
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        for item in items:
+            if item.get_closest_marker("slow"):
+                reporter.write_line(f"slow-tier: {item.nodeid}")
+
+
 def pytest_sessionfinish(session, exitstatus):
     while _current:
         _current.pop().stop()

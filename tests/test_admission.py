@@ -78,8 +78,9 @@ SLOW = pytest.mark.slow  # the rest of the compatibility matrix's preemption row
 
 
 @pytest.mark.parametrize("policy, pool_mib, max_len", [
+    # (slow tier: the ring store's run; the same head mask in the pool runs in CI below)
     pytest.param({"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64}, 48, 2048,
-                 id="prulong"),
+                 id="prulong", marks=SLOW),
     # 11 blocks (vLLM's minimum for 1024 tokens is 8): several requests preempted, in
     # prefill and in decode
     pytest.param({"policy": "snapkv", "sparsity": 0.9, "eviction": "patched"}, 64, 1024,

@@ -14,8 +14,9 @@ and per feature the served tokens against the plain-PyTorch reference doing the 
 - LoRA: the reference model with the adapter merged into its weights;
 - queued requests: three at once through `--max-num-seqs 1` (each runs alone, so its chunks
   are the regular ones);
-- a repeated prompt: prefix caching serves it from cache under `full`; evicting policies run
-  with prefix caching off (issue 16) and recompute.
+- a repeated prompt: prefix caching serves it from cache under `full` and under a head mask
+  whose streaming heads are in vLLM's pool (`--kv-streaming-storage pool`); the other evicting
+  policies run with prefix caching off and recompute.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ pytestmark = pytest.mark.server
 CHUNK = 128  # short prompts still prefill in several chunks
 COLUMNS = {  # column -> policy: test_policies_vllm's cases, and full
     "full": {"policy": "full"},
-    **{name: CASES[name][0] for name in ("streaming", "duo-0.3", "prulong-0.7",
+    **{name: CASES[name][0] for name in ("streaming", "duo-0.3", "prulong-0.7", "prulong-0.7-pool",
                                          "snapkv-naive-0.5", "snapkv-patched-0.5",
                                          "pyramidkv-naive-0.5-tiers3", "pyramidkv-patched-0.7",
                                          "hybrid-prulong-0.5-snapkv-patched-0.5")},
@@ -349,8 +350,9 @@ def test_repeated_prompt_prefix_cache(column, bundled_model_dir, prompt):
     again, b = greedy(server, prompt)
     assert again == first
     serving = client(server).get("/kv_stats", cast_to=dict)["params"]
-    assert serving["prefix_caching"] is (policy["policy"] == "full"), serving
-    if policy["policy"] == "full":
+    caches = policy["policy"] == "full" or KVPolicyConfig.from_dict(policy).caches_prefixes
+    assert serving["prefix_caching"] is caches, serving
+    if caches:
         assert b["cached_tokens"] > 0, b
     else:
         assert b["cached_tokens"] == 0, b

@@ -138,12 +138,11 @@ def test_streaming_storage_values_are_checked(raw, field):
 
 
 @pytest.mark.parametrize("kwargs, flag", [
-    ({"tensor_parallel": 2}, "--tensor-parallel-size 2"),
-    ({"cache_dtype": "fp8"}, "--kv-cache-dtype fp8"),
-    ({"speculative": "ngram"}, "--speculative-config"),
-    ({"lora": True}, "--enable-lora"),
-    ({"enforce_eager": False}, "compile mode"),
-    ({"connectors": ["LMCacheConnectorV1"]}, "--kv-transfer-config"),
+    pytest.param({"tensor_parallel": 2}, "--tensor-parallel-size 2", id="tp"),
+    pytest.param({"cache_dtype": "fp8"}, "--kv-cache-dtype fp8", id="fp8"),
+    pytest.param({"speculative": "ngram"}, "--speculative-config", id="speculative"),
+    pytest.param({"enforce_eager": False}, "compile mode", id="compile"),
+    pytest.param({"connectors": ["LMCacheConnectorV1"]}, "--kv-transfer-config", id="connector"),
 ])
 def test_pool_storage_refuses_what_it_does_not_serve_yet(kwargs, flag):
     cfg = KVPolicyConfig.from_dict({"policy": "prulong", "streaming_storage": "pool"})

@@ -176,12 +176,12 @@ def model_error(policy_config, hf_config) -> str | None:
 
 
 def pool_storage_error(policy_config, *, tensor_parallel: int = 1, cache_dtype: str = "auto",
-                       speculative: str | None = None, lora: bool = False,
-                       enforce_eager: bool = True, connectors: list[str] = ()) -> str | None:
+                       speculative: str | None = None, enforce_eager: bool = True,
+                       connectors: list[str] = ()) -> str | None:
     """`--kv-streaming-storage pool` is new: served with what its tests cover (one rank, the
-    model's KV dtype, eager mode, no speculation, no LoRA,
-    no user connector); everything else is refused at start-up until it is tested against
-    the reference."""
+    model's KV dtype, eager mode, no speculation, no user connector; LoRA, structured outputs,
+    n > 1, beam search and prompt logprobs in the compatibility matrix's pool column); the
+    rest is refused at start-up until it is tested against the reference."""
     if getattr(policy_config, "streaming_storage", "ring") != "pool":
         return None
     untested = []
@@ -191,8 +191,6 @@ def pool_storage_error(policy_config, *, tensor_parallel: int = 1, cache_dtype: 
         untested.append(f"--kv-cache-dtype {cache_dtype} (valid: auto)")
     if speculative is not None:
         untested.append("--speculative-config (valid: none)")
-    if lora:
-        untested.append("--enable-lora")
     if not enforce_eager:
         untested.append("compile mode (valid: --enforce-eager)")
     if connectors:

@@ -52,7 +52,6 @@ def validate_against_model(vllm_config, prefix_caching_requested: bool | None = 
                       pool_storage_error(
                           cfg, tensor_parallel=int(sizes.get("tensor_parallel_size") or 1),
                           cache_dtype=str(cache_dtype), speculative=method,
-                          lora=getattr(vllm_config, "lora_config", None) is not None,
                           enforce_eager=bool(getattr(model, "enforce_eager", True)),
                           connectors=users)):
             if error:
