@@ -81,9 +81,10 @@ ADMISSION_IDS = {"full": "full", "streaming": "streaming", "duo 0.3": "duo",
                  "snapkv patched": "snapkv", "pyramidkv naive": "pyramidkv-naive",
                  "pyramidkv patched": "pyramidkv-patched", HYBRID: "prulong-snapkv",
                  POOL: "prulong-pool"}
-TESTED_ADMISSION = ("prulong 0.7", "snapkv patched")  # reserve mode in CI; the rest: slow tier
-FORCED_IN_CI = ("snapkv patched",)  # stock admission (forced preemption) in CI; prulong's in the
-# pool is in CI too (tests/test_admission.py[prulong-pool]), its ring-store run in the slow tier
+TESTED_ADMISSION = ("prulong 0.7", "snapkv patched")  # both modes tested; the rest: stock only
+RESERVE_IN_CI = ("prulong 0.7",)  # CI: reserve mode (the default) under a head mask, stock
+FORCED_IN_CI = ("snapkv patched",)  # admission (forced preemption) under token eviction and
+# with the streaming heads in the pool (tests/test_admission.py[prulong-pool]); the rest: slow
 
 HYBRID_TEST = "tests/test_hybrid.py::"
 HYBRID_UNTESTED = ("not yet tested with a token policy on a head mask, so refused at start-up "
@@ -120,7 +121,9 @@ ROWS = [
         each("exact", C + "test_queued_requests_each_match_reference[{id}]")),
     Row("preemption (pool too small; `--kv-admission reserve` and `vllm`)", {
         **{c: Cell("exact", (
-            f"{ADMISSION}test_no_preemption_and_exact_outputs_under_pressure[{ADMISSION_IDS[c]}]",
+            ("" if c in RESERVE_IN_CI else "(s)")
+            + f"{ADMISSION}test_no_preemption_and_exact_outputs_under_pressure"
+              f"[{ADMISSION_IDS[c]}]",
             ("" if c in FORCED_IN_CI else "(s)")
             + f"{ADMISSION}test_forced_preemption_replays_exactly[{ADMISSION_IDS[c]}]"))
            for c in TESTED_ADMISSION},

@@ -7,7 +7,8 @@ boundaries, generated tokens prefilled as a chunk). Two modes (`integration/admi
   the running requests': no preemption;
 - vllm: stock admission, so vLLM preempts, and the plugin replays each preempted request with
   its first run's prompt chunks and one generated token per step.
-Either way every output is the reference oracle's at the chunk boundaries the server reports
+Either way the output checked (the first request, or the first preempted one: a 200-token
+reference decode is slow) is the reference oracle's at the chunk boundaries the server reports
 (several prefills share the token budget, so the boundaries are not those of a lone run).
 """
 
@@ -24,7 +25,7 @@ from test_policies_vllm import flags, reference, source_prompts
 pytestmark = pytest.mark.server
 
 PROMPT_LEN, MAX_TOKENS, NUM_REQUESTS = 500, 200, 6
-CHECKED = 2  # requests compared with the reference (plain PyTorch decode is slow)
+CHECKED = 1  # requests compared with the reference (a 200-token plain PyTorch decode is slow)
 
 
 def preemptions(base_url: str) -> float:
@@ -53,7 +54,9 @@ async def complete_all(base_url: str, prompts: list[list[int]]) -> list[dict]:
                  id="prulong"),
     # token eviction: 100 MiB = 17 blocks of all 30 layers x 3 KV heads (vLLM's minimum for
     # the 2048-token model length); a request needs 4 blocks at its largest
-    pytest.param({"policy": "snapkv", "sparsity": 0.7, "eviction": "patched"}, 100, id="snapkv"),
+    # (slow tier: CI runs token eviction's forced preemption below)
+    pytest.param({"policy": "snapkv", "sparsity": 0.7, "eviction": "patched"}, 100, id="snapkv",
+                 marks=pytest.mark.slow),
 ])
 def test_no_preemption_and_exact_outputs_under_pressure(bundled_model_dir, tokenizer, hf_model,
                                                         policy, pool_mib):
