@@ -72,7 +72,7 @@ FLAGS = {
                                "runs; with --no-enable-prefix-caching each step is a chunk and "
                                "only its last window is stored; for now "
                                "eager mode, one rank, no fp8 KV cache, no speculative "
-                               "decoding, no LoRA; others refused at start-up)."),
+                               "decoding, no KV connector; those refused at start-up)."),
     "--kv-mask": ("mask_path", str, "Head-mask file for duo/prulong (our JSON format, PruLong "
                                     "0/1 TSV or DuoAttention gate TSV). Default: the mask shipped "
                                     "in head_masks/ for the served model."),
