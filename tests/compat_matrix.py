@@ -28,8 +28,7 @@ COLUMNS = {
 HYBRID = "prulong 0.5 + snapkv patched 0.5"  # --kv-token-policy (tests/test_hybrid.py)
 POOL = "prulong 0.7 pool"  # --kv-streaming-storage pool (tests/test_pool_storage.py)
 POOL_REFUSES = "tests/test_sink_window.py::test_pool_storage_refuses_what_it_does_not_serve_yet"
-POOL_UNTESTED = ("not yet tested with the streaming heads in vLLM's pool, so refused at start-up "
-                 "(features.pool_storage_error); the ring store (the default) serves it")
+
 EVICTING = [c for c in COLUMNS if c != "full"]
 NOT_POOL = [c for c in EVICTING if c != POOL]
 # The per-request rows (tests/test_compat.py) cost a server start and reference decodes per
@@ -71,6 +70,13 @@ def each(status: str, test: str, columns=tuple(COLUMNS), why: str = "",
     slow = lambda c: "(s)" if test.startswith(C) and c in SLOW_COLUMNS else ""
     return {c: Cell(status, (slow(c) + test.format(id=ids[c]),), why) for c in columns}
 
+
+def pool_refused(feature: str) -> dict:
+    """The pool column's cell of a feature pool storage refuses at start-up (its test's id)."""
+    return {POOL: Cell("refused", (f"{POOL_REFUSES}[{feature}]",),
+                       "not yet tested with the streaming heads in vLLM's pool, so refused at "
+                       "start-up (features.pool_storage_error); the ring store (the default) "
+                       "serves it")}
 
 SPEC_IDS = {**COLUMNS, "pyramidkv naive": "pyramidkv-naive-0.5"}
 SLOW_SPEC = ("full", "pyramidkv naive", "duo 0.3", "streaming", "snapkv naive",
@@ -147,11 +153,11 @@ ROWS = [
     Row("`--enable-prefix-caching` asked for explicitly", {
         "full": Cell("exact", (C + "test_repeated_prompt_prefix_cache[full]",)),
         **{c: Cell("refused", (
-            f"tests/test_features.py::test_explicit_prefix_caching_refused_with_eviction"
+            f"tests/test_features.py::test_explicit_prefix_caching"
             f"[{COLUMNS[c]}]", "tests/test_features.py::test_vllm_serve_refuses[prefix-caching]"))
            for c in NOT_POOL},
         POOL: Cell("exact", ("tests/test_features.py::"
-                             "test_explicit_prefix_caching_refused_with_eviction[prulong-0.7-pool]",
+                             "test_explicit_prefix_caching[prulong-0.7-pool]",
                              "tests/test_pool_storage.py::test_pool_storage_matches_reference"
                              "[prulong-0.7]"))}),
     Row("KV connector (`--kv-transfer-config`)", {
@@ -173,7 +179,7 @@ ROWS = [
                  "with --kv-eviction-chunk (tests/test_features.py::test_vllm_serve_refuses"
                  "[fp8])")
          for c in COLUMNS if c not in (HYBRID, POOL)},
-         POOL: Cell("refused", (f"{POOL_REFUSES}[fp8]",), POOL_UNTESTED),
+         **pool_refused("fp8"),
          HYBRID: Cell("exact", ("(s)" + HYBRID_TEST + "test_hybrid_serves_the_reference_tokens"
                                               "[snapkv-patched-h0.5-t0.5-c128-fp8]",),
                       "against the reference quantizing its cache as vLLM's CPU kernels do; "
@@ -186,12 +192,12 @@ ROWS = [
            for c in ("prulong 0.7", "pyramidkv patched", HYBRID)},
         **{c: Cell("exact", ("(s)scripts/policy_matrix.py --compiled",))
            for c in COLUMNS if c not in ("prulong 0.7", "pyramidkv patched", HYBRID, POOL)},
-        POOL: Cell("refused", (f"{POOL_REFUSES}[compile]",), POOL_UNTESTED)}),
+        **pool_refused("compile")}),
     Row("speculative decoding, ngram", {
         **{c: Cell("exact", (("(s)" if c in SLOW_SPEC else "") + "tests/test_speculative.py::"
                              f"test_ngram_speculation_matches_one_token_decode[{SPEC_IDS[c]}]",))
            for c in COLUMNS if c not in (HYBRID, POOL)},
-        POOL: Cell("refused", (f"{POOL_REFUSES}[speculative]",), POOL_UNTESTED),
+        **pool_refused("speculative"),
         HYBRID: Cell("refused", (HYBRID_TEST + "test_hybrid_refuses_what_it_is_not_tested_with",),
                      HYBRID_UNTESTED)}),
     Row("speculative decoding, draft model / EAGLE / MTP / medusa / suffix",
@@ -215,7 +221,7 @@ ROWS = [
                     "when the ranks split the KV heads evenly (else refused: "
                     "tests/test_features.py::test_parallel_layouts)")
             for c in COLUMNS if c not in (HYBRID, POOL)},
-         POOL: Cell("refused", (f"{POOL_REFUSES}[tp]",), POOL_UNTESTED),
+         **pool_refused("tp"),
          HYBRID: Cell("refused", (HYBRID_TEST + "test_hybrid_refuses_what_it_is_not_tested_with",
                                   f"tests/test_features.py::test_parallel_layouts"
                                   f"[{COLUMNS[HYBRID]}]"), HYBRID_UNTESTED)}),

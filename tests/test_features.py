@@ -84,7 +84,7 @@ def test_prompt_embeds_refused(name):
 
 
 @pytest.mark.parametrize("name", list(POLICIES))
-def test_explicit_prefix_caching_refused_with_eviction(name):
+def test_explicit_prefix_caching(name):
     """vLLM's default (None) is switched off for evicting policies; asking for it is
     refused, never silently dropped; `full` and head masks in vLLM's pool serve it."""
     cfg = config(name)
