@@ -4,6 +4,7 @@ the same machine in the same invocation.
     python -m loadtest.bench_latency --input-len 7000 --output-len 64 --repeats 3 \\
         --policies stock full prulong:0.7 pyramidkv:0.7:patched --out-dir docs/results/latency
 
+A policy may name its streaming heads' storage: `prulong:0.7@pool`.
 `stock` is vLLM with our plugin not loaded (VLLM_PLUGINS names none of ours). Every server
 gets VLLM_CPU_NUM_OF_RESERVED_CPU (default 1): vLLM's CPU worker reserves one core more when a
 KV connector is configured (ours carries kv_stats), which on a 2-core machine silently changes
@@ -80,10 +81,12 @@ def main() -> None:
     rows = []
     for text in args.policies:
         stock = text == "stock"
-        spec = PolicySpec("full") if stock else parse_policy(text)
+        name, _, storage = text.partition("@")  # `prulong:0.7@pool`: --kv-streaming-storage
+        spec = PolicySpec("full") if stock else parse_policy(name)
+        extra = [*SERVE_EXTRA, *(["--kv-streaming-storage", storage] if storage else [])]
         argv = build_server_command(model, spec, kv_cache_bytes=args.kv_cache_memory_bytes,
                                     max_batched_tokens=args.chunk, port=args.port,
-                                    extra_args=SERVE_EXTRA, eager=not args.compiled)
+                                    extra_args=extra, eager=not args.compiled)
         if stock:  # without our plugin the --kv-policy flag does not exist
             argv = [a for a in argv if a not in ("--kv-policy", "full")]
         env = {"VLLM_PLUGINS": "no-such-plugin"} if stock else {}

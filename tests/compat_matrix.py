@@ -27,7 +27,6 @@ COLUMNS = {
 }
 HYBRID = "prulong 0.5 + snapkv patched 0.5"  # --kv-token-policy (tests/test_hybrid.py)
 POOL = "prulong 0.7 pool"  # --kv-streaming-storage pool (tests/test_pool_storage.py)
-POOL_REFUSES = "tests/test_sink_window.py::test_pool_storage_refuses_what_it_does_not_serve_yet"
 
 EVICTING = [c for c in COLUMNS if c != "full"]
 NOT_POOL = [c for c in EVICTING if c != POOL]
@@ -42,9 +41,9 @@ TP_IDS = {"full": "kv4-full", "streaming": "kv4-streaming", "duo 0.3": "kv4-duo-
           "prulong 0.7": "kv4-prulong-0.7", "snapkv naive": "kv4-snapkv-naive-0.5",
           "snapkv patched": "kv4-snapkv-patched-0.5",
           "pyramidkv naive": "kv4-pyramidkv-naive-0.5-tiers2",
-          "pyramidkv patched": "kv4-pyramidkv-patched-0.7"}
-TP_CI = ("prulong 0.7", "snapkv patched")
-FP8_CI = ("prulong 0.7", "snapkv patched")  # tests/test_fp8.py: the same tiny model and ids
+          "pyramidkv patched": "kv4-pyramidkv-patched-0.7", POOL: "kv4-prulong-0.7-pool"}
+TP_CI = ("prulong 0.7", "snapkv patched", POOL)
+FP8_CI = ("prulong 0.7", "snapkv patched", POOL)  # tests/test_fp8.py: the same model and ids
 
 
 @dataclass(frozen=True)
@@ -70,13 +69,6 @@ def each(status: str, test: str, columns=tuple(COLUMNS), why: str = "",
     slow = lambda c: "(s)" if test.startswith(C) and c in SLOW_COLUMNS else ""
     return {c: Cell(status, (slow(c) + test.format(id=ids[c]),), why) for c in columns}
 
-
-def pool_refused(feature: str) -> dict:
-    """The pool column's cell of a feature pool storage refuses at start-up (its test's id)."""
-    return {POOL: Cell("refused", (f"{POOL_REFUSES}[{feature}]",),
-                       "not yet tested with the streaming heads in vLLM's pool, so refused at "
-                       "start-up (features.pool_storage_error); the ring store (the default) "
-                       "serves it")}
 
 SPEC_IDS = {**COLUMNS, "pyramidkv naive": "pyramidkv-naive-0.5"}
 SLOW_SPEC = ("full", "pyramidkv naive", "duo 0.3", "streaming", "snapkv naive",
@@ -166,8 +158,7 @@ ROWS = [
         **{c: Cell("refused", (
             f"tests/test_features.py::test_connector_refused[{COLUMNS[c]}]",
             "tests/test_vllm_features.py::"
-            "test_evicting_policy_with_a_kv_connector_is_refused_at_startup",
-            *((f"{POOL_REFUSES}[connector]",) if c == POOL else ())))
+            "test_evicting_policy_with_a_kv_connector_is_refused_at_startup"))
            for c in EVICTING}}),
     Row("fp8 KV cache (`--kv-cache-dtype fp8`, also `fp8_e4m3`, `fp8_e5m2`)",
         {**{c: Cell("exact", (("" if c in FP8_CI else "(s)")
@@ -178,8 +169,7 @@ ROWS = [
                  "against the reference quantizing its cache as vLLM's CPU kernels do; refused "
                  "with --kv-eviction-chunk (tests/test_features.py::test_vllm_serve_refuses"
                  "[fp8])")
-         for c in COLUMNS if c not in (HYBRID, POOL)},
-         **pool_refused("fp8"),
+         for c in COLUMNS if c != HYBRID},
          HYBRID: Cell("exact", ("(s)" + HYBRID_TEST + "test_hybrid_serves_the_reference_tokens"
                                               "[snapkv-patched-h0.5-t0.5-c128-fp8]",),
                       "against the reference quantizing its cache as vLLM's CPU kernels do; "
@@ -189,15 +179,13 @@ ROWS = [
         **{c: Cell("exact", (("(s)" if c != HYBRID else "")
                              + "tests/test_vllm_features.py::"
                              f"test_compiled_mode_matches_reference[{COLUMNS[c]}]",))
-           for c in ("prulong 0.7", "pyramidkv patched", HYBRID)},
+           for c in ("prulong 0.7", "pyramidkv patched", HYBRID, POOL)},
         **{c: Cell("exact", ("(s)scripts/policy_matrix.py --compiled",))
-           for c in COLUMNS if c not in ("prulong 0.7", "pyramidkv patched", HYBRID, POOL)},
-        **pool_refused("compile")}),
+           for c in COLUMNS if c not in ("prulong 0.7", "pyramidkv patched", HYBRID, POOL)}}),
     Row("speculative decoding, ngram", {
         **{c: Cell("exact", (("(s)" if c in SLOW_SPEC else "") + "tests/test_speculative.py::"
                              f"test_ngram_speculation_matches_one_token_decode[{SPEC_IDS[c]}]",))
-           for c in COLUMNS if c not in (HYBRID, POOL)},
-        **pool_refused("speculative"),
+           for c in COLUMNS if c != HYBRID},
         HYBRID: Cell("refused", (HYBRID_TEST + "test_hybrid_refuses_what_it_is_not_tested_with",),
                      HYBRID_UNTESTED)}),
     Row("speculative decoding, draft model / EAGLE / MTP / medusa / suffix",
@@ -220,8 +208,7 @@ ROWS = [
                               f"test_tp2_serves_the_reference_tokens[{TP_IDS[c]}]",),
                     "when the ranks split the KV heads evenly (else refused: "
                     "tests/test_features.py::test_parallel_layouts)")
-            for c in COLUMNS if c not in (HYBRID, POOL)},
-         **pool_refused("tp"),
+            for c in COLUMNS if c != HYBRID},
          HYBRID: Cell("refused", (HYBRID_TEST + "test_hybrid_refuses_what_it_is_not_tested_with",
                                   f"tests/test_features.py::test_parallel_layouts"
                                   f"[{COLUMNS[HYBRID]}]"), HYBRID_UNTESTED)}),

@@ -6,10 +6,13 @@ fp8.py`); the reference oracle quantizes its cache with its own code (`reference
 quantization.py`). Unit tests: the two quantizers agree, and the streaming store keeps one byte
 per element. Server tests: a tiny random Qwen3 (4 KV heads) served with an fp8 cache gives the
 tokens of the reference with the same fp8 cache, and kv_stats count one byte per element. CI
-runs a head mask and patched token eviction; the other policies and e5m2 are slow.
+runs a head mask (in the ring store and in vLLM's pool) and patched token eviction; the other
+policies and e5m2 are slow.
 """
 
 from __future__ import annotations
+
+import re
 
 import openai
 import pytest
@@ -105,6 +108,8 @@ def test_fp8_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_torch_
                              kv_cache_dtype=kv_cache_dtype)
     server = start_server(model_dir, [*flags(policy, CHUNK), "--kv-cache-dtype", kv_cache_dtype])
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
+    width = re.search(r"blocks of (\d+) head pages", server.log_path.read_text(errors="replace"))
+    width = int(width.group(1)) if width else None  # (pool storage's plan)
     fp8_differs = False
     for prompt in source_prompts(tokenizer, PROMPT_LENGTHS):
         r = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=NEW_TOKENS,
@@ -118,7 +123,11 @@ def test_fp8_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_torch_
         # token, in 128-token blocks
         tokens = len(prompt) + NEW_TOKENS - 1
         assert stats["full_kv_bytes_peak"] == 4 * 2 * 4 * 64 * 128 * -(-tokens // 128)
-        if cfg.uses_head_mask:
+        if cfg.uses_head_mask and cfg.streaming_storage == "pool":
+            # every group's block: the plan's width in head pages x K, V x 128 x 64 x 1 byte
+            assert stats["streaming_store_bytes"] == 0
+            assert stats["kv_bytes_peak"] == stats["blocks_held_peak"] * width * 2 * 128 * 64
+        elif cfg.uses_head_mask:
             store = int((~full_heads).sum()) if full_heads is not None else 16
             assert stats["streaming_store_bytes"] == store * 2 * (cfg.sink + cfg.window) * 64
         unquantized = ReferenceRunner(model, runner.policy).generate(prompt, NEW_TOKENS, ends)

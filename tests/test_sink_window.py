@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from vllm_kvevict.config import KVPolicyConfig, KVPolicyError
-from vllm_kvevict.features import pool_storage_error
 from vllm_kvevict.integration.pool_groups import plan_widths
 from vllm_kvevict.integration.sink_window import SinkWindowManager, SinkWindowSpec, register_manager
 
@@ -135,21 +134,6 @@ def test_streaming_storage_values_are_checked(raw, field):
     with pytest.raises(KVPolicyError) as err:
         KVPolicyConfig.from_dict(raw)
     assert err.value.field == field and "ring" in str(err.value)
-
-
-@pytest.mark.parametrize("kwargs, flag", [
-    pytest.param({"tensor_parallel": 2}, "--tensor-parallel-size 2", id="tp"),
-    pytest.param({"cache_dtype": "fp8"}, "--kv-cache-dtype fp8", id="fp8"),
-    pytest.param({"speculative": "ngram"}, "--speculative-config", id="speculative"),
-    pytest.param({"enforce_eager": False}, "compile mode", id="compile"),
-    pytest.param({"connectors": ["LMCacheConnectorV1"]}, "--kv-transfer-config", id="connector"),
-])
-def test_pool_storage_refuses_what_it_does_not_serve_yet(kwargs, flag):
-    cfg = KVPolicyConfig.from_dict({"policy": "prulong", "streaming_storage": "pool"})
-    error = pool_storage_error(cfg, **kwargs)
-    assert error and flag in error and "--kv-streaming-storage ring" in error
-    assert pool_storage_error(cfg) is None
-    assert pool_storage_error(cfg.replace(streaming_storage="ring"), **kwargs) is None
 
 
 def test_canonical_chunks_split_a_step_that_crosses_one():

@@ -40,6 +40,9 @@ CHUNK = 256
 HEAD_MASK = {"sink": 16, "window": 64}  # short: the generation runs far past the window
 CASES = {
     "prulong-0.7": {"policy": "prulong", "sparsity": 0.7, **HEAD_MASK},
+    # the streaming heads in vLLM's pool: drafts' K/V in its blocks, the window freed behind
+    "prulong-0.7-pool": {"policy": "prulong", "sparsity": 0.7, **HEAD_MASK,
+                         "streaming_storage": "pool"},
     "snapkv-naive-0.5": {"policy": "snapkv", "sparsity": 0.5, "eviction": "naive"},
     "snapkv-patched-0.5": {"policy": "snapkv", "sparsity": 0.5, "eviction": "patched"},
     "pyramidkv-patched-0.7": {"policy": "pyramidkv", "sparsity": 0.7, "eviction": "patched"},

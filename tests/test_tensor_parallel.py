@@ -12,11 +12,13 @@ scripts/tp_matrix.py serves each policy at TP = 1 and TP = 2 and compares them d
 
 from __future__ import annotations
 
+import re
+
 import openai
 import pytest
 import torch
 
-from compat_matrix import TP_CI, TP_IDS
+from compat_matrix import POOL, TP_CI, TP_IDS
 from conftest import SERVED_NAME, start_server
 from test_model_families_vllm import NEW_TOKENS, random_mask, reference
 from test_policies_vllm import flags, source_prompts
@@ -95,6 +97,8 @@ TP_POLICIES = {
     "pyramidkv naive": {"policy": "pyramidkv", "sparsity": 0.5, "eviction": "naive",
                         "tiers": 2},
     "pyramidkv patched": {"policy": "pyramidkv", "sparsity": 0.7, "eviction": "patched"},
+    POOL: {"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64,
+           "streaming_storage": "pool"},
 }
 CASES = [pytest.param((4, TP_POLICIES[column]), id=test_id,
                       marks=[] if column in TP_CI else [pytest.mark.slow])
@@ -137,6 +141,13 @@ def test_tp2_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_torch_
         assert stats["full_kv_bytes_peak"] == expect_full  # both ranks' heads
         if name == "full":
             assert stats["kv_bytes_peak"] == expect_full and per_rank[0] == per_rank[1]
+        elif policy.get("streaming_storage") == "pool":
+            # every group's block on each rank: the plan's width in head pages x K, V x 128 x
+            # 64 x 4 bytes (the ranks' companions padded alike, so their blocks are equal)
+            width = int(re.search(r"blocks of (\d+) head pages", log).group(1))
+            assert stats["streaming_store_bytes"] == 0 and per_rank[0] == per_rank[1]
+            assert stats["kv_bytes_peak"] == (2 * stats["blocks_held_peak"]
+                                              * width * 2 * 128 * 64 * 4)
         elif name in ("streaming", *HEAD_MASK_POLICIES):
             assert stats["kv_bytes_peak"] == expected_head_mask_bytes(
                 policy, model_dir, model.config, len(prompt) + NEW_TOKENS - 1)
@@ -166,3 +177,9 @@ def test_padding_is_what_the_ranks_declare():
     per_rank = [[h.paged_heads for h in layer_heads(~mask, 1, rank=r, world=2)] for r in (0, 1)]
     padded = mask.view(2, 2, 2).sum(dim=2).max(dim=1).values.tolist()
     assert per_rank[0] == per_rank[1] == padded == [1, 2]
+    # pool storage: each rank's streaming companion declares the most streaming heads a rank
+    # holds in the layer (layer 0: rank 0 has one, rank 1 two; layer 1: none and one)
+    companions = [[h.companion_heads for h in layer_heads(~mask, 1, rank=r, world=2)]
+                  for r in (0, 1)]
+    assert companions[0] == companions[1] == [2, 1]
+    assert [len(h.streaming_kv) for h in layer_heads(~mask, 1, rank=0, world=2)] == [1, 0]

@@ -173,29 +173,3 @@ def model_error(policy_config, hf_config) -> str | None:
     return (f"model {name} cannot be served with --kv-policy {policy_config.policy}: {why}; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)} with full causal attention "
             "(--kv-policy full serves any model vLLM does)")
-
-
-def pool_storage_error(policy_config, *, tensor_parallel: int = 1, cache_dtype: str = "auto",
-                       speculative: str | None = None, enforce_eager: bool = True,
-                       connectors: list[str] = ()) -> str | None:
-    """`--kv-streaming-storage pool` is new: served with what its tests cover (one rank, the
-    model's KV dtype, eager mode, no speculation, no user connector; LoRA, structured outputs,
-    n > 1, beam search and prompt logprobs in the compatibility matrix's pool column); the
-    rest is refused at start-up until it is tested against the reference."""
-    if getattr(policy_config, "streaming_storage", "ring") != "pool":
-        return None
-    untested = []
-    if tensor_parallel != 1:
-        untested.append(f"--tensor-parallel-size {tensor_parallel} (valid: 1)")
-    if (cache_dtype or "auto") != "auto":
-        untested.append(f"--kv-cache-dtype {cache_dtype} (valid: auto)")
-    if speculative is not None:
-        untested.append("--speculative-config (valid: none)")
-    if not enforce_eager:
-        untested.append("compile mode (valid: --enforce-eager)")
-    if connectors:
-        untested.append("--kv-transfer-config")
-    if not untested:
-        return None
-    return ("--kv-streaming-storage pool is not yet tested with " + "; ".join(untested)
-            + "; --kv-streaming-storage ring serves them")

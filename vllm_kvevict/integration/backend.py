@@ -19,6 +19,7 @@ from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
                                                  CPUAttentionMetadataBuilder)
 
+from vllm_kvevict.integration.fp8 import is_fp8
 from vllm_kvevict.integration.paged_layout import POOL_LAYOUTS, lay_out_from_pool, paged_layout
 from vllm_kvevict.integration.worker import get_state, init_state
 
@@ -122,14 +123,14 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
             return out
         keys, values = key[:, stream_kv], value[:, stream_kv]
         scales = (layer._k_scale_float, layer._v_scale_float)
-        if state.in_pool:  # (vLLM's pool: sink_window.py)
-            store, dtype, write_scale = None, keys.dtype, scales
+        store = None if state.in_pool else state.store(heads.layer)
+        if store is None:  # (vLLM's pool: sink_window.py)
             laid_k, laid_v = lay_out_from_pool(self, layer, plan, keys, values)
         else:
-            store = state.store(heads.layer)
             laid_k, laid_v = store.lay_out(plan, keys, values, scales)
-            # fp8: the laid-out values are already the codes' grid values (streaming_store.py)
-            dtype, write_scale = store.dtype, (1.0, 1.0) if store.fp8 else scales
+        # fp8: the laid-out values are already the codes' grid values (streaming_store.py)
+        dtype, write_scale = ((torch.uint8, (1.0, 1.0)) if is_fp8(self.kv_cache_dtype)
+                              else (keys.dtype, scales))
         scratch = self._scratch_cache(len(stream_kv), int(plan.block_table.max()) + 1,
                                       state.block_size, dtype)
         k_cache, v_cache = self._split(scratch)

@@ -70,9 +70,8 @@ FLAGS = {
                                "caching on by default, the prompt then chunked at multiples of "
                                "--max-num-batched-tokens and each chunk held whole while it "
                                "runs; with --no-enable-prefix-caching each step is a chunk and "
-                               "only its last window is stored; for now "
-                               "eager mode, one rank, no fp8 KV cache, no speculative "
-                               "decoding, no KV connector; those refused at start-up)."),
+                               "only its last window is stored; not with "
+                               "--kv-token-policy)."),
     "--kv-mask": ("mask_path", str, "Head-mask file for duo/prulong (our JSON format, PruLong "
                                     "0/1 TSV or DuoAttention gate TSV). Default: the mask shipped "
                                     "in head_masks/ for the served model."),

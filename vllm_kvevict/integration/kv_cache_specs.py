@@ -52,6 +52,7 @@ class LayerHeads:
     full_kv: tuple[int, ...]
     streaming_kv: tuple[int, ...]
     paged_kv: int = -1  # -1: len(full_kv)
+    pool_streaming_kv: int = -1  # heads of the pool's streaming companion (-1: streaming_kv's)
 
     @property
     def all_full(self) -> bool:
@@ -60,6 +61,12 @@ class LayerHeads:
     @property
     def paged_heads(self) -> int:
         return len(self.full_kv) if self.paged_kv < 0 else self.paged_kv
+
+    @property
+    def companion_heads(self) -> int:
+        """Heads the layer's streaming companion declares with pool storage (padded as
+        `paged_kv` is; 0: no rank has a streaming head in this layer)."""
+        return len(self.streaming_kv) if self.pool_streaming_kv < 0 else self.pool_streaming_kv
 
     def q_heads(self, kv_heads: tuple[int, ...]) -> list[int]:
         g = self.queries_per_kv
@@ -83,20 +90,22 @@ def layer_heads(streaming: torch.Tensor, queries_per_kv: int, rank: int = 0,
     vLLM requires every rank to declare the same KV-cache spec per layer
     (`get_kv_cache_configs`), but a mask gives ranks different numbers of full heads in a
     layer: each rank declares the most any rank holds there, and a rank with fewer leaves the
-    padding heads of its paged cache unused."""
+    padding heads of its paged cache unused. So for the streaming heads' companion caches of
+    pool storage."""
     num_kv = streaming.shape[1]
     if num_kv % world:
         raise ValueError(f"{world} tensor-parallel ranks do not divide {num_kv} KV heads")
     per_rank = num_kv // world
     slices = streaming.view(streaming.shape[0], world, per_rank)
     padded = (~slices).sum(dim=2).max(dim=1).values.tolist()
+    padded_streaming = slices.sum(dim=2).max(dim=1).values.tolist()
     out = []
     for layer, row in enumerate(slices[:, rank].tolist()):
         out.append(LayerHeads(
             layer=layer, num_kv_heads=per_rank, queries_per_kv=queries_per_kv,
             full_kv=tuple(h for h, s in enumerate(row) if not s),
             streaming_kv=tuple(h for h, s in enumerate(row) if s),
-            paged_kv=int(padded[layer])))
+            paged_kv=int(padded[layer]), pool_streaming_kv=int(padded_streaming[layer])))
     return out
 
 
@@ -245,7 +254,7 @@ def _declare_pool_specs(runner, stock_get_kv_cache_spec, state, layers, index) -
     companions = {}
     for name, layer in layers.items():
         heads = state.heads[index[name]]
-        if not heads.streaming_kv:
+        if not heads.companion_heads:  # (tensor parallel: on every rank if on any)
             continue
         companion = name + COMPANION_SUFFIX
         if not heads.paged_heads:
@@ -254,13 +263,13 @@ def _declare_pool_specs(runner, stock_get_kv_cache_spec, state, layers, index) -
     specs = stock_get_kv_cache_spec(runner)
     for name, companion in companions.items():
         heads, base = state.heads[index[name]], layers[name]
-        spec = SinkWindowSpec(block_size=state.block_size, num_kv_heads=len(heads.streaming_kv),
+        spec = SinkWindowSpec(block_size=state.block_size, num_kv_heads=heads.companion_heads,
                               head_size=state.head_dim, dtype=runner.kv_cache_dtype,
                               sliding_window=cfg.window + 1, sink=cfg.sink, chunk=state.chunk)
         # (vLLM's registration of cache-only layers: a name -> layer entry of the context)
         context[companion] = StreamingCacheLayer(
             companion, spec, base.get_attn_backend(),
-            len(heads.streaming_kv) * heads.queries_per_kv)
+            heads.companion_heads * heads.queries_per_kv)
         specs[companion] = spec
     for name, spec in list(specs.items()):
         if name in layers:

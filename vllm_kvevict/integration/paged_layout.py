@@ -20,26 +20,41 @@ import torch
 from vllm import _custom_ops as ops
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
+from vllm_kvevict.integration.fp8 import grid_values, is_fp8, quantize
 from vllm_kvevict.integration.sink_window import COMPANION_SUFFIX
 from vllm_kvevict.integration.streaming_store import lay_out_rows
 
 
+# Index digits written per probe pass: small integers, exact in the model's float dtypes (base
+# 256) and in both fp8 formats (0..7; e5m2 rounds 9 down to 8), so each element's code reads back
+# as the digit written.
+_BASE = {"auto": 256, "fp8": 8}
+
+
 @functools.lru_cache(maxsize=None)
-def _probe(dtype: torch.dtype, block_size: int, head_dim: int, isa: str):
-    """(key, value) long tensors [block_size * head_dim]: raw position -> logical index."""
+def _probe(dtype: torch.dtype, block_size: int, head_dim: int, isa: str,
+           kv_cache_dtype: str = "auto"):
+    """(key, value) long tensors [block_size * head_dim]: raw position -> logical index. fp8
+    (`kv_cache_dtype`): the cache holds uint8 codes, read back as their grid values."""
+    fp8 = is_fp8(kv_cache_dtype)
+    base = _BASE["fp8" if fp8 else "auto"]
     numel = block_size * head_dim
     logical = torch.arange(numel).view(block_size, 1, head_dim)
-    cache = torch.zeros(1, 1, 2 * block_size, head_dim, dtype=dtype)
+    cache = torch.zeros(1, 1, 2 * block_size, head_dim, dtype=torch.uint8 if fp8 else dtype)
     key_cache, value_cache = cache.chunk(2, dim=2)
     slots = torch.arange(block_size)
-    found = []
-    for part in (logical % 256, logical // 256):
-        values = part.to(dtype)
+    key_at, value_at = torch.zeros(numel, dtype=torch.long), torch.zeros(numel, dtype=torch.long)
+    weight = 1
+    while weight < numel:
+        values = ((logical // weight) % base).to(torch.float32 if fp8 else dtype)
         ops.cpu_attn_reshape_and_cache(values, values, key_cache, value_cache, slots, isa,
-                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
-        found.append((key_cache[0, 0].flatten().long(), value_cache[0, 0].flatten().long()))
-    (k_lo, v_lo), (k_hi, v_hi) = found
-    key_at, value_at = k_hi * 256 + k_lo, v_hi * 256 + v_lo
+                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype=kv_cache_dtype)
+        for at, written in ((key_at, key_cache), (value_at, value_cache)):
+            digits = written[0, 0].flatten()
+            if fp8:
+                digits = grid_values(digits, kv_cache_dtype, torch.float32)
+            at += digits.long() * weight
+        weight *= base
     for name, at in (("key", key_at), ("value", value_at)):
         if not torch.equal(at.sort().values, torch.arange(numel)):
             raise RuntimeError(f"vllm-kvevict: the {isa} paged {name} layout is not a "
@@ -50,8 +65,9 @@ def _probe(dtype: torch.dtype, block_size: int, head_dim: int, isa: str):
 class PagedLayout:
     """Reads tokens of one request's block row out of a layer's key and value caches."""
 
-    def __init__(self, dtype: torch.dtype, block_size: int, head_dim: int, isa: str):
-        key_at, value_at = _probe(dtype, block_size, head_dim, isa)
+    def __init__(self, dtype: torch.dtype, block_size: int, head_dim: int, isa: str,
+                 kv_cache_dtype: str = "auto"):
+        key_at, value_at = _probe(dtype, block_size, head_dim, isa, kv_cache_dtype)
         # logical index -> raw position
         self.key_from = torch.empty_like(key_at)
         self.key_from[key_at] = torch.arange(key_at.numel())
@@ -93,9 +109,10 @@ class PagedLayout:
 
 
 @functools.lru_cache(maxsize=None)
-def paged_layout(dtype: torch.dtype, block_size: int, head_dim: int, isa: str) -> PagedLayout:
+def paged_layout(dtype: torch.dtype, block_size: int, head_dim: int, isa: str,
+                 kv_cache_dtype: str = "auto") -> PagedLayout:
     """The layout of a paged cache of these parameters (probed once per process)."""
-    return PagedLayout(dtype, block_size, head_dim, isa)
+    return PagedLayout(dtype, block_size, head_dim, isa, kv_cache_dtype)
 
 
 # -- streaming heads in vLLM's pool (sink_window.py): the worker side ---------------------------
@@ -109,13 +126,15 @@ def lay_out_from_pool(impl, layer, plan, keys, values):
     step's K/V at their logical slots in the companion layer's cache (vLLM's slot mapping of
     its KV-cache group; the manager above frees what leaves sink + window), then read each
     kernel row's visible past back from the group's blocks and lay it out before the step's
-    tokens, as `StreamingStore.lay_out` does from its ring."""
+    tokens, as `StreamingStore.lay_out` does from its ring (fp8: as the codes' grid values)."""
     from vllm.forward_context import get_forward_context
 
     context = get_forward_context()
     name = layer.layer_name + COMPANION_SUFFIX
     meta = context.attn_metadata[name]
     key_cache, value_cache = impl._split(context.no_compile_layers[name].kv_cache)
+    # tensor parallel: this rank's streaming heads first, the companion's padding heads unused
+    key_cache, value_cache = key_cache[:, :keys.shape[1]], value_cache[:, :keys.shape[1]]
     n, block_size = keys.shape[0], key_cache.shape[2]
     ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, meta.slot_mapping[:n],
                                    layer.isa, k_scale=layer._k_scale_float,
@@ -129,7 +148,14 @@ def lay_out_from_pool(impl, layer, plan, keys, values):
         table = meta.block_table.long()
         slots = plan.kernel_schedules[key] = (table[plan.prefix_row, pos // block_size]
                                               * block_size + pos % block_size)
-    past_k, past_v = paged_layout(key_cache.dtype, block_size, impl.head_size,
-                                  layer.isa).gather(key_cache, value_cache, slots)
-    return (lay_out_rows(plan, past_k, keys[plan.chunk_src]),
-            lay_out_rows(plan, past_v, values[plan.chunk_src]))
+    fp8 = impl.kv_cache_dtype if is_fp8(impl.kv_cache_dtype) else "auto"
+    past = paged_layout(key_cache.dtype, block_size, impl.head_size, layer.isa,
+                        fp8).gather(key_cache, value_cache, slots)
+    out = []
+    for p, x, scale in zip(past, (keys, values), (layer._k_scale_float, layer._v_scale_float)):
+        step = x[plan.chunk_src]
+        if fp8 != "auto":  # as StreamingStore.lay_out: grid values, to be written with scale 1
+            p = grid_values(p, fp8, x.dtype)
+            step = grid_values(quantize(step, scale, fp8), fp8, x.dtype)
+        out.append(lay_out_rows(plan, p, step))
+    return out[0], out[1]

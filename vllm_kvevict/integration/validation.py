@@ -11,8 +11,8 @@ import sys
 from vllm_kvevict.config import KVPolicyError
 from vllm_kvevict.features import (PARALLEL_FLAGS, connector_error, kv_cache_dtype_error,
                                      lora_error, model_error, parallel_error,
-                                     pool_storage_error, prefix_caching_error,
-                                     prompt_embeds_error, speculative_error)
+                                     prefix_caching_error, prompt_embeds_error,
+                                     speculative_error)
 from vllm_kvevict.integration.cli import fail
 from vllm_kvevict.served import policy_config_of, served_policy
 
@@ -48,12 +48,7 @@ def validate_against_model(vllm_config, prefix_caching_requested: bool | None = 
                       speculative_error(cfg, method), connector_error(cfg, users),
                       prompt_embeds_error(cfg, embeds),
                       prefix_caching_error(cfg, prefix_caching_requested),
-                      lora_error(cfg, getattr(vllm_config, "lora_config", None) is not None),
-                      pool_storage_error(
-                          cfg, tensor_parallel=int(sizes.get("tensor_parallel_size") or 1),
-                          cache_dtype=str(cache_dtype), speculative=method,
-                          enforce_eager=bool(getattr(model, "enforce_eager", True)),
-                          connectors=users)):
+                      lora_error(cfg, getattr(vllm_config, "lora_config", None) is not None)):
             if error:
                 raise KVPolicyError(error)
         if cfg.policy == "full":
