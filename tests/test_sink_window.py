@@ -122,6 +122,9 @@ def test_gather_reads_any_slots_back_exactly():
     got_k, got_v = layout.gather(key_cache, value_cache, slots[order])
     assert torch.equal(got_k, k[order]) and torch.equal(got_v, v[order])
     assert torch.count_nonzero(buf[:, 0]) == 0  # the other layer's pages untouched
+    # a tensor-parallel rank's first heads of a padded companion
+    got_k, got_v = layout.gather(key_cache[:, :2], value_cache[:, :2], slots[order])
+    assert torch.equal(got_k, k[order, :2]) and torch.equal(got_v, v[order, :2])
 
 
 @pytest.mark.parametrize("raw, field", [
