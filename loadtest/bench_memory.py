@@ -186,7 +186,7 @@ def main() -> None:
                     help="--kv-admission of the evicting policies (default: the plugin's, reserve)")
     ap.add_argument("--streaming-storage", choices=("ring", "pool"), default=None,
                     help="--kv-streaming-storage of the head-mask policies (default: the "
-                         "plugin's, ring)")
+                         "plugin's, pool)")
     ap.add_argument("--no-prefix-caching", action="store_true",
                     help="serve with --no-enable-prefix-caching (vLLM's default is on)")
     ap.add_argument("--port", type=int, default=8123)

@@ -256,8 +256,9 @@ def render() -> str:
         "sparsity 0.9 in pools of a few blocks). The tensor-parallel and fp8 rows run on a tiny "
         "random Qwen3 with 4 KV heads (tests/test_tensor_parallel.py, tests/test_fp8.py); fp8 "
         "under `full` is also compared with stock vLLM on the same fp8 cache, bit for bit. "
-        "`prulong 0.7 pool` is the same mask with `--kv-streaming-storage pool` (streaming heads "
-        "in vLLM's block pool, prefix caching on). "
+        "The streaming, duo and prulong columns keep their streaming heads in the per-request "
+        "ring (`--kv-streaming-storage ring`); `prulong 0.7 pool` is the same mask in the "
+        "default storage (streaming heads in vLLM's block pool, prefix caching on). "
         "The last column is a head mask composed with token eviction (`--kv-policy prulong "
         "--kv-sparsity 0.5 --kv-token-policy snapkv --kv-token-sparsity 0.5`, sink 16 / window "
         "64, the shipped mask; its fp8 row on the tiny Qwen3 with a random mask).",

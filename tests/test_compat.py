@@ -31,7 +31,8 @@ import torch
 
 from compat_matrix import COLUMNS as MATRIX_COLUMNS, SLOW_COLUMNS
 from conftest import SERVED_NAME, served_policy_builds, start_server
-from test_policies_vllm import CASES, LOGPROB_TOL, flags, reference, source_prompts
+from test_policies_vllm import (CASES, LOGPROB_TOL, as_served, flags, reference,
+                                source_prompts)
 from vllm_kvevict.config import HEAD_MASK_POLICIES, KVPolicyConfig
 from vllm_kvevict.masks import resolve_full_heads
 from vllm_kvevict.policies import build_policy
@@ -350,7 +351,7 @@ def test_repeated_prompt_prefix_cache(column, bundled_model_dir, prompt):
     again, b = greedy(server, prompt)
     assert again == first
     serving = client(server).get("/kv_stats", cast_to=dict)["params"]
-    caches = policy["policy"] == "full" or KVPolicyConfig.from_dict(policy).caches_prefixes
+    caches = policy["policy"] == "full" or KVPolicyConfig.from_dict(as_served(policy)).caches_prefixes
     assert serving["prefix_caching"] is caches, serving
     if caches:
         assert b["cached_tokens"] > 0, b

@@ -123,7 +123,7 @@ def test_fp8_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_torch_
         # token, in 128-token blocks
         tokens = len(prompt) + NEW_TOKENS - 1
         assert stats["full_kv_bytes_peak"] == 4 * 2 * 4 * 64 * 128 * -(-tokens // 128)
-        if cfg.uses_head_mask and cfg.streaming_storage == "pool":
+        if policy.get("streaming_storage") == "pool":
             # every group's block: the plan's width in head pages x K, V x 128 x 64 x 1 byte
             assert stats["streaming_store_bytes"] == 0
             assert stats["kv_bytes_peak"] == stats["blocks_held_peak"] * width * 2 * 128 * 64

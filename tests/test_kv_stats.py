@@ -62,6 +62,7 @@ def client(server, key: str = API_KEY) -> openai.OpenAI:
 def streaming_server(bundled_model_dir):
     return start_server(bundled_model_dir, [
         "--kv-policy", "streaming", "--kv-sink", str(SINK), "--kv-window", str(WINDOW),
+        "--kv-streaming-storage", "ring",  # (its per-request store's bytes are checked below)
         "--max-num-batched-tokens", str(CHUNK), "--api-key", API_KEY])
 
 

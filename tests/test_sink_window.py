@@ -127,6 +127,20 @@ def test_gather_reads_any_slots_back_exactly():
     assert torch.equal(got_k, k[order, :2]) and torch.equal(got_v, v[order, :2])
 
 
+def test_head_masks_default_to_pool_storage_with_prefix_caching():
+    """The default storage: vLLM's pool for a head mask alone (prefix caching served), the ring
+    with a token policy (pool storage is not built with one); explicit values win."""
+    for policy in ("streaming", "duo", "prulong"):
+        cfg = KVPolicyConfig.from_dict({"policy": policy})
+        assert cfg.streaming_storage is None and cfg.storage == "pool" and cfg.caches_prefixes
+        ring = cfg.replace(streaming_storage="ring")
+        assert ring.storage == "ring" and not ring.caches_prefixes
+    hybrid = KVPolicyConfig.from_dict({"policy": "prulong", "token_policy": "snapkv"})
+    assert hybrid.storage == "ring" and not hybrid.caches_prefixes
+    for policy in ("full", "snapkv", "pyramidkv"):
+        assert not KVPolicyConfig.from_dict({"policy": policy}).caches_prefixes
+
+
 @pytest.mark.parametrize("raw, field", [
     ({"policy": "prulong", "streaming_storage": "disk"}, "streaming_storage"),
     ({"policy": "snapkv", "streaming_storage": "pool"}, "streaming_storage"),

@@ -69,11 +69,15 @@ def test_world_must_divide_the_kv_heads():
 
 
 def test_streaming_bytes_per_rank_and_bytes_per_rank():
-    cfg = KVPolicyConfig.from_dict({"policy": "streaming", "sink": 4, "window": 12})
+    cfg = KVPolicyConfig.from_dict({"policy": "streaming", "sink": 4, "window": 12,
+                                    "streaming_storage": "ring"})
     served = ServedPolicy.build(cfg, "m", ModelShape(3, 4, 8, 64))
     per_head = 2 * 16 * 64 * 4
     assert served.streaming_bytes_per_rank(torch.float32, 0, 2) == (6 * per_head, 6 * per_head)
     assert served.streaming_bytes_per_request(torch.float32) == 12 * per_head
+    # in the pool (the default) the streaming heads' blocks are pool blocks: no store
+    pool = ServedPolicy.build(cfg.replace(streaming_storage=None), "m", ModelShape(3, 4, 8, 64))
+    assert pool.streaming_bytes_per_rank(torch.float32, 0, 2) == (0, 0)
     layout = ByteLayout(block_size=128, group_bytes_per_block=(2000,), full_bytes_per_block=0,
                         streaming_bytes_per_request=300, ranks=2,
                         streaming_bytes_per_rank=(100, 200))

@@ -26,9 +26,10 @@ EVICTION_MODES = ("patched", "naive")
 # preemption); vllm: stock admission (the prompt must fit), preempting under pressure, the
 # preempted request then replayed exactly (integration/admission.py).
 ADMISSION_MODES = ("reserve", "vllm")
-# Where streaming heads keep their sink + window: `ring`, a per-request ring buffer beside
-# vLLM's pool; `pool`, blocks of vLLM's own pool (integration/sink_window.py), freed as the
-# window moves, seen by vLLM's planner, admission and kv_cache_usage_perc.
+# Where streaming heads keep their sink + window: `pool`, blocks of vLLM's own pool
+# (integration/sink_window.py), freed as the window moves, seen by vLLM's planner, admission
+# and kv_cache_usage_perc, with prefix caching served (the default); `ring`, a per-request ring
+# buffer beside vLLM's pool (the only storage with `token_policy`, its default there).
 STREAMING_STORAGES = ("ring", "pool")
 
 DEFAULT_SINK = 64
@@ -79,8 +80,9 @@ class KVPolicyConfig:
     # work: head-level and token-level eviction composed). Streaming heads keep sink + window.
     token_policy: str | None = None
     token_sparsity: float = DEFAULT_SPARSITY
-    # streaming / duo / prulong: one of STREAMING_STORAGES (see there).
-    streaming_storage: str = "ring"
+    # streaming / duo / prulong: one of STREAMING_STORAGES (see there); None: the default,
+    # `storage` resolves it.
+    streaming_storage: str | None = None
 
     def __post_init__(self) -> None:
         validate(self)
@@ -90,11 +92,19 @@ class KVPolicyConfig:
         return self.policy in HEAD_MASK_POLICIES or self.policy == "streaming"
 
     @property
+    def storage(self) -> str:
+        """Where the streaming heads' sink + window live: `streaming_storage`, or by default the
+        pool for a head mask alone and the ring with a token policy (pool storage is not built
+        with one); `ring` for policies without streaming heads (nothing stored)."""
+        if self.streaming_storage is not None:
+            return self.streaming_storage
+        return "pool" if self.uses_head_mask and self.token_policy is None else "ring"
+
+    @property
     def caches_prefixes(self) -> bool:
         """Prefix caching served exactly: head masks whose streaming heads live in vLLM's pool
         (their sink + window state is in cached blocks; chunks are canonical)."""
-        return self.uses_head_mask and self.streaming_storage == "pool" \
-            and not self.evicts_tokens
+        return self.uses_head_mask and self.storage == "pool" and not self.evicts_tokens
 
     @property
     def evicts_tokens(self) -> bool:
@@ -218,7 +228,7 @@ def validate(cfg: KVPolicyConfig) -> None:
             or not 0.0 <= t <= 1.0:
         raise KVPolicyError(f"token_sparsity must be a number in [0, 1], got {t!r}",
                             "token_sparsity")
-    if cfg.streaming_storage not in STREAMING_STORAGES:
+    if cfg.streaming_storage not in (None, *STREAMING_STORAGES):
         raise KVPolicyError(f"streaming_storage {cfg.streaming_storage!r} is unknown; valid: "
                             f"{', '.join(STREAMING_STORAGES)}", "streaming_storage")
     if cfg.streaming_storage == "pool":

@@ -121,7 +121,7 @@ def prefix_caching_error(policy_config, requested: bool | None) -> str | None:
             "yet (a cache hit would skip the eviction state each request builds from its first "
             "token); valid: leave it out or pass --no-enable-prefix-caching, which evicting "
             "policies run with; prefix caching is served with --kv-policy full, and with "
-            "streaming/duo/prulong with --kv-streaming-storage pool")
+            "streaming/duo/prulong in pool storage (their default; not with --kv-token-policy)")
 
 
 def lora_error(policy_config, enabled: bool) -> str | None:

@@ -104,8 +104,11 @@ class ServedPolicy:
     def params(self, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
         """The settings a request was served with (kv_stats `params`): the policy's fields,
         with the served mask named by its file."""
-        params = self.variant(overrides or {}).config.to_dict()
+        config = self.variant(overrides or {}).config
+        params = config.to_dict()
         params.pop("policy", None)
+        if config.uses_head_mask:  # (resolved: the default depends on token_policy)
+            params["streaming_storage"] = config.storage
         mask = params.pop("mask_path", None) or self.mask_source
         if mask:
             params["mask"] = os.path.basename(mask)
@@ -124,7 +127,7 @@ class ServedPolicy:
     def streaming_bytes_per_rank(self, dtype: torch.dtype, slack: int = 0,
                                  world: int = 1) -> tuple[int, ...]:
         """The same, per tensor-parallel rank (rank r holds KV heads [r H/world, ...))."""
-        if not self.config.uses_head_mask or self.config.streaming_storage == "pool":
+        if not self.config.uses_head_mask or self.config.storage == "pool":
             return (0,) * world  # (pool storage: the streaming heads' blocks are pool blocks)
         itemsize = torch.empty((), dtype=dtype).element_size()
         per_head = 2 * (self.config.sink + self.config.window + slack) * self.shape.head_dim

@@ -48,7 +48,7 @@ def canonical_chunk(vllm_config) -> int:
     from vllm_kvevict.served import served_policy
 
     cfg = served_policy(vllm_config).config
-    if not (cfg.uses_head_mask and cfg.streaming_storage == "pool"
+    if not (cfg.uses_head_mask and cfg.storage == "pool"
             and vllm_config.cache_config.enable_prefix_caching):
         return 0
     return int(vllm_config.scheduler_config.max_num_batched_tokens)

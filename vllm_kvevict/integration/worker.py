@@ -57,7 +57,7 @@ class WorkerState:
     @property
     def in_pool(self) -> bool:
         """Streaming heads in vLLM's pool (`--kv-streaming-storage pool`), not in stores."""
-        return self.config.streaming_storage == "pool"
+        return self.config.storage == "pool"
 
     # -- requests ------------------------------------------------------------------------
     def slot_for(self, req_id: str) -> int:
