@@ -62,7 +62,8 @@ def test_startup_line_and_params_name_the_resolved_mask_file(server):
     assert f"mask_path={MASK}" in line and "mask_trained=" in line, line
     params = httpx.get(server.base_url + "/v1/kv_stats").json()["params"]
     assert params["mask_path"] == str(MASK) and params["mask_trained"]["train_sparsity"] == 0.7
-    assert params["chunk"] == 128 and params["prefix_caching"] is False
+    # the default storage: the streaming heads in vLLM's pool, vLLM's prefix caching kept on
+    assert params["chunk"] == 128 and params["prefix_caching"] is True
 
 
 def test_stop_string_requests_report_their_stats_and_reason(server):
