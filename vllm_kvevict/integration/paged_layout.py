@@ -20,9 +20,9 @@ import torch
 from vllm import _custom_ops as ops
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from vllm_kvevict.integration.fp8 import grid_values, is_fp8, quantize
+from vllm_kvevict.integration.fp8 import grid_values, is_fp8
 from vllm_kvevict.integration.sink_window import COMPANION_SUFFIX
-from vllm_kvevict.integration.streaming_store import lay_out_rows
+from vllm_kvevict.integration.streaming_store import lay_out_visible
 
 
 # Index digits written per probe pass: small integers, exact in the model's float dtypes (base
@@ -79,18 +79,9 @@ class PagedLayout:
              start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [count, H, d] of physical positions [start, start + count) of a request
         whose blocks are `block_row` (block ids in order)."""
-        bs, d = self.block_size, self.head_dim
-        first, last = start // bs, (start + count - 1) // bs
-        blocks = block_row[first:last + 1].long()
-        out = []
-        for cache, order in ((key_cache, self.key_from), (value_cache, self.value_from)):
-            raw = cache[blocks]                                    # [nb, H, bs, d] packed
-            nb, heads = raw.shape[0], raw.shape[1]
-            tiles = raw.reshape(nb, heads, bs * d)[:, :, order].view(nb, heads, bs, d)
-            tokens = tiles.permute(0, 2, 1, 3).reshape(nb * bs, heads, d)
-            off = start - first * bs
-            out.append(tokens[off:off + count])
-        return out[0], out[1]
+        pos = torch.arange(start, start + count)
+        slots = block_row.long()[pos // self.block_size] * self.block_size + pos % self.block_size
+        return self.gather(key_cache, value_cache, slots)
 
     def gather(self, key_cache: torch.Tensor, value_cache: torch.Tensor,
                slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,8 +146,8 @@ def lay_out_from_pool(impl, layer, plan, keys, values):
                                    layer.isa, k_scale=layer._k_scale_float,
                                    v_scale=layer._v_scale_float,
                                    kv_cache_dtype=impl.kv_cache_dtype)
-    fp8 = impl.kv_cache_dtype if is_fp8(impl.kv_cache_dtype) else "auto"
-    layout = paged_layout(key_cache.dtype, block_size, impl.head_size, layer.isa, fp8)
+    fp8 = impl.kv_cache_dtype if is_fp8(impl.kv_cache_dtype) else None
+    layout = paged_layout(key_cache.dtype, block_size, impl.head_size, layer.isa, fp8 or "auto")
     # the past's storage offsets, once per step and group (its layers share table and strides)
     key = ("pool", id(meta.block_table), key_cache.stride(0),
            value_cache.storage_offset() - key_cache.storage_offset())
@@ -167,11 +158,6 @@ def lay_out_from_pool(impl, layer, plan, keys, values):
         slots = table[plan.prefix_row, pos // block_size] * block_size + pos % block_size
         offsets = plan.kernel_schedules[key] = layout.offsets(key_cache, value_cache, slots)
     past = layout.gather_at(key_cache, offsets)
-    out = []
-    for p, x, scale in zip(past, (keys, values), (layer._k_scale_float, layer._v_scale_float)):
-        step = x[plan.chunk_src]
-        if fp8 != "auto":  # as StreamingStore.lay_out: grid values, to be written with scale 1
-            p = grid_values(p, fp8, x.dtype)
-            step = grid_values(quantize(step, scale, fp8), fp8, x.dtype)
-        out.append(lay_out_rows(plan, p, step))
-    return out[0], out[1]
+    return tuple(lay_out_visible(plan, p, x[plan.chunk_src], scale, fp8)
+                 for p, x, scale in zip(past, (keys, values),
+                                        (layer._k_scale_float, layer._v_scale_float)))

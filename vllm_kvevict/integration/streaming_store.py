@@ -180,6 +180,17 @@ def lay_out_rows(plan: StepPlan, past: torch.Tensor, step: torch.Tensor) -> torc
     return laid
 
 
+def lay_out_visible(plan: StepPlan, past: torch.Tensor, step: torch.Tensor, scale: float,
+                    fp8: str | None) -> torch.Tensor:
+    """`lay_out_rows` of one of K, V; with an fp8 cache (`fp8`: its format) `past` holds codes
+    and both come out as the codes' grid values (the step quantized with `scale`), to be
+    written with scale 1. The ring store and pool storage (`paged_layout`) both lay out so."""
+    if fp8:
+        past = grid_values(past, fp8, step.dtype)
+        step = grid_values(quantize(step, scale, fp8), fp8, step.dtype)
+    return lay_out_rows(plan, past, step)
+
+
 class StreamingStore:
     """Sink + window K/V of one layer's streaming heads for every running request. With an fp8
     KV cache the ring holds fp8 codes (`fp8.py`), one byte per element like the paged cache."""
@@ -213,14 +224,9 @@ class StreamingStore:
                 scales: tuple[float, float] = (1.0, 1.0)):
         """[visible past | visible step tokens] per kernel row, as token-major K and V. fp8:
         as the codes' grid values (to be written with scale 1; `scales` quantize the step)."""
-        out = []
-        for ring, x, scale in ((self.k, key, scales[0]), (self.v, value, scales[1])):
-            past, step = ring[plan.prefix_src], x[plan.chunk_src]
-            if self.fp8:
-                past = grid_values(past, self.fp8, x.dtype)
-                step = grid_values(quantize(step, scale, self.fp8), self.fp8, x.dtype)
-            out.append(lay_out_rows(plan, past, step))
-        return out[0], out[1]
+        return tuple(lay_out_visible(plan, ring[plan.prefix_src], x[plan.chunk_src], scale,
+                                     self.fp8)
+                     for ring, x, scale in ((self.k, key, scales[0]), (self.v, value, scales[1])))
 
     def commit(self, plan: StepPlan, key: torch.Tensor, value: torch.Tensor,
                scales: tuple[float, float] = (1.0, 1.0)) -> None:
