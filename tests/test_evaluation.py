@@ -602,3 +602,23 @@ def test_matched_footprint_comparison_undoes_a_footprint_offset(shift, tmp_path)
     assert float(cells[9].split(" [")[0]) == pytest.approx(shift, abs=1e-6)
     plot_pareto(curves, tmp_path / "logprob.png", y="logprob")
     assert (tmp_path / "logprob.png").stat().st_size > 10_000
+
+
+def test_chunk_sensitivity_rows_carry_paired_intervals():
+    """The small chunk scoring 0.3 lower at every sparsity shows as a negative difference whose
+    whole interval is below 0; equal curves give an interval around 0."""
+    from vllm_kvevict.evaluation.report import chunk_sensitivity_table
+
+    records = synthetic_records(n_per_task=10)
+    for r in records:
+        if r["method"] == "prulong" and r["chunk"] == 256:
+            r["score"] = max(0.0, r["score"] - 0.3)
+    curves, _ = build_curves(records)
+    rows = {(line.split(" | ")[1], line.split(" | ")[2]): line
+            for line in chunk_sensitivity_table(curves, 200, 0).splitlines()[2:]}
+    cells = rows[("→ PruLong", "recall")].split(" | ")
+    low, high = (float(x) for x in cells[5].split("[")[1].rstrip("]").split(", "))
+    assert high < 0 and float(cells[6]) == 1.0, cells
+    cells = rows[("→ PyramidKV (patched)", "recall")].split(" | ")
+    low, high = (float(x) for x in cells[5].split("[")[1].rstrip("]").split(", "))
+    assert low < 0 < high, cells

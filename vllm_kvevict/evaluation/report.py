@@ -247,13 +247,19 @@ def logprob_comparisons_table(curves: Sequence[Curve], replicates: int, seed: in
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
-def chunk_sensitivity_table(curves: Sequence[Curve]) -> str:
+def chunk_sensitivity_table(curves: Sequence[Curve], replicates: int = 1000,
+                            seed: int = 0) -> str:
     """Score at the smallest chunk minus the score at the largest, at the sparsities both ran
-    (the paper's Figure 4, left: smaller chunks lose score at equal settings)."""
+    (the paper's Figure 4, left: smaller chunks lose score at equal settings), with paired
+    bootstrap intervals over examples (both chunks answered the same examples: the same draws),
+    the same for the gold answer's log-prob, and the share of replicates in which the small
+    chunk's critical footprint is the higher one."""
     by_key = {(c.method, c.length, c.chunk, c.category): c for c in curves}
-    lines = ["| prompt | method | category | sparsities | chunks (small, large) | score at the "
-             "small chunk - at the large (points) | footprint, the same (points) |",
-             "|---:|---|---|---|---|---:|---:|"]
+    lines = ["| prompt | method | category | sparsities | chunks (small, large) | score, small "
+             "- large (points) [95 %] | P(small lower) | footprint, small - large (points) | "
+             "gold log-prob, small - large [95 %] | P(small lower) | critical % (small / "
+             "large) | P(small's higher) |",
+             "|---:|---|---|---|---|---|---:|---:|---|---:|---|---:|"]
     for length in sorted({c.length for c in curves}):
         chunks = sorted({c.chunk for c in curves if c.length == length})
         if len(chunks) < 2:
@@ -264,24 +270,47 @@ def chunk_sensitivity_table(curves: Sequence[Curve]) -> str:
                 a = by_key.get((method, length, small, category))
                 b = by_key.get((method, length, large, category))
                 if a is not None and b is not None:
-                    row = _sensitivity_row(a, b)
+                    row = _sensitivity_row(a, b, replicates, seed)
                     if row:
                         lines.append(f"| {length} | {DISPLAY.get(method, method)} | {category} "
-                                     f"| {row[0]} | {small}, {large} | {row[1]} | {row[2]} |")
+                                     f"| {row[0]} | {small}, {large} | {row[1]} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
-def _sensitivity_row(a: Curve, b: Curve) -> tuple[str, str, str] | None:
-    """(sparsities both ran, mean score difference, mean footprint difference) in points."""
+def _sensitivity_row(a: Curve, b: Curve, replicates: int, seed: int) -> tuple[str, str] | None:
+    """(sparsities both ran, the row's other cells): small chunk `a` minus large chunk `b`."""
     shared = sorted(set(a.sparsities) & set(b.sparsities))
     if not shared:
         return None
     ia = [a.sparsities.index(s) for s in shared]
     ib = [b.sparsities.index(s) for s in shared]
-    d_score = np.mean(a.point_scores()[ia] - b.point_scores()[ib])
+    # gold log-probs at the shared sparsities < 1, as the pairs' table (a head mask's
+    # streaming point is a different policy, streaming)
+    lp = [(i, j) for i, j, s in zip(ia, ib, shared) if s < 1.0]
+    score = lambda p=None: float(np.mean(a.point_scores(p)[ia] - b.point_scores(p)[ib]))  # noqa: E731
+    gold = lambda p=None: float(np.mean([a.logprob_gap(p)[i] - b.logprob_gap(p)[j]  # noqa: E731
+                                         for i, j in lp]))
     d_foot = np.mean(a.point_footprints()[ia] - b.point_footprints()[ib])
-    return (", ".join(f"{s:g}" for s in shared), f"{100 * d_score:+.1f}",
-            f"{100 * d_foot:+.1f}")
+    paired = a.examples == b.examples
+    draws = a.draws(replicates, seed) if paired else []
+    score_cells = _lower_cells(score(), [score(p) for p in draws], 100, 1)
+    gold_cells = ("n/a | –" if a.logprobs is None or b.logprobs is None or not lp else
+                  _lower_cells(gold(), [gold(p) for p in draws], 1, 4))
+    higher = probability_lower(b, a, replicates, seed)  # a higher = b lower
+    crit = f"{a.critical().format()} / {b.critical().format()}"
+    return (", ".join(f"{s:g}" for s in shared),
+            f"{score_cells} | {100 * d_foot:+.1f} | {gold_cells} | {crit} | "
+            f"{'n/a' if higher is None else f'{higher:.2f}'}")
+
+
+def _lower_cells(point: float, reps: Sequence[float], scale: float, digits: int) -> str:
+    """A difference (times `scale`) with its bootstrap interval, and the share of replicates
+    below 0."""
+    f = lambda x: f"{scale * x:+.{digits}f}"  # noqa: E731
+    if not reps:
+        return f"{f(point)} | n/a"
+    lo, hi = np.percentile(reps, [2.5, 97.5])
+    return f"{f(point)} [{f(lo)}, {f(hi)}] | {float(np.mean(np.array(reps) < 0)):.2f}"
 
 
 def write_table(records: Sequence[dict], curves: Sequence[Curve], notes: Sequence[str],
@@ -316,7 +345,7 @@ def write_table(records: Sequence[dict], curves: Sequence[Curve], notes: Sequenc
                  "each curve read linearly between its points (equal sparsity is not equal "
                  "memory for naive vs patched eviction). Positive: the candidate keeps the "
                  "answer more likely.", "", gold, ""]
-    sensitivity = chunk_sensitivity_table(curves)
+    sensitivity = chunk_sensitivity_table(curves, replicates, seed)
     if sensitivity:
         text += ["## Chunk-size sensitivity", "", sensitivity, ""]
     text += ["## The same with the measured footprint (real KV bytes held)", "",
