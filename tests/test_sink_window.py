@@ -84,6 +84,46 @@ def test_sink_blocks_kept_gap_freed_window_kept(chunk):
     assert pool.get_num_free_blocks() == free0
 
 
+@pytest.mark.parametrize("chunk", [0, 64])
+def test_a_decoding_request_holds_at_most_the_decode_window(chunk):
+    """The admission reserve counts a request past its prompt at `decode_blocks(K)` in a
+    streaming group (the prompt step's cap is larger): with K = 3 drafts and some rejected,
+    the blocks held after every decode step's allocation stay within it, and the reserve asks
+    a decoding request for no more growth than that."""
+    import random
+    from types import SimpleNamespace
+
+    from vllm_kvevict.integration.admission import GrowthReserve
+
+    sink, window, bs, prompt, drafts = 20, 40, 16, 200, 3
+    manager, pool, spec = _manager(sink, window, bs, chunk=chunk)
+    computed, rng = 0, random.Random(0)
+    for step in [96, 48, 56]:
+        manager.remove_skipped_blocks("r", computed, num_prompt_tokens=prompt)
+        manager.allocate_new_blocks("r", computed + step, computed + step)
+        computed += step
+    cap = spec.decode_blocks(drafts)
+    assert cap < manager.max_admission_blocks_per_request
+    for _ in range(40):  # a verification step: 1 + K slots, then 1..K+1 tokens accepted
+        manager.remove_skipped_blocks("r", computed, num_prompt_tokens=prompt)
+        end = computed + 1 + drafts
+        manager.allocate_new_blocks("r", end, end)
+        assert len(_held(manager)) <= cap, (computed, _held(manager))
+        computed += rng.randint(1, drafts + 1)
+
+    reserve = GrowthReserve()
+    request = SimpleNamespace(request_id="r", num_prompt_tokens=prompt, num_computed_tokens=0,
+                              sampling_params=SimpleNamespace(max_tokens=400))
+    reserve.scheduler = SimpleNamespace(
+        requests={"r": request}, num_spec_tokens=drafts, max_model_len=4096, running=[],
+        kv_cache_manager=SimpleNamespace(coordinator=SimpleNamespace(
+            single_type_managers=[manager])))
+    assert reserve.final_need(request) == [manager.max_admission_blocks_per_request * bs]
+    request.num_computed_tokens = prompt
+    assert reserve.final_need(request) == [cap * bs]
+    manager.free("r")
+
+
 def test_plan_widths_balances_groups_of_equal_width():
     # the bundled prulong 0.7 mask has 27 full and 63 streaming heads over 30 layers of 3
     full = [(f"l{i}", h) for i, h in enumerate([1, 2, 0, 1, 3, 0] * 5) if h]

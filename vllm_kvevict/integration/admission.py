@@ -36,28 +36,32 @@ class GrowthReserve:
     def num_groups(self) -> int:
         return len(self.scheduler.kv_cache_manager.coordinator.single_type_managers)
 
-    def window_caps(self) -> list[int | None]:
-        """Per group, the most slots a request ever holds there: streaming heads in the pool
-        hold sink + window + a step (`sink_window.py`), other groups the whole sequence."""
+    def window_caps(self) -> list[tuple[int, int] | None]:
+        """Per group, the most slots a request ever holds there, while in its prompt and once
+        decoding: streaming heads in the pool hold sink + window + a prompt step, then sink +
+        window + a decode step (`sink_window.py`); other groups the whole sequence (None)."""
         caps = self.__dict__.get("_window_caps")
         if caps is None:
             from vllm_kvevict.integration.sink_window import SinkWindowManager
 
+            drafts = getattr(self.scheduler, "num_spec_tokens", 0) or 0
             caps = self._window_caps = [
-                m.max_admission_blocks_per_request * m.block_size
+                (m.max_admission_blocks_per_request * m.block_size,
+                 m.kv_cache_spec.decode_blocks(drafts) * m.block_size)
                 if isinstance(m, SinkWindowManager) else None
                 for m in self.scheduler.kv_cache_manager.coordinator.single_type_managers]
         return caps
 
     def peak_tokens(self, request, num_tokens: int) -> list[int]:
         """Per KV-cache group, the slots a request of `num_tokens` tokens needs at its peak."""
-        return [num_tokens if cap is None else min(num_tokens, cap)
+        return [num_tokens if cap is None else min(num_tokens, cap[0])
                 for cap in self.window_caps()]
 
     def final_need(self, request) -> list[int]:
         """Per group, the slots a request needs at its largest: prompt, every one of its
         max_tokens outputs and, with speculative decoding, the K draft slots of a last
-        verification step, capped at the model length (memoised until it finishes)."""
+        verification step, capped at the model length (memoised until it finishes). Past its
+        prompt a request needs only a decode step's window in a streaming group."""
         need = self._final_need.get(request.request_id)
         if need is None:
             params = getattr(request, "sampling_params", None)
@@ -70,6 +74,10 @@ class GrowthReserve:
                 total = min(total, max_len)
             need = self.peak_tokens(request, total)
             self._final_need[request.request_id] = need
+        # (vLLM's prompt, a teacher-forced tail included: the tail runs as one step)
+        if getattr(request, "num_computed_tokens", 0) >= request.num_prompt_tokens:
+            need = [n if cap is None else min(n, cap[1])
+                    for n, cap in zip(need, self.window_caps())]
         return need
 
     def admission_tokens(self, req_id: str, num_tokens: int, group: int = 0) -> int:

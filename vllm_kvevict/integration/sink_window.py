@@ -77,6 +77,13 @@ class SinkWindowSpec(SlidingWindowSpec):
             held = min(held, 2 * (cdiv(W, bs) + 1))
         return cdiv(self.sink, bs) + held
 
+    def decode_blocks(self, num_spec_tokens: int = 0) -> int:
+        """The most blocks a request holds once past its prompt: the sink and a decode step's
+        [q - W, q + K] (K draft tokens), whatever the regime. The admission cap above is a
+        prompt step's, which a decoding request never needs again."""
+        bs, W = self.block_size, self.sliding_window - 1
+        return cdiv(self.sink, bs) + cdiv(W + 1 + num_spec_tokens, bs) + 1
+
     def is_uniform_with_collection(self, kv_cache_specs) -> bool:
         return all(isinstance(spec, SinkWindowSpec) and spec.group == self.group
                    and spec.sink == self.sink and spec.sliding_window == self.sliding_window
