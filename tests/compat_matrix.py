@@ -261,7 +261,10 @@ def render() -> str:
         "default storage (streaming heads in vLLM's block pool, prefix caching on). "
         "The last column is a head mask composed with token eviction (`--kv-policy prulong "
         "--kv-sparsity 0.5 --kv-token-policy snapkv --kv-token-sparsity 0.5`, sink 16 / window "
-        "64, the shipped mask; its fp8 row on the tiny Qwen3 with a random mask).",
+        "64, the shipped mask, its streaming heads in the ring like the columns before it; its "
+        "fp8 row on the tiny Qwen3 with a random mask). The same composition in the default "
+        "storage (pool) is tested in tests/test_hybrid.py (`-pool` cases), "
+        "tests/test_admission.py, tests/test_pool_no_leak.py and (slow) compile mode.",
         "",
         "| feature | " + " | ".join(names) + " |",
         "|---|" + "---|" * len(names),

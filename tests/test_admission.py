@@ -113,6 +113,10 @@ SLOW = pytest.mark.slow  # the rest of the compatibility matrix's preemption row
     pytest.param({"policy": "prulong", "sparsity": 0.5, "sink": 16, "window": 64,
                   "token_policy": "snapkv", "token_sparsity": 0.9, "eviction": "patched"}, 32,
                  1024, id="prulong-snapkv", marks=SLOW),
+    # the same, its streaming heads in the pool (the default storage)
+    pytest.param({"policy": "prulong", "sparsity": 0.5, "sink": 16, "window": 64,
+                  "token_policy": "snapkv", "token_sparsity": 0.9, "eviction": "patched",
+                  "streaming_storage": "pool"}, 48, 1024, id="prulong-snapkv-pool", marks=SLOW),
 ])
 def test_forced_preemption_replays_exactly(request, bundled_model_dir, tokenizer, hf_model,
                                            policy, pool_mib, max_len):

@@ -113,6 +113,15 @@ SERVED = [  # (id, policy, chunk, CI)
       "obs_window": 32}, 64, False),
     ("snapkv-patched-h0.5-t0.5-c128-fp8",
      {"token_policy": "snapkv", "eviction": "patched", "kv_cache_dtype": "fp8"}, 128, False),
+    # the streaming heads in vLLM's pool (the default storage; the cases above name the ring)
+    ("snapkv-patched-h0.5-t0.5-c128-pool",
+     {"token_policy": "snapkv", "eviction": "patched", "streaming_storage": "pool"}, 128, True),
+    ("snapkv-patched-h0.5-t0.5-c128-fp8-pool",
+     {"token_policy": "snapkv", "eviction": "patched", "kv_cache_dtype": "fp8",
+      "streaming_storage": "pool"}, 128, False),
+    ("pyramidkv-naive-h0.5-t0.7-c96-pool",
+     {"token_policy": "pyramidkv", "eviction": "naive", "token_sparsity": 0.7,
+      "streaming_storage": "pool"}, 96, False),
 ]
 CASES = [pytest.param(case[1:3], id=case[0], marks=[] if case[3] else [pytest.mark.slow])
          for case in SERVED]
@@ -158,7 +167,7 @@ def test_hybrid_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_tor
             assert bool((kept[layer][full_heads[layer]] == want).all())
         itemsize = 1 if kv_cache_dtype.startswith("fp8") else 4
         store = int((~full_heads).sum()) * 2 * (cfg.sink + cfg.window) * 64 * itemsize
-        assert stats["streaming_store_bytes"] == store
+        assert stats["streaming_store_bytes"] == (0 if cfg.storage == "pool" else store)
         assert stats["kv_bytes_peak"] < stats["full_kv_bytes_peak"]
         fp = kv_footprint(pol, len(prompt), ends, NEW_TOKENS - 1)
         assert stats["footprint"] == pytest.approx(fp.footprint, abs=1e-9)
@@ -170,14 +179,16 @@ def test_hybrid_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_tor
 
 
 @pytest.mark.server
-def test_hybrid_on_the_bundled_model_with_its_shipped_mask(bundled_model_dir, tokenizer, hf_model,
-                                                          one_torch_thread):
+@pytest.mark.parametrize("storage", ["ring", "pool"])
+def test_hybrid_on_the_bundled_model_with_its_shipped_mask(storage, bundled_model_dir, tokenizer,
+                                                          hf_model, one_torch_thread):
     """The real user's path: SmolLM2's shipped PruLong mask at head sparsity 0.5 (6 of its 30
     layers have no full head, 5 no streaming head) with patched SnapKV at 0.5 on the full
     heads; two prompts sent at once (mixed prefill / decode steps), each equal to the reference
-    at the chunk boundaries it was served with."""
+    at the chunk boundaries it was served with; streaming heads in the ring or in the pool."""
     policy = {"policy": "prulong", "sparsity": 0.5, "sink": 16, "window": 64,
-              "token_policy": "snapkv", "token_sparsity": 0.5, "eviction": "patched"}
+              "token_policy": "snapkv", "token_sparsity": 0.5, "eviction": "patched",
+              "streaming_storage": storage}
     cfg = KVPolicyConfig.from_dict(policy)
     full_heads, _ = resolve_full_heads(cfg, str(bundled_model_dir), 30, 3)
     counts = full_heads.sum(dim=1)

@@ -50,6 +50,11 @@ CASES = {
                                                "window": 64, "token_policy": "snapkv",
                                                "token_sparsity": 0.5, "eviction": "patched"},
                                               256),
+    "hybrid-prulong-0.5-snapkv-patched-0.5-pool": ({"policy": "prulong", "sparsity": 0.5,
+                                                    "sink": 16, "window": 64,
+                                                    "token_policy": "snapkv",
+                                                    "token_sparsity": 0.5, "eviction": "patched",
+                                                    "streaming_storage": "pool"}, 256),
     "snapkv-postfill-0.7": ({"policy": "snapkv", "sparsity": 0.7, "eviction": "naive"}, 4096),
 }
 PROMPT_LENGTHS = (700, 1600)
@@ -59,7 +64,7 @@ def as_served(policy: dict) -> dict:
     """A test case's policy as its server gets it: a head mask's storage named, the ring store
     unless the case says pool (the default: tested by the cases that say so and by servers
     started without these flags)."""
-    if policy.get("policy") in ("streaming", "duo", "prulong") and not policy.get("token_policy"):
+    if policy.get("policy") in ("streaming", "duo", "prulong"):
         return {"streaming_storage": "ring", **policy}
     return policy
 

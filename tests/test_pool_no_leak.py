@@ -77,6 +77,12 @@ def wait_for_idle_pool(base_url: str, timeout: float = 60) -> float:
     (["--kv-policy", "prulong", "--kv-sparsity", "0.7", "--kv-sink", "16", "--kv-window", "64",
       "--kv-streaming-storage", "pool", "--block-size", "32",
       "--max-num-batched-tokens", "256"], 40, [{}, {"kv_teacher_forced": 8}]),
+    # a head mask with token eviction on its full heads, streaming heads in the pool: the
+    # ledger frees full groups' tails and the streaming groups their gap (patched questions)
+    (["--kv-policy", "prulong", "--kv-sparsity", "0.5", "--kv-sink", "16", "--kv-window", "64",
+      "--kv-token-policy", "snapkv", "--kv-token-sparsity", "0.7", "--kv-eviction", "patched",
+      "--block-size", "32", "--max-num-batched-tokens", "256"], 40,
+     [{}, {"kv_teacher_forced": 8}]),
     # one KV-cache group per layer: every group's blocks must come back
     (["--kv-policy", "pyramidkv", "--kv-sparsity", "0.7", "--kv-eviction", "patched",
       "--max-num-batched-tokens", "256"], 40, [{}, {"kv_sparsity": 0.5}]),

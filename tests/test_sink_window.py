@@ -168,15 +168,16 @@ def test_gather_reads_any_slots_back_exactly():
 
 
 def test_head_masks_default_to_pool_storage_with_prefix_caching():
-    """The default storage: vLLM's pool for a head mask alone (prefix caching served), the ring
-    with a token policy (pool storage is not built with one); explicit values win."""
+    """The default storage: vLLM's pool for every head mask (prefix caching served without a
+    token policy); explicit values win."""
     for policy in ("streaming", "duo", "prulong"):
         cfg = KVPolicyConfig.from_dict({"policy": policy})
         assert cfg.streaming_storage is None and cfg.storage == "pool" and cfg.caches_prefixes
         ring = cfg.replace(streaming_storage="ring")
         assert ring.storage == "ring" and not ring.caches_prefixes
     hybrid = KVPolicyConfig.from_dict({"policy": "prulong", "token_policy": "snapkv"})
-    assert hybrid.storage == "ring" and not hybrid.caches_prefixes
+    assert hybrid.storage == "pool" and not hybrid.caches_prefixes
+    assert hybrid.replace(streaming_storage="ring").storage == "ring"
     for policy in ("full", "snapkv", "pyramidkv"):
         assert not KVPolicyConfig.from_dict({"policy": policy}).caches_prefixes
 
@@ -184,8 +185,6 @@ def test_head_masks_default_to_pool_storage_with_prefix_caching():
 @pytest.mark.parametrize("raw, field", [
     ({"policy": "prulong", "streaming_storage": "disk"}, "streaming_storage"),
     ({"policy": "snapkv", "streaming_storage": "pool"}, "streaming_storage"),
-    ({"policy": "prulong", "token_policy": "snapkv", "streaming_storage": "pool"},
-     "streaming_storage"),
 ])
 def test_streaming_storage_values_are_checked(raw, field):
     with pytest.raises(KVPolicyError) as err:
@@ -298,3 +297,33 @@ def test_pool_storage_prompt_steps_stop_at_canonical_chunk_ends():
     assert rule.step_cap(request, 700, 1) == 1        # decode
     rule.canonical_chunk = 0
     assert rule.step_cap(request, 200, 256) == 256
+
+
+def test_token_ledger_sees_streaming_groups_as_evicting_nothing():
+    """A head mask with a token policy and its streaming heads in the pool: vLLM's groups are
+    the full heads' (layers by name) then the companions' (a layer without full heads shares
+    its companion's cache, so its name sits in a streaming group). The ledger counts a layer in
+    its full heads' group only (-1: none), a chunk frees slots in those groups only, and the
+    worker's and scheduler's group count is vLLM's."""
+    from types import SimpleNamespace
+
+    from vllm_kvevict.integration.kv_cache_specs import layer_groups
+    from vllm_kvevict.integration.sink_window import COMPANION_SUFFIX
+    from vllm_kvevict.ledger import LayerGroups, group_evictions_of
+
+    name = lambda i: f"model.layers.{i}.self_attn.attn"  # noqa: E731
+    # layer 0: full heads only; 1, 2: both; 3: streaming heads only (shares its companion)
+    groups = [SimpleNamespace(layer_names=[name(0), name(2)]),
+              SimpleNamespace(layer_names=[name(1)]),
+              SimpleNamespace(layer_names=[name(1) + COMPANION_SUFFIX,
+                                           name(3) + COMPANION_SUFFIX, name(3)]),
+              SimpleNamespace(layer_names=[name(2) + COMPANION_SUFFIX])]
+    got = layer_groups(SimpleNamespace(kv_cache_groups=groups), 4)
+    assert got == LayerGroups((0, 1, 0, -1), total=4) and got.num_groups == 4
+    # a 100-token chunk, layers keeping 30 / 40 / 20 / 90: full groups free 100 - their
+    # layers' most (layer 3's 90 counts nowhere), streaming groups free nothing
+    assert group_evictions_of([30, 40, 20, 90], 100, got) == [70, 60, 0, 0]
+    # without companions nothing changes (one group, or one per tier)
+    plain = [SimpleNamespace(layer_names=[name(i) for i in range(4)])]
+    assert layer_groups(SimpleNamespace(kv_cache_groups=plain), 4) == LayerGroups.single(4)
+    assert group_evictions_of([30, 40, 20, 90], 100, LayerGroups.single(4)) == [10]

@@ -35,7 +35,9 @@ def complete(server, prompt, max_tokens: int = NEW_TOKENS):
 @pytest.mark.parametrize("case", [pytest.param("prulong-0.7", marks=pytest.mark.slow),
                                   pytest.param("prulong-0.7-pool", marks=pytest.mark.slow),
                                   pytest.param("pyramidkv-patched-0.7", marks=pytest.mark.slow),
-                                  "hybrid-prulong-0.5-snapkv-patched-0.5"])
+                                  "hybrid-prulong-0.5-snapkv-patched-0.5",
+                                  pytest.param("hybrid-prulong-0.5-snapkv-patched-0.5-pool",
+                                               marks=pytest.mark.slow)])
 def test_compiled_mode_matches_reference(case, bundled_model_dir, tokenizer, hf_model):
     """Without --enforce-eager vLLM compiles the model (torch.compile, piecewise around the
     attention op, which runs our backend eagerly): tokens must still be the reference's."""

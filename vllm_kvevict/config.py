@@ -29,7 +29,7 @@ ADMISSION_MODES = ("reserve", "vllm")
 # Where streaming heads keep their sink + window: `pool`, blocks of vLLM's own pool
 # (integration/sink_window.py), freed as the window moves, seen by vLLM's planner, admission
 # and kv_cache_usage_perc, with prefix caching served (the default); `ring`, a per-request ring
-# buffer beside vLLM's pool (the only storage with `token_policy`, its default there).
+# buffer beside vLLM's pool.
 STREAMING_STORAGES = ("ring", "pool")
 
 DEFAULT_SINK = 64
@@ -93,12 +93,12 @@ class KVPolicyConfig:
 
     @property
     def storage(self) -> str:
-        """Where the streaming heads' sink + window live: `streaming_storage`, or by default the
-        pool for a head mask alone and the ring with a token policy (pool storage is not built
-        with one); `ring` for policies without streaming heads (nothing stored)."""
+        """Where the streaming heads' sink + window live: `streaming_storage`, by default vLLM's
+        pool for every head mask; `ring` for policies without streaming heads (nothing
+        stored)."""
         if self.streaming_storage is not None:
             return self.streaming_storage
-        return "pool" if self.uses_head_mask and self.token_policy is None else "ring"
+        return "pool" if self.uses_head_mask else "ring"
 
     @property
     def caches_prefixes(self) -> bool:
@@ -236,10 +236,6 @@ def validate(cfg: KVPolicyConfig) -> None:
             raise KVPolicyError(f"streaming_storage 'pool' only applies to streaming, "
                                 f"{', '.join(HEAD_MASK_POLICIES)}, not {cfg.policy!r}; valid "
                                 f"with {cfg.policy}: ring", "streaming_storage")
-        if cfg.token_policy is not None:
-            raise KVPolicyError("streaming_storage 'pool' is not built with token_policy yet "
-                                "(its full heads' compaction assumes one KV-cache group); "
-                                "valid with token_policy: ring", "streaming_storage")
     if cfg.mask_path is not None and cfg.policy not in HEAD_MASK_POLICIES:
         raise KVPolicyError(
             f"mask_path only applies to {', '.join(HEAD_MASK_POLICIES)}, not {cfg.policy!r}",

@@ -38,9 +38,14 @@ from vllm_kvevict.policies import KVPolicy
 
 @dataclass(frozen=True)
 class LayerGroups:
-    """Which vLLM KV-cache group (one block table per request) holds each layer's KV."""
+    """Which vLLM KV-cache group (one block table per request) holds each layer's KV. -1: the
+    layer holds no paged KV (a head mask's layer without full heads, with its streaming heads
+    in vLLM's pool). `total`: vLLM's number of KV-cache groups when some hold no evicting layer
+    (the streaming heads' groups of pool storage: they evict nothing); 0: as many as the
+    layers name."""
 
     of_layer: tuple[int, ...]
+    total: int = 0
 
     @classmethod
     def single(cls, num_layers: int) -> "LayerGroups":
@@ -54,7 +59,7 @@ class LayerGroups:
 
     @property
     def num_groups(self) -> int:
-        return max(self.of_layer, default=0) + 1
+        return max(self.total, max(self.of_layer, default=0) + 1)
 
     def layers(self, group: int) -> list[int]:
         return [l for l, g in enumerate(self.of_layer) if g == group]
@@ -66,12 +71,14 @@ def chunk_kept_per_layer(policy: KVPolicy, chunk_len: int, is_final: bool) -> li
 
 
 def group_evictions_of(kept: list[int], chunk_len: int, groups: LayerGroups) -> list[int]:
-    """Per group: slots a chunk gives back = chunk length - the most any of its layers keeps."""
-    most = [0] * groups.num_groups
+    """Per group: slots a chunk gives back = chunk length - the most any of its layers keeps
+    (0 in a group without evicting layers)."""
+    most: list[int | None] = [None] * groups.num_groups
     for layer, k in enumerate(kept):
         g = groups.of_layer[layer]
-        most[g] = max(most[g], k)
-    return [chunk_len - m for m in most]
+        if g >= 0:
+            most[g] = max(most[g] or 0, k)
+    return [0 if m is None else chunk_len - m for m in most]
 
 
 def group_evictions(policy: KVPolicy, chunk_len: int, is_final: bool,

@@ -72,8 +72,8 @@ FLAGS = {
                                "chunk held whole while it runs; with "
                                "--no-enable-prefix-caching each step is a chunk and only its "
                                "last window is stored) or ring (a per-request ring beside "
-                               "vLLM's pool, prefix caching off; the default and only storage "
-                               "with --kv-token-policy)."),
+                               "vLLM's pool, prefix caching off). With --kv-token-policy "
+                               "prefix caching is off: each step is a chunk."),
     "--kv-mask": ("mask_path", str, "Head-mask file for duo/prulong (our JSON format, PruLong "
                                     "0/1 TSV or DuoAttention gate TSV). Default: the mask shipped "
                                     "in head_masks/ for the served model."),

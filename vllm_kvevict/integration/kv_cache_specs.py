@@ -172,21 +172,29 @@ def tier_specs(specs: dict, layer_index: dict[str, int], num_layers: int, num_ti
 
 def layer_groups(kv_cache_config, num_layers: int) -> LayerGroups:
     """Which KV-cache group holds each layer, as vLLM formed the groups (same function in the
-    scheduler and the worker, from the same KVCacheConfig). One group when unknown."""
+    scheduler and the worker, from the same KVCacheConfig). One group when unknown. Streaming
+    heads' groups in the pool (`sink_window.py`) evict nothing: a layer counts in its full
+    heads' group only, a layer without full heads (sharing its companion's cache) in none."""
     from vllm.model_executor.models.utils import extract_layer_index
 
+    from vllm_kvevict.integration.sink_window import COMPANION_SUFFIX
+
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-    of_layer = [0] * num_layers
+    streaming = {g for g, group in enumerate(groups)
+                 if any(n.endswith(COMPANION_SUFFIX) for n in group.layer_names)}
+    of_layer = [-1 if streaming else 0] * num_layers
     seen = [False] * num_layers
     for g, group in enumerate(groups):
         for name in group.layer_names:
             layer = extract_layer_index(name)
             if 0 <= layer < num_layers:
-                of_layer[layer], seen[layer] = g, True
+                seen[layer] = True
+                if g not in streaming:
+                    of_layer[layer] = g
     if len(groups) > 1 and not all(seen):
         raise RuntimeError(f"vllm-kvevict: layers {[l for l, s in enumerate(seen) if not s]} "
                            "are in no KV-cache group")
-    return LayerGroups(tuple(of_layer))
+    return LayerGroups(tuple(of_layer), total=len(groups) if streaming else 0)
 
 
 # -- the runner hooks (registration.py wraps vLLM's functions with these) ------------------------

@@ -141,8 +141,10 @@ def lay_out_from_pool(impl, layer, plan, keys, values):
     key_cache, value_cache = impl._split(context.no_compile_layers[name].kv_cache)
     # tensor parallel: this rank's streaming heads first, the companion's padding heads unused
     key_cache, value_cache = key_cache[:, :keys.shape[1]], value_cache[:, :keys.shape[1]]
-    n, block_size = keys.shape[0], key_cache.shape[2]
-    ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, meta.slot_mapping[:n],
+    # (a patched question's rows follow the batch's: laid out from here, never stored)
+    n, block_size = meta.num_actual_tokens, key_cache.shape[2]
+    ops.cpu_attn_reshape_and_cache(keys[:n], values[:n], key_cache, value_cache,
+                                   meta.slot_mapping[:n],
                                    layer.isa, k_scale=layer._k_scale_float,
                                    v_scale=layer._v_scale_float,
                                    kv_cache_dtype=impl.kv_cache_dtype)

@@ -49,10 +49,19 @@ class TokenEvictionLedger(GrowthReserve):
         return num_tokens - (evicted[group] if evicted else 0)
 
     def peak_tokens(self, request, num_tokens: int) -> list[int]:
-        """Per group, the peak slots a request of `num_tokens` tokens needs (`peak_slots`)."""
+        """Per group, the peak slots a request of `num_tokens` tokens needs (`peak_slots`); a
+        streaming-heads group of pool storage (a head mask with a token policy) holds at most
+        its window cap, plus the patched question's slots reserved after a chunk."""
         policy = self.request_policy(request)
-        return peak_slots(policy, prompt_len(request), num_tokens, self.chunk_size,
-                          lambda chunk_len, final: self.evictions(policy, chunk_len, final))
+        peaks = peak_slots(policy, prompt_len(request), num_tokens, self.chunk_size,
+                           lambda chunk_len, final: self.evictions(policy, chunk_len, final))
+        if self.scheduler is None:
+            return peaks
+        question = min(policy.config.obs_window, num_tokens) if policy.config.patched else 0
+        managers = self.scheduler.kv_cache_manager.coordinator.single_type_managers
+        return [p if cap is None else
+                min(p, cap[0] + -(-question // m.block_size) * m.block_size)
+                for p, cap, m in zip(peaks, self.window_caps(), managers)]
 
     def before_schedule(self) -> None:
         """Apply the evictions of the chunks scheduled last step (their forward precedes any
@@ -74,7 +83,8 @@ class TokenEvictionLedger(GrowthReserve):
                 keep = -(-self.physical(req_id, request.num_computed_tokens, g)
                          // manager.block_size)
                 if blocks and len(blocks) > keep:
-                    tail = blocks[keep:]
+                    # (a streaming group's row holds null blocks where it freed or dropped)
+                    tail = [b for b in blocks[keep:] if not b.is_null]
                     del blocks[keep:]
                     manager.block_pool.free_blocks(reversed(tail))
 

@@ -268,8 +268,10 @@ def slot_mappings(block_tables, stock_compute, num_reqs, query_start_loc, positi
     """`MultiGroupBlockTable.compute_slot_mapping`. Token eviction writes each layer's KV at its
     own physical slots (the step plan) and never reads vLLM's logical slot mappings; with one
     KV-cache group per tier, computing them costs one OpenMP kernel call per group and step.
-    Group 0's is kept."""
+    Group 0's is kept; with the streaming heads in the pool every group's (their companions
+    write through theirs)."""
     state = get_state()
-    if state is None or state.token is None or len(block_tables.block_tables) == 1:
+    if state is None or state.token is None or state.in_pool \
+            or len(block_tables.block_tables) == 1:
         return stock_compute(block_tables, num_reqs, query_start_loc, positions)
     block_tables.block_tables[0].compute_slot_mapping(num_reqs, query_start_loc, positions)
