@@ -176,8 +176,7 @@ ROWS = [
                       "refused with --kv-eviction-chunk (tests/test_features.py::"
                       "test_vllm_serve_refuses[fp8])")}),
     Row("compile mode (no `--enforce-eager`)", {
-        **{c: Cell("exact", (("(s)" if c != HYBRID else "")
-                             + "tests/test_vllm_features.py::"
+        **{c: Cell("exact", ("(s)tests/test_vllm_features.py::"
                              f"test_compiled_mode_matches_reference[{COLUMNS[c]}]",))
            for c in ("prulong 0.7", "pyramidkv patched", HYBRID, POOL)},
         **{c: Cell("exact", ("(s)scripts/policy_matrix.py --compiled",))
