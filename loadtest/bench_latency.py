@@ -4,7 +4,6 @@ the same machine in the same invocation.
     python -m loadtest.bench_latency --input-len 7000 --output-len 64 --repeats 3 \\
         --policies stock full prulong:0.7 pyramidkv:0.7:patched --out-dir docs/results/latency
 
-A policy may name its streaming heads' storage: `prulong:0.7@ring` (the plugin's default: pool).
 `stock` is vLLM with our plugin not loaded (VLLM_PLUGINS names none of ours). Every server
 gets VLLM_CPU_NUM_OF_RESERVED_CPU (default 1): vLLM's CPU worker reserves one core more when a
 KV connector is configured (ours carries kv_stats), which on a 2-core machine silently changes
@@ -81,9 +80,8 @@ def main() -> None:
     rows = []
     for text in args.policies:
         stock = text == "stock"
-        name, _, storage = text.partition("@")  # `prulong:0.7@pool`: --kv-streaming-storage
-        spec = PolicySpec("full") if stock else parse_policy(name)
-        extra = [*SERVE_EXTRA, *(["--kv-streaming-storage", storage] if storage else [])]
+        spec = PolicySpec("full") if stock else parse_policy(text)
+        extra = list(SERVE_EXTRA)
         argv = build_server_command(model, spec, kv_cache_bytes=args.kv_cache_memory_bytes,
                                     max_batched_tokens=args.chunk, port=args.port,
                                     extra_args=extra, eager=not args.compiled)

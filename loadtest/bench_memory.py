@@ -27,7 +27,7 @@ import numpy as np
 from loadtest.monitors import parse_vllm_metrics
 from vllm_kvevict.launch import ServerProcess, build_server_command, parse_policy
 from loadtest.workloads import exact_length_ids
-from vllm_kvevict.config import HEAD_MASK_POLICIES, TOKEN_EVICTION_POLICIES
+from vllm_kvevict.config import TOKEN_EVICTION_POLICIES
 
 SERVE_EXTRA = ["--dtype", "float32", "--served-model-name", "bench", "--max-model-len", "8192",
                "--max-num-seqs", "64"]
@@ -184,9 +184,6 @@ def main() -> None:
                          "(--kv-eviction-chunk); other policies' chunk is this step")
     ap.add_argument("--admission", choices=("reserve", "vllm"), default=None,
                     help="--kv-admission of the evicting policies (default: the plugin's, reserve)")
-    ap.add_argument("--streaming-storage", choices=("ring", "pool"), default=None,
-                    help="--kv-streaming-storage of the head-mask policies (default: the "
-                         "plugin's, pool)")
     ap.add_argument("--no-prefix-caching", action="store_true",
                     help="serve with --no-enable-prefix-caching (vLLM's default is on)")
     ap.add_argument("--port", type=int, default=8123)
@@ -212,8 +209,6 @@ def main() -> None:
     serve_extra = ["--block-size", str(args.block_size)] if args.block_size else []
     serve_extra += ["--no-enable-prefix-caching"] if args.no_prefix_caching else []
     admission = ["--kv-admission", args.admission] if args.admission else []
-    storage = ["--kv-streaming-storage", args.streaming_storage] if args.streaming_storage \
-        else []
     for text in args.policies:
         spec = parse_policy(text)
         decoupled = ["--kv-eviction-chunk", str(args.chunk)] if (
@@ -222,9 +217,7 @@ def main() -> None:
                                     max_batched_tokens=args.prefill_step or args.chunk,
                                     port=args.port,
                                     extra_args=SERVE_EXTRA + serve_extra + decoupled + (
-                                        admission if spec.policy != "full" else []) + (
-                                        storage if spec.policy in HEAD_MASK_POLICIES + (
-                                            "streaming",) and not spec.token_policy else []))
+                                        admission if spec.policy != "full" else []))
         with ServerProcess(argv, args.out_dir / f"server_{spec.slug}.log") as server:
             server.wait_healthy(base_url)
             result = asyncio.run(run_policy(base_url, prompts, args.output_len))

@@ -232,23 +232,19 @@ def plot_turns(runs: dict[str, dict[str, Any]], path: Path) -> None:
 def server_argv(model: str, text: str, *, kv_cache_bytes: int, chunk: int, port: int,
                 max_model_len: int) -> tuple[list[str], dict[str, str]]:
     """`vllm serve` argv and env of a policy label (`stock`, `full`, `prulong:0.7`, any of
-    them with `/nopc`; a head mask with `/pool` or `/ring`: where its streaming heads live,
-    vLLM's pool (the plugin's default) or the per-request ring)."""
+    them with `/nopc`: --no-enable-prefix-caching)."""
     from vllm_kvevict.launch import PolicySpec, build_server_command, parse_policy
 
     name, *options = text.split("/")
-    if set(options) - {"nopc", "pool", "ring"}:
-        raise ValueError(f"policy {text!r}: the options after '/' are nopc "
-                         "(--no-enable-prefix-caching), pool and ring (--kv-streaming-storage)")
+    if set(options) - {"nopc"}:
+        raise ValueError(f"policy {text!r}: the option after '/' is nopc "
+                         "(--no-enable-prefix-caching)")
     stock = name == "stock"
     spec = PolicySpec("full") if stock else parse_policy(name)
     extra = ["--dtype", "float32", "--served-model-name", "chat", "--max-model-len",
              str(max_model_len), "--enable-prompt-tokens-details"]
     if "nopc" in options:
         extra.append("--no-enable-prefix-caching")
-    for storage in ("pool", "ring"):
-        if storage in options:
-            extra += ["--kv-streaming-storage", storage]
     argv = build_server_command(model, spec, kv_cache_bytes=kv_cache_bytes,
                                 max_batched_tokens=chunk, port=port, extra_args=extra)
     if stock:  # without our plugin the --kv-policy flag does not exist

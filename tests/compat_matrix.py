@@ -18,7 +18,6 @@ COLUMNS = {
     "streaming": "streaming",
     "duo 0.3": "duo-0.3",
     "prulong 0.7": "prulong-0.7",
-    "prulong 0.7 pool": "prulong-0.7-pool",
     "snapkv naive": "snapkv-naive-0.5",
     "snapkv patched": "snapkv-patched-0.5",
     "pyramidkv naive": "pyramidkv-naive-0.5-tiers3",
@@ -26,24 +25,28 @@ COLUMNS = {
     "prulong 0.5 + snapkv patched 0.5": "hybrid-prulong-0.5-snapkv-patched-0.5",
 }
 HYBRID = "prulong 0.5 + snapkv patched 0.5"  # --kv-token-policy (tests/test_hybrid.py)
-POOL = "prulong 0.7 pool"  # --kv-streaming-storage pool (tests/test_pool_storage.py)
+HEAD_MASKS = ("streaming", "duo 0.3", "prulong 0.7")  # prefix caching on (sink_window.py)
 
 EVICTING = [c for c in COLUMNS if c != "full"]
-NOT_POOL = [c for c in EVICTING if c != POOL]
+NOT_CACHING = [c for c in EVICTING if c not in HEAD_MASKS]
+# tests/test_pool_storage.py: prefix hits against the reference (prulong in CI, the rest slow)
+POOL_STORAGE = lambda c: (("" if c == "prulong 0.7" else "(s)")
+                          + f"tests/test_pool_storage.py::test_pool_storage_matches_reference"
+                            f"[{COLUMNS[c]}]")
 # The per-request rows (tests/test_compat.py) cost a server start and reference decodes per
 # column; CI runs the columns that cover each mechanism (full; head masks; token eviction in one
 # KV-cache group, patched; in tiers of groups, naive), the slow tier the other four.
 PATCHED_COLUMNS = ("snapkv patched", "pyramidkv patched", HYBRID)
-SLOW_COLUMNS = ("streaming", "duo 0.3", "snapkv naive", "pyramidkv patched", HYBRID, POOL)
+SLOW_COLUMNS = ("streaming", "duo 0.3", "snapkv naive", "pyramidkv patched", HYBRID)
 STATUSES = ("exact", "refused", "n/a")
 # tests/test_tensor_parallel.py: one TP = 2 server per column on a 4-KV-head model
 TP_IDS = {"full": "kv4-full", "streaming": "kv4-streaming", "duo 0.3": "kv4-duo-0.3",
           "prulong 0.7": "kv4-prulong-0.7", "snapkv naive": "kv4-snapkv-naive-0.5",
           "snapkv patched": "kv4-snapkv-patched-0.5",
           "pyramidkv naive": "kv4-pyramidkv-naive-0.5-tiers2",
-          "pyramidkv patched": "kv4-pyramidkv-patched-0.7", POOL: "kv4-prulong-0.7-pool"}
-TP_CI = ("prulong 0.7", "snapkv patched", POOL)
-FP8_CI = ("prulong 0.7", "snapkv patched", POOL)  # tests/test_fp8.py: the same model and ids
+          "pyramidkv patched": "kv4-pyramidkv-patched-0.7"}
+TP_CI = ("prulong 0.7", "snapkv patched")
+FP8_CI = ("prulong 0.7", "snapkv patched")  # tests/test_fp8.py: the same model and ids
 
 
 @dataclass(frozen=True)
@@ -77,12 +80,11 @@ ADMISSION = "tests/test_admission.py::"
 ADMISSION_IDS = {"full": "full", "streaming": "streaming", "duo 0.3": "duo",
                  "prulong 0.7": "prulong", "snapkv naive": "snapkv-naive",
                  "snapkv patched": "snapkv", "pyramidkv naive": "pyramidkv-naive",
-                 "pyramidkv patched": "pyramidkv-patched", HYBRID: "prulong-snapkv",
-                 POOL: "prulong-pool"}
+                 "pyramidkv patched": "pyramidkv-patched", HYBRID: "prulong-snapkv"}
 TESTED_ADMISSION = ("prulong 0.7", "snapkv patched")  # both modes tested; the rest: stock only
 RESERVE_IN_CI = ("prulong 0.7",)  # CI: reserve mode (the default) under a head mask, stock
-FORCED_IN_CI = ("snapkv patched",)  # admission (forced preemption) under token eviction and
-# with the streaming heads in the pool (tests/test_admission.py[prulong-pool]); the rest: slow
+FORCED_IN_CI = ("prulong 0.7", "snapkv patched")  # admission (forced preemption) under a head
+# mask (prefix caching on) and token eviction; the rest: slow
 
 HYBRID_TEST = "tests/test_hybrid.py::"
 HYBRID_UNTESTED = ("not yet tested with a token policy on a head mask, so refused at start-up "
@@ -123,35 +125,34 @@ ROWS = [
             + f"{ADMISSION}test_no_preemption_and_exact_outputs_under_pressure"
               f"[{ADMISSION_IDS[c]}]",
             ("" if c in FORCED_IN_CI else "(s)")
-            + f"{ADMISSION}test_forced_preemption_replays_exactly[{ADMISSION_IDS[c]}]"))
+            + f"{ADMISSION}test_forced_preemption_replays_exactly[{ADMISSION_IDS[c]}]",
+            *((f"(s){ADMISSION}test_forced_preemption_replays_exactly[prulong-nopc]",)
+              if c == "prulong 0.7" else ())))
            for c in TESTED_ADMISSION},
         **{c: Cell("exact", (
             f"(s){ADMISSION}test_forced_preemption_replays_exactly[{ADMISSION_IDS[c]}]",))
-           for c in COLUMNS if c not in (*TESTED_ADMISSION, POOL)},
-        POOL: Cell("exact", (f"{ADMISSION}test_forced_preemption_replays_exactly[prulong-pool]",
-                             f"(s){ADMISSION}test_forced_preemption_replays_exactly"
-                             "[prulong-pool-nopc]"),
-                   "`--kv-admission vllm`, with and without prefix caching")}),
+           for c in COLUMNS if c not in TESTED_ADMISSION}}),
     Row("prefix caching (vLLM's default)", {
         "full": Cell("exact", (C + "test_repeated_prompt_prefix_cache[full]",)),
-        POOL: Cell("exact", ("(s)" + C + "test_repeated_prompt_prefix_cache[prulong-0.7-pool]",
-                             "tests/test_pool_storage.py::test_pool_storage_matches_reference"
-                             "[prulong-0.7]"),
-                   "hits at any block, served from the cached sink + window blocks"),
-        **each("n/a", C + "test_repeated_prompt_prefix_cache[{id}]", NOT_POOL,
-               why="switched off at start-up for evicting policies (logged; "
-                   "`/v1/kv_stats` shows it); streaming, duo and prulong serve it exactly with "
-                   "`--kv-streaming-storage pool` (tests/test_pool_storage.py)")}),
+        **{c: Cell("exact", (("(s)" if c in SLOW_COLUMNS else "") + C
+                             + f"test_repeated_prompt_prefix_cache[{COLUMNS[c]}]",
+                             POOL_STORAGE(c)),
+                   "hits at any block, served from the cached sink + window blocks")
+           for c in HEAD_MASKS},
+        **each("n/a", C + "test_repeated_prompt_prefix_cache[{id}]", NOT_CACHING,
+               why="switched off at start-up for token-evicting policies (logged; "
+                   "`/v1/kv_stats` shows it): patched scoring uses the prompt's last tokens, "
+                   "and per-request eviction state starts at token 0")}),
     Row("`--enable-prefix-caching` asked for explicitly", {
         "full": Cell("exact", (C + "test_repeated_prompt_prefix_cache[full]",)),
         **{c: Cell("refused", (
             f"tests/test_features.py::test_explicit_prefix_caching"
             f"[{COLUMNS[c]}]", "tests/test_features.py::test_vllm_serve_refuses[prefix-caching]"))
-           for c in NOT_POOL},
-        POOL: Cell("exact", ("tests/test_features.py::"
-                             "test_explicit_prefix_caching[prulong-0.7-pool]",
-                             "tests/test_pool_storage.py::test_pool_storage_matches_reference"
-                             "[prulong-0.7]"))}),
+           for c in NOT_CACHING},
+        **{c: Cell("exact", ("tests/test_features.py::"
+                             f"test_explicit_prefix_caching[{COLUMNS[c]}]",
+                             POOL_STORAGE(c)))
+           for c in HEAD_MASKS}}),
     Row("KV connector (`--kv-transfer-config`)", {
         "full": Cell("exact", ("tests/test_vllm_features.py::"
                                "test_full_policy_with_the_users_kv_connector_keeps_kv_stats",)),
@@ -176,11 +177,11 @@ ROWS = [
                       "refused with --kv-eviction-chunk (tests/test_features.py::"
                       "test_vllm_serve_refuses[fp8])")}),
     Row("compile mode (no `--enforce-eager`)", {
-        **{c: Cell("exact", ("(s)tests/test_vllm_features.py::"
+        **{c: Cell("exact", (("" if c == HYBRID else "(s)") + "tests/test_vllm_features.py::"
                              f"test_compiled_mode_matches_reference[{COLUMNS[c]}]",))
-           for c in ("prulong 0.7", "pyramidkv patched", HYBRID, POOL)},
+           for c in ("prulong 0.7", "pyramidkv patched", HYBRID)},
         **{c: Cell("exact", ("(s)scripts/policy_matrix.py --compiled",))
-           for c in COLUMNS if c not in ("prulong 0.7", "pyramidkv patched", HYBRID, POOL)}}),
+           for c in COLUMNS if c not in ("prulong 0.7", "pyramidkv patched", HYBRID)}}),
     Row("speculative decoding, ngram", {
         **{c: Cell("exact", (("(s)" if c in SLOW_SPEC else "") + "tests/test_speculative.py::"
                              f"test_ngram_speculation_matches_one_token_decode[{SPEC_IDS[c]}]",))
@@ -255,15 +256,12 @@ def render() -> str:
         "sparsity 0.9 in pools of a few blocks). The tensor-parallel and fp8 rows run on a tiny "
         "random Qwen3 with 4 KV heads (tests/test_tensor_parallel.py, tests/test_fp8.py); fp8 "
         "under `full` is also compared with stock vLLM on the same fp8 cache, bit for bit. "
-        "The streaming, duo and prulong columns keep their streaming heads in the per-request "
-        "ring (`--kv-streaming-storage ring`); `prulong 0.7 pool` is the same mask in the "
-        "default storage (streaming heads in vLLM's block pool, prefix caching on). "
+        "The streaming, duo and prulong columns keep their streaming heads in vLLM's block "
+        "pool with prefix caching on (vLLM's default). "
         "The last column is a head mask composed with token eviction (`--kv-policy prulong "
         "--kv-sparsity 0.5 --kv-token-policy snapkv --kv-token-sparsity 0.5`, sink 16 / window "
-        "64, the shipped mask, its streaming heads in the ring like the columns before it; its "
-        "fp8 row on the tiny Qwen3 with a random mask). The same composition in the default "
-        "storage (pool) is tested in tests/test_hybrid.py (`-pool` cases), "
-        "tests/test_admission.py, tests/test_pool_no_leak.py and (slow) compile mode.",
+        "64, the shipped mask; its fp8 row on the tiny Qwen3 with a random mask); also tested "
+        "in tests/test_hybrid.py, tests/test_admission.py and tests/test_pool_no_leak.py.",
         "",
         "| feature | " + " | ".join(names) + " |",
         "|---|" + "---|" * len(names),

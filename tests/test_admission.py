@@ -47,10 +47,9 @@ async def complete_all(base_url: str, prompts: list[list[int]]) -> list[dict]:
 
 
 @pytest.mark.parametrize("policy, pool_mib", [
-    # 48 MiB of full-head KV = 28 blocks of 128 tokens with the shipped 0.7 mask (27 full KV
-    # heads): all 6 prompts (4 blocks each) would be admitted, their growth (6 blocks each)
-    # does not fit
-    pytest.param({"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64}, 48,
+    # 64 MiB with the shipped 0.7 mask: vLLM would admit all 6 prompts (their prompt blocks
+    # fit), their growth does not fit in every group
+    pytest.param({"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64}, 64,
                  id="prulong"),
     # token eviction: 100 MiB = 17 blocks of all 30 layers x 3 KV heads (vLLM's minimum for
     # the 2048-token model length); a request needs 4 blocks at its largest
@@ -81,25 +80,22 @@ SLOW = pytest.mark.slow  # the rest of the compatibility matrix's preemption row
 
 
 @pytest.mark.parametrize("policy, pool_mib, max_len", [
-    # (slow tier: the ring store's run; the same head mask in the pool runs in CI below)
-    pytest.param({"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64}, 48, 2048,
-                 id="prulong", marks=SLOW),
     # 11 blocks (vLLM's minimum for 1024 tokens is 8): several requests preempted, in
     # prefill and in decode
     pytest.param({"policy": "snapkv", "sparsity": 0.9, "eviction": "patched"}, 64, 1024,
                  id="snapkv"),
     # stock vLLM's recompute (prefix caching on): 46 KiB of KV per token
     pytest.param({"policy": "full"}, 64, 1024, id="full", marks=SLOW),
-    # streaming heads in vLLM's pool (canonical chunks, prefix caching on): vLLM preempts
-    # and frees every group's blocks, the recompute may hit the request's own prompt blocks
-    pytest.param({"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64,
-                  "streaming_storage": "pool"}, 64, 2048, id="prulong-pool"),
+    # a head mask (canonical chunks, prefix caching on): vLLM preempts and frees every
+    # group's blocks, the recompute may hit the request's own prompt blocks
+    pytest.param({"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64}, 64, 2048,
+                 id="prulong"),
     # ... and without prefix caching: a step's tokens before its last W are never stored, the
     # recompute replays the first run's steps
-    pytest.param({"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64,
-                  "streaming_storage": "pool"}, 64, 2048, id="prulong-pool-nopc", marks=SLOW),
-    # every head streaming: the pool holds one placeholder head of one layer (64 KiB a block)
-    pytest.param({"policy": "streaming", "sink": 16, "window": 64}, 1, 1024, id="streaming",
+    pytest.param({"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64}, 64, 2048,
+                 id="prulong-nopc", marks=SLOW),
+    # every head streaming: only the streaming companions' groups, sink + window each
+    pytest.param({"policy": "streaming", "sink": 16, "window": 64}, 16, 1024, id="streaming",
                  marks=SLOW),
     pytest.param({"policy": "duo", "sparsity": 0.3, "sink": 16, "window": 64}, 48, 1024,
                  id="duo", marks=SLOW),
@@ -111,12 +107,8 @@ SLOW = pytest.mark.slow  # the rest of the compatibility matrix's preemption row
                  id="pyramidkv-patched", marks=SLOW),
     # a head mask with token eviction on its full heads (--kv-token-policy)
     pytest.param({"policy": "prulong", "sparsity": 0.5, "sink": 16, "window": 64,
-                  "token_policy": "snapkv", "token_sparsity": 0.9, "eviction": "patched"}, 32,
+                  "token_policy": "snapkv", "token_sparsity": 0.9, "eviction": "patched"}, 48,
                  1024, id="prulong-snapkv", marks=SLOW),
-    # the same, its streaming heads in the pool (the default storage)
-    pytest.param({"policy": "prulong", "sparsity": 0.5, "sink": 16, "window": 64,
-                  "token_policy": "snapkv", "token_sparsity": 0.9, "eviction": "patched",
-                  "streaming_storage": "pool"}, 48, 1024, id="prulong-snapkv-pool", marks=SLOW),
 ])
 def test_forced_preemption_replays_exactly(request, bundled_model_dir, tokenizer, hf_model,
                                            policy, pool_mib, max_len):

@@ -15,8 +15,8 @@ and per feature the served tokens against the plain-PyTorch reference doing the 
 - queued requests: three at once through `--max-num-seqs 1` (each runs alone, so its chunks
   are the regular ones);
 - a repeated prompt: prefix caching serves it from cache under `full` and under a head mask
-  whose streaming heads are in vLLM's pool (`--kv-streaming-storage pool`); the other evicting
-  policies run with prefix caching off and recompute.
+  (its streaming heads' sink + window in cached pool blocks); token eviction runs with prefix
+  caching off and recomputes.
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ import torch
 
 from compat_matrix import COLUMNS as MATRIX_COLUMNS, SLOW_COLUMNS
 from conftest import SERVED_NAME, served_policy_builds, start_server
-from test_policies_vllm import (CASES, LOGPROB_TOL, as_served, flags, reference,
-                                source_prompts)
+from test_policies_vllm import CASES, LOGPROB_TOL, flags, reference, source_prompts
 from vllm_kvevict.config import HEAD_MASK_POLICIES, KVPolicyConfig
 from vllm_kvevict.masks import resolve_full_heads
 from vllm_kvevict.policies import build_policy
@@ -43,7 +42,7 @@ pytestmark = pytest.mark.server
 CHUNK = 128  # short prompts still prefill in several chunks
 COLUMNS = {  # column -> policy: test_policies_vllm's cases, and full
     "full": {"policy": "full"},
-    **{name: CASES[name][0] for name in ("streaming", "duo-0.3", "prulong-0.7", "prulong-0.7-pool",
+    **{name: CASES[name][0] for name in ("streaming", "duo-0.3", "prulong-0.7",
                                          "snapkv-naive-0.5", "snapkv-patched-0.5",
                                          "pyramidkv-naive-0.5-tiers3", "pyramidkv-patched-0.7",
                                          "hybrid-prulong-0.5-snapkv-patched-0.5")},
@@ -351,7 +350,7 @@ def test_repeated_prompt_prefix_cache(column, bundled_model_dir, prompt):
     again, b = greedy(server, prompt)
     assert again == first
     serving = client(server).get("/kv_stats", cast_to=dict)["params"]
-    caches = policy["policy"] == "full" or KVPolicyConfig.from_dict(as_served(policy)).caches_prefixes
+    caches = policy["policy"] == "full" or KVPolicyConfig.from_dict(policy).caches_prefixes
     assert serving["prefix_caching"] is caches, serving
     if caches:
         assert b["cached_tokens"] > 0, b

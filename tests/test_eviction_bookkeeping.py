@@ -1,5 +1,6 @@
-"""The bookkeeping behind real memory, without a server: the streaming store's ring layout and
-the token-eviction ledger that the scheduler and the worker must agree on."""
+"""The bookkeeping behind real memory, without a server: what each streaming-head step reads
+back from the pool, and the token-eviction ledger that the scheduler and the worker must agree
+on."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from vllm_kvevict.config import KVPolicyConfig
-from vllm_kvevict.integration.streaming_store import StreamingStore, build_step_plan
+from vllm_kvevict.integration.step_plan import build_step_plan, lay_out_rows
 from vllm_kvevict.integration.token_eviction_worker import TokenEvictionWorker
 from vllm_kvevict.integration.token_ledger import TokenEvictionLedger
 from vllm_kvevict.ledger import (LayerGroups, allocation_eviction, chunk_kept_per_layer,
@@ -24,20 +25,20 @@ def visible_before(a: int, sink: int, window: int) -> set[int]:
     return set(range(sk)) | set(range(a - lw, a))
 
 
-def test_streaming_store_holds_exactly_the_visible_tokens():
-    """Random chunk sizes for three requests: before every step the store's prefix holds
-    exactly sink + last-window positions (each token's K is its position, so we can read it)."""
+def test_each_step_lays_out_exactly_the_visible_tokens():
+    """Random chunk sizes for three requests: every step's kernel row holds exactly the sink +
+    last-window positions before its chunk (read back by position, each token's K its
+    position), then the chunk in order."""
     rng = random.Random(0)
     sink, window, bs = 4, 9, 32
-    store = StreamingStore(num_heads=1, head_dim=1, sink=sink, window=window,
-                           dtype=torch.float32, slots=3)
     done = [0, 0, 0]
     for _ in range(40):
         q_lens = [rng.choice([1, 1, 2, 5, 13, 30]) for _ in range(3)]
-        plan = build_step_plan([0, 1, 2], done, q_lens, sink, window, bs)
+        plan = build_step_plan(done, q_lens, sink, window, bs)
         keys = torch.cat([torch.arange(a, a + q, dtype=torch.float32)
                           for a, q in zip(done, q_lens)]).view(-1, 1, 1)
-        laid_k, _ = store.lay_out(plan, keys, keys)
+        laid_k = lay_out_rows(plan, plan.prefix_pos.float().view(-1, 1, 1),
+                              keys[plan.chunk_src])
         start = 0
         for r, (a, q) in enumerate(zip(done, q_lens)):
             n = int(plan.seq_lens[r])
@@ -46,12 +47,11 @@ def test_streaming_store_holds_exactly_the_visible_tokens():
             assert set(int(x) for x in row[:v]) == visible_before(a, sink, window)
             assert row[v:] == list(range(a, a + q))  # the chunk, in order, at the end
             start += n
-        store.commit(plan, keys, keys)
         done = [a + q for a, q in zip(done, q_lens)]
 
 
 def test_scratch_slots_are_distinct_and_within_rows():
-    plan = build_step_plan([0, 1], [500, 3], [1, 70], sink=8, window=16, block_size=32)
+    plan = build_step_plan([500, 3], [1, 70], sink=8, window=16, block_size=32)
     assert plan.scratch_slots.unique().numel() == plan.scratch_slots.numel()
     assert int(plan.seq_lens[0]) == 8 + 16 + 1 and int(plan.seq_lens[1]) == 3 + 70
 

@@ -123,9 +123,8 @@ def test_lora_refused_with_patched_eviction(name):
      "--pipeline-parallel-size 2 is not supported with --kv-policy full yet; valid: 1"),
     (["--kv-policy", "snapkv", "--kv-eviction", "patched", "--enable-lora"],
      "--enable-lora is not supported with --kv-policy snapkv --kv-eviction patched"),
-    (["--kv-policy", "prulong", "--kv-sparsity", "0.7", "--kv-streaming-storage", "ring",
-      "--enable-prefix-caching"],
-     "--enable-prefix-caching is not supported with --kv-policy prulong yet"),
+    (["--kv-policy", "snapkv", "--enable-prefix-caching"],
+     "--enable-prefix-caching is not supported with --kv-policy snapkv yet"),
 ], ids=["fp8", "pp", "lora", "prefix-caching"])
 def test_vllm_serve_refuses(bundled_model_dir, argv, line):
     vllm = Path(sys.executable).parent / "vllm"

@@ -1,13 +1,13 @@
 """fp8 KV cache (`--kv-cache-dtype fp8|fp8_e4m3|fp8_e5m2`) with every policy.
 
 vLLM's CPU kernels store x / scale rounded toward zero to the fp8 grid (test_vllm_contract.py
-pins it). The served path quantizes the streaming store's ring with that rule (`integration/
-fp8.py`); the reference oracle quantizes its cache with its own code (`reference/
-quantization.py`). Unit tests: the two quantizers agree, and the streaming store keeps one byte
-per element. Server tests: a tiny random Qwen3 (4 KV heads) served with an fp8 cache gives the
-tokens of the reference with the same fp8 cache, and kv_stats count one byte per element. CI
-runs a head mask (in the ring store and in vLLM's pool) and patched token eviction; the other
-policies and e5m2 are slow.
+pins it). The served path lays a streaming head's window out of fp8 blocks with that rule
+(`integration/fp8.py`); the reference oracle quantizes its cache with its own code (`reference/
+quantization.py`). Unit tests: the two quantizers agree, and a window read back as codes is
+laid out as their grid values. Server tests: a tiny random Qwen3 (4 KV heads) served with an
+fp8 cache gives the tokens of the reference with the same fp8 cache, and kv_stats count one
+byte per element. CI runs a head mask and patched token eviction; the other policies and e5m2
+are slow.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from test_policies_vllm import flags, source_prompts
 from test_tensor_parallel import TP_POLICIES
 from vllm_kvevict.config import HEAD_MASK_POLICIES, KVPolicyConfig
 from vllm_kvevict.integration.fp8 import grid_values, quantize
-from vllm_kvevict.integration.streaming_store import StreamingStore, build_step_plan
+from vllm_kvevict.integration.step_plan import build_step_plan, lay_out_visible
 from vllm_kvevict.masks import resolve_full_heads
 from vllm_kvevict.policies import build_policy
 from vllm_kvevict.reference import ReferenceRunner
@@ -55,26 +55,21 @@ def test_reference_refuses_unknown_cache_dtypes():
         cached_kv(torch.zeros(2), "int8")
 
 
-def test_streaming_store_keeps_fp8_codes():
-    """One byte per element, and what a later step lays out is the committed tokens' grid values
-    (written with scale 1 they are the codes vLLM would have stored)."""
+def test_a_window_read_back_as_fp8_codes_is_laid_out_as_their_grid_values():
+    """Streaming heads' blocks hold fp8 codes (one byte per element); a step lays the window
+    read back from them, and its own K/V, out as the codes' grid values (written with scale 1
+    they are the codes vLLM would have stored)."""
     sink, window, heads, d = 2, 4, 3, 64
-    f32 = StreamingStore(heads, d, sink, window, torch.float32)
-    fp8 = StreamingStore(heads, d, sink, window, torch.float32, kv_cache_dtype="fp8")
-    assert fp8.bytes_per_request() * 4 == f32.bytes_per_request()
     torch.manual_seed(0)
-    k, v = torch.randn(10, heads, d) * 5, torch.randn(10, heads, d)
-    scales = (0.5, 2.0)
-    first = build_step_plan([0], [0], [10], sink, window, block_size=16)
-    fp8.commit(first, k, v, scales)
-    nxt = build_step_plan([0], [10], [1], sink, window, block_size=16)
-    one_k, one_v = torch.randn(1, heads, d), torch.randn(1, heads, d)
-    laid_k, laid_v = fp8.lay_out(nxt, one_k, one_v, scales)
-    # the next step sees the sink (0, 1), the last 4 positions (6..9) and itself
-    seen = [0, 1, 6, 7, 8, 9]
-    assert torch.equal(laid_k[:6] * 0.5, cached_kv(k[seen], "fp8", 0.5))
-    assert torch.equal(laid_v[:6] * 2.0, cached_kv(v[seen], "fp8", 2.0))
-    assert torch.equal(laid_k[6:] * 0.5, cached_kv(one_k, "fp8", 0.5))
+    k, one = torch.randn(10, heads, d) * 5, torch.randn(1, heads, d)
+    plan = build_step_plan([10], [1], sink, window, block_size=16)
+    seen = plan.prefix_pos  # the sink (0, 1) and the last 4 positions (6..9)
+    assert seen.tolist() == [0, 1, 6, 7, 8, 9]
+    codes = quantize(k[seen], 0.5, "fp8")
+    assert codes.element_size() == 1
+    laid = lay_out_visible(plan, codes, one[plan.chunk_src], 0.5, "fp8")
+    assert torch.equal(laid[:6] * 0.5, cached_kv(k[seen], "fp8", 0.5))
+    assert torch.equal(laid[6:] * 0.5, cached_kv(one, "fp8", 0.5))
 
 
 # -- served ---------------------------------------------------------------------------------------
@@ -123,13 +118,9 @@ def test_fp8_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_torch_
         # token, in 128-token blocks
         tokens = len(prompt) + NEW_TOKENS - 1
         assert stats["full_kv_bytes_peak"] == 4 * 2 * 4 * 64 * 128 * -(-tokens // 128)
-        if policy.get("streaming_storage") == "pool":
+        if cfg.uses_head_mask:
             # every group's block: the plan's width in head pages x K, V x 128 x 64 x 1 byte
-            assert stats["streaming_store_bytes"] == 0
             assert stats["kv_bytes_peak"] == stats["blocks_held_peak"] * width * 2 * 128 * 64
-        elif cfg.uses_head_mask:
-            store = int((~full_heads).sum()) if full_heads is not None else 16
-            assert stats["streaming_store_bytes"] == store * 2 * (cfg.sink + cfg.window) * 64
         unquantized = ReferenceRunner(model, runner.policy).generate(prompt, NEW_TOKENS, ends)
         fp8_differs |= unquantized.token_ids != ref.token_ids or not torch.allclose(
             unquantized.first_token_logprobs, ref.first_token_logprobs, atol=1e-4)

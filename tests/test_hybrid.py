@@ -17,11 +17,11 @@ import torch
 
 from conftest import SERVED_NAME, start_server
 from test_model_families_vllm import NEW_TOKENS, random_mask
-from test_policies_vllm import as_served, flags, source_prompts
+from test_policies_vllm import flags, source_prompts
 from vllm_kvevict.config import KVPolicyConfig, KVPolicyError
 from vllm_kvevict.features import parallel_error, speculative_error
 from vllm_kvevict.footprint import kv_footprint
-from vllm_kvevict.integration.streaming_store import build_step_plan
+from vllm_kvevict.integration.step_plan import build_step_plan
 from vllm_kvevict.masks import resolve_full_heads
 from vllm_kvevict.policies import HybridPolicy, build_policy
 from vllm_kvevict.reference import ReferenceRunner
@@ -73,14 +73,15 @@ def test_hybrid_refuses_what_it_is_not_tested_with():
 def test_streaming_plan_lays_questions_after_their_chunk():
     """Row 0 decodes, row 1 runs a 6-token chunk at 20 with a 3-token question; sink 2,
     window 4. The question's kernel row is [sink | window | chunk | question], its queries the
-    last 3; the store keeps only the batch's tokens."""
-    with_q = build_step_plan([0, 1], [9, 20], [1, 6], 2, 4, block_size=4,
-                             questions=[(1, 3, 7)])
-    plain = build_step_plan([0, 1], [9, 20], [1, 6], 2, 4, block_size=4)
+    last 3; the batch's own rows are those of the plan without questions."""
+    with_q = build_step_plan([9, 20], [1, 6], 2, 4, block_size=4, questions=[(1, 3, 7)])
+    plain = build_step_plan([9, 20], [1, 6], 2, 4, block_size=4)
     assert with_q.num_reqs == 3 and with_q.query_start_loc.tolist() == [0, 1, 7, 10]
     assert with_q.seq_lens.tolist() == plain.seq_lens.tolist() + [2 + 4 + 6 + 3]
-    assert torch.equal(with_q.keep_src, plain.keep_src)
-    assert torch.equal(with_q.keep_dst, plain.keep_dst)
+    n = len(plain.prefix_pos)
+    assert torch.equal(with_q.prefix_pos[:n], plain.prefix_pos)
+    assert with_q.prefix_pos[n:].tolist() == [0, 1, 16, 17, 18, 19]  # sink, window before 20
+    assert set(with_q.prefix_row[n:].tolist()) == {1}
     laid = with_q.chunk_src[-9:].tolist()
     assert laid == [1, 2, 3, 4, 5, 6, 7, 8, 9]  # the chunk's batch tokens, then the question
 
@@ -113,15 +114,6 @@ SERVED = [  # (id, policy, chunk, CI)
       "obs_window": 32}, 64, False),
     ("snapkv-patched-h0.5-t0.5-c128-fp8",
      {"token_policy": "snapkv", "eviction": "patched", "kv_cache_dtype": "fp8"}, 128, False),
-    # the streaming heads in vLLM's pool (the default storage; the cases above name the ring)
-    ("snapkv-patched-h0.5-t0.5-c128-pool",
-     {"token_policy": "snapkv", "eviction": "patched", "streaming_storage": "pool"}, 128, True),
-    ("snapkv-patched-h0.5-t0.5-c128-fp8-pool",
-     {"token_policy": "snapkv", "eviction": "patched", "kv_cache_dtype": "fp8",
-      "streaming_storage": "pool"}, 128, False),
-    ("pyramidkv-naive-h0.5-t0.7-c96-pool",
-     {"token_policy": "pyramidkv", "eviction": "naive", "token_sparsity": 0.7,
-      "streaming_storage": "pool"}, 96, False),
 ]
 CASES = [pytest.param(case[1:3], id=case[0], marks=[] if case[3] else [pytest.mark.slow])
          for case in SERVED]
@@ -165,10 +157,6 @@ def test_hybrid_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_tor
         for layer in range(4):
             want = pol.chunk_keep(layer, ends[0], False).kept
             assert bool((kept[layer][full_heads[layer]] == want).all())
-        itemsize = 1 if kv_cache_dtype.startswith("fp8") else 4
-        store = int((~full_heads).sum()) * 2 * (cfg.sink + cfg.window) * 64 * itemsize
-        ring = KVPolicyConfig.from_dict(as_served(policy)).storage == "ring"
-        assert stats["streaming_store_bytes"] == (store if ring else 0)
         assert stats["kv_bytes_peak"] < stats["full_kv_bytes_peak"]
         fp = kv_footprint(pol, len(prompt), ends, NEW_TOKENS - 1)
         assert stats["footprint"] == pytest.approx(fp.footprint, abs=1e-9)
@@ -180,16 +168,14 @@ def test_hybrid_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_tor
 
 
 @pytest.mark.server
-@pytest.mark.parametrize("storage", [pytest.param("ring", marks=pytest.mark.slow), "pool"])
-def test_hybrid_on_the_bundled_model_with_its_shipped_mask(storage, bundled_model_dir, tokenizer,
-                                                          hf_model, one_torch_thread):
+def test_hybrid_on_the_bundled_model_with_its_shipped_mask(bundled_model_dir, tokenizer, hf_model,
+                                                          one_torch_thread):
     """The real user's path: SmolLM2's shipped PruLong mask at head sparsity 0.5 (6 of its 30
     layers have no full head, 5 no streaming head) with patched SnapKV at 0.5 on the full
     heads; two prompts sent at once (mixed prefill / decode steps), each equal to the reference
-    at the chunk boundaries it was served with; streaming heads in the ring or in the pool."""
+    at the chunk boundaries it was served with."""
     policy = {"policy": "prulong", "sparsity": 0.5, "sink": 16, "window": 64,
-              "token_policy": "snapkv", "token_sparsity": 0.5, "eviction": "patched",
-              "streaming_storage": storage}
+              "token_policy": "snapkv", "token_sparsity": 0.5, "eviction": "patched"}
     cfg = KVPolicyConfig.from_dict(policy)
     full_heads, _ = resolve_full_heads(cfg, str(bundled_model_dir), 30, 3)
     counts = full_heads.sum(dim=1)

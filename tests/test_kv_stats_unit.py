@@ -19,12 +19,11 @@ from vllm_kvevict.stats import ByteLayout, RequestRecord
 BS = 128
 GROUP_BPB = 1000       # bytes per held block
 FULL_BPB = 30_000      # stock full attention, bytes per block
-STORE = 5_000          # streaming store per request
 
 
-def record(prompt_len=700, streaming=STORE) -> RequestRecord:
+def record(prompt_len=700) -> RequestRecord:
     layout = ByteLayout(block_size=BS, group_bytes_per_block=(GROUP_BPB,),
-                        full_bytes_per_block=FULL_BPB, streaming_bytes_per_request=streaming)
+                        full_bytes_per_block=FULL_BPB)
     return RequestRecord(request_id="r", prompt_len=prompt_len, arrival_time=100.0,
                          layout=layout)
 
@@ -46,7 +45,7 @@ def test_record_chunks_bytes_and_timing():
     assert ends == [False, False, True, False, False, False]
     assert rec.boundaries == [256, 512, 700]
 
-    exp_bytes = [(-(-(c + n) // BS)) * GROUP_BPB + STORE for c, n in steps]
+    exp_bytes = [(-(-(c + n) // BS)) * GROUP_BPB for c, n in steps]
     exp_full = [(-(-(c + n) // BS)) * FULL_BPB for c, n in steps]
     stats = rec.finish(completion_tokens=4, now=107.0, policy_name="streaming", params={},
                        footprint_of=None)
@@ -70,7 +69,7 @@ def test_record_chunks_bytes_and_timing():
 
 
 def test_record_counts_evicted_blocks_by_id_but_not_preemption():
-    rec = record(prompt_len=600, streaming=0)
+    rec = record(prompt_len=600)
     rec.on_step(0, 256, [blocks(2)], now=1.0)            # blocks 1, 2
     rec.on_step(256, 256, [{1, 3, 4}], now=2.0)          # 2 evicted, 3, 4 new
     assert rec.blocks_freed == 1
@@ -84,7 +83,7 @@ def test_record_counts_evicted_blocks_by_id_but_not_preemption():
 def test_record_counts_blocks_freed_and_reused_in_the_same_step():
     # vLLM 0.32 hands freed blocks out again first (LIFO): the request gives back 4-8 after its
     # first chunk and its second chunk's allocation gets 8, 7, 6 ... back.
-    rec = record(prompt_len=512, streaming=0)
+    rec = record(prompt_len=512)
     rec.on_step(0, 256, [blocks(8)], now=1.0, new_ids=[list(range(1, 9))])
     rec.on_step(256, 256, [blocks(11)], now=2.0, new_ids=[[8, 7, 6, 5, 4, 9, 10, 11]])
     assert rec.blocks_freed == 5 and rec.blocks_held == 11
@@ -93,7 +92,7 @@ def test_record_counts_blocks_freed_and_reused_in_the_same_step():
 def test_record_canonical_chunks_whatever_the_steps():
     """Pool storage: the prompt is chunked at multiples of E (256) whatever steps vLLM runs;
     a prefix-cache hit is not a boundary; a preempted request's recompute adds nothing."""
-    rec = record(prompt_len=700, streaming=0)
+    rec = record(prompt_len=700)
     rec.canonical_chunk = 256
     for computed, step in ((0, 200), (200, 56), (256, 300), (556, 144), (700, 1)):
         rec.on_step(computed, step, [blocks(1)], now=1.0)
@@ -101,7 +100,7 @@ def test_record_canonical_chunks_whatever_the_steps():
     for computed, step in ((0, 256), (256, 256), (512, 188)):  # preempted: recomputed
         rec.on_step(computed, step, [blocks(1)], now=2.0, preemptions=1)
     assert rec.boundaries == [256, 512, 700]
-    hit = record(prompt_len=700, streaming=0)
+    hit = record(prompt_len=700)
     hit.canonical_chunk = 256
     hit.on_step(384, 128, [blocks(1)], now=1.0)  # served [0, 384) from the prefix cache
     hit.on_step(512, 188, [blocks(1)], now=1.0)

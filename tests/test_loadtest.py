@@ -692,12 +692,6 @@ def test_chat_policy_labels():
                             max_model_len=512)
     assert argv[argv.index("--kv-policy") + 1] == "prulong" and env == {}
     assert "--enable-prompt-tokens-details" in argv
-    argv, _ = server_argv("M", "prulong:0.7/pool", kv_cache_bytes=1, chunk=64, port=1,
-                          max_model_len=512)
-    assert argv[argv.index("--kv-streaming-storage") + 1] == "pool"
     assert "--no-enable-prefix-caching" not in argv
-    argv, _ = server_argv("M", "prulong:0.7/ring", kv_cache_bytes=1, chunk=64, port=1,
-                          max_model_len=512)
-    assert argv[argv.index("--kv-streaming-storage") + 1] == "ring"
     with pytest.raises(ValueError, match="nopc"):
         server_argv("M", "full/cache", kv_cache_bytes=1, chunk=64, port=1, max_model_len=512)

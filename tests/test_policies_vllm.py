@@ -34,9 +34,6 @@ CASES = {
     # name: (policy dict, chunk)
     "streaming": ({"policy": "streaming", "sink": 16, "window": 64}, 256),
     "prulong-0.7": ({"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64}, 256),
-    # the same, its streaming heads in vLLM's pool (prefix caching on: canonical chunks)
-    "prulong-0.7-pool": ({"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64,
-                          "streaming_storage": "pool"}, 256),
     "duo-0.3": ({"policy": "duo", "sparsity": 0.3, "sink": 16, "window": 64}, 256),
     "snapkv-naive-0.5": ({"policy": "snapkv", "sparsity": 0.5, "eviction": "naive"}, 256),
     "snapkv-patched-0.5": ({"policy": "snapkv", "sparsity": 0.5, "eviction": "patched"}, 256),
@@ -50,27 +47,13 @@ CASES = {
                                                "window": 64, "token_policy": "snapkv",
                                                "token_sparsity": 0.5, "eviction": "patched"},
                                               256),
-    "hybrid-prulong-0.5-snapkv-patched-0.5-pool": ({"policy": "prulong", "sparsity": 0.5,
-                                                    "sink": 16, "window": 64,
-                                                    "token_policy": "snapkv",
-                                                    "token_sparsity": 0.5, "eviction": "patched",
-                                                    "streaming_storage": "pool"}, 256),
     "snapkv-postfill-0.7": ({"policy": "snapkv", "sparsity": 0.7, "eviction": "naive"}, 4096),
 }
 PROMPT_LENGTHS = (700, 1600)
 
 
-def as_served(policy: dict) -> dict:
-    """A test case's policy as its server gets it: a head mask's storage named, the ring store
-    unless the case says pool (the default: tested by the cases that say so and by servers
-    started without these flags)."""
-    if policy.get("policy") in ("streaming", "duo", "prulong"):
-        return {"streaming_storage": "ring", **policy}
-    return policy
-
-
 def flags(policy: dict, chunk: int) -> list[str]:
-    return ["--max-num-batched-tokens", str(chunk), *policy_flags(as_served(policy))]
+    return ["--max-num-batched-tokens", str(chunk), *policy_flags(policy)]
 
 
 def source_prompts(tokenizer, lengths) -> list[list[int]]:

@@ -75,7 +75,7 @@ def wait_for_idle_pool(base_url: str, timeout: float = 60) -> float:
     # streaming heads in the pool (their groups free blocks mid-request), prefix caching on
     # (cached blocks count as free), some requests with a teacher-forced tail (no cache reads)
     (["--kv-policy", "prulong", "--kv-sparsity", "0.7", "--kv-sink", "16", "--kv-window", "64",
-      "--kv-streaming-storage", "pool", "--block-size", "32",
+      "--block-size", "32",
       "--max-num-batched-tokens", "256"], 40, [{}, {"kv_teacher_forced": 8}]),
     # a head mask with token eviction on its full heads, streaming heads in the pool: the
     # ledger frees full groups' tails and the streaming groups their gap (patched questions)

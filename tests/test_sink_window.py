@@ -167,29 +167,22 @@ def test_gather_reads_any_slots_back_exactly():
     assert torch.equal(got_k, k[order, :2]) and torch.equal(got_v, v[order, :2])
 
 
-def test_head_masks_default_to_pool_storage_with_prefix_caching():
-    """The default storage: vLLM's pool for every head mask (prefix caching served without a
-    token policy); explicit values win."""
+def test_head_masks_serve_prefix_caching_token_eviction_does_not():
+    """Head masks keep prefix caching (their sink + window state in cached pool blocks);
+    token eviction, alone or on a head mask's full heads, does not."""
     for policy in ("streaming", "duo", "prulong"):
-        cfg = KVPolicyConfig.from_dict({"policy": policy})
-        assert cfg.streaming_storage is None and cfg.storage == "pool" and cfg.caches_prefixes
-        ring = cfg.replace(streaming_storage="ring")
-        assert ring.storage == "ring" and not ring.caches_prefixes
+        assert KVPolicyConfig.from_dict({"policy": policy}).caches_prefixes
     hybrid = KVPolicyConfig.from_dict({"policy": "prulong", "token_policy": "snapkv"})
-    assert hybrid.storage == "pool" and not hybrid.caches_prefixes
-    assert hybrid.replace(streaming_storage="ring").storage == "ring"
+    assert not hybrid.caches_prefixes
     for policy in ("full", "snapkv", "pyramidkv"):
         assert not KVPolicyConfig.from_dict({"policy": policy}).caches_prefixes
 
 
-@pytest.mark.parametrize("raw, field", [
-    ({"policy": "prulong", "streaming_storage": "disk"}, "streaming_storage"),
-    ({"policy": "snapkv", "streaming_storage": "pool"}, "streaming_storage"),
-])
-def test_streaming_storage_values_are_checked(raw, field):
-    with pytest.raises(KVPolicyError) as err:
-        KVPolicyConfig.from_dict(raw)
-    assert err.value.field == field and "ring" in str(err.value)
+def test_the_removed_ring_storage_is_an_unknown_key():
+    """`streaming_storage` (the per-request ring beside vLLM's pool) is gone: the key is
+    refused with the valid ones named, never ignored."""
+    with pytest.raises(KVPolicyError, match=r"unknown kv_policy key\(s\) \['streaming_storage'\]"):
+        KVPolicyConfig.from_dict({"policy": "prulong", "streaming_storage": "ring"})
 
 
 def test_canonical_chunks_split_a_step_that_crosses_one():
@@ -197,9 +190,9 @@ def test_canonical_chunks_split_a_step_that_crosses_one():
     its queries in [20, 32) belong to chunk [16, 32) and see the sink, [8, 16) and the chunk so
     far ([16, 20) from the pool, the rest from the step); those in [32, 40) see the sink and
     [24, 32), all from the step. A decode step keeps its own window."""
-    from vllm_kvevict.integration.streaming_store import build_step_plan
+    from vllm_kvevict.integration.step_plan import build_step_plan
 
-    plan = build_step_plan([0, 0], [20, 100], [20, 1], sink=4, window=8, block_size=32,
+    plan = build_step_plan([20, 100], [20, 1], sink=4, window=8, block_size=32,
                            prompt_lens=[100, 100], chunk=16)
     assert plan.num_reqs == 3 and plan.query_start_loc.tolist() == [0, 12, 20, 21]
     pos = plan.prefix_pos.tolist()

@@ -26,8 +26,7 @@ from conftest import SERVED_NAME, start_server
 from test_policies_vllm import LOGPROB_TOL, flags
 from vllm_kvevict.config import KVPolicyConfig
 from vllm_kvevict.features import SUPPORTED_SPECULATIVE_METHODS, speculative_error
-from vllm_kvevict.integration.streaming_store import (StreamingStore, build_step_plan,
-                                                      ring_slot)
+from vllm_kvevict.integration.step_plan import build_step_plan, lay_out_rows
 from vllm_kvevict.masks import resolve_full_heads
 from vllm_kvevict.policies import build_policy
 from vllm_kvevict.reference import ReferenceRunner
@@ -39,10 +38,8 @@ NEW_TOKENS = 48
 CHUNK = 256
 HEAD_MASK = {"sink": 16, "window": 64}  # short: the generation runs far past the window
 CASES = {
-    "prulong-0.7": {"policy": "prulong", "sparsity": 0.7, **HEAD_MASK},
     # the streaming heads in vLLM's pool: drafts' K/V in its blocks, the window freed behind
-    "prulong-0.7-pool": {"policy": "prulong", "sparsity": 0.7, **HEAD_MASK,
-                         "streaming_storage": "pool"},
+    "prulong-0.7": {"policy": "prulong", "sparsity": 0.7, **HEAD_MASK},
     "snapkv-naive-0.5": {"policy": "snapkv", "sparsity": 0.5, "eviction": "naive"},
     "snapkv-patched-0.5": {"policy": "snapkv", "sparsity": 0.5, "eviction": "patched"},
     "pyramidkv-patched-0.7": {"policy": "pyramidkv", "sparsity": 0.7, "eviction": "patched"},
@@ -214,52 +211,31 @@ def seen_by_each_query(plan, laid: torch.Tensor) -> list[set]:
     return out
 
 
+def write_and_lay_out(pool: dict, plan, rows: list[int], keys: torch.Tensor) -> torch.Tensor:
+    """What `paged_layout.lay_out_from_pool` does, on a dict (batch row, position) -> K: write
+    the step's tokens at their positions (rejected drafts of an earlier step included, as vLLM's
+    slot mapping does), then lay out each kernel row's visible past read back from it."""
+    for (r, p), k in zip(rows, keys.flatten().tolist()):
+        pool[(r, p)] = k
+    past = torch.tensor([pool[(int(r), int(p))] for r, p in zip(plan.prefix_row, plan.prefix_pos)])
+    return lay_out_rows(plan, past.view(-1, 1, 1), keys[plan.chunk_src])
+
+
 def test_decode_step_of_four_queries_gives_each_its_own_window():
     sink, window = 2, 4
     # request at 20 computed tokens, prompt of 10: a verification step of 1 + 3 queries
-    plan = build_step_plan([0], [20], [4], sink, window, block_size=8, prompt_lens=[10],
-                           slack=3)
+    plan = build_step_plan([20], [4], sink, window, block_size=8, prompt_lens=[10])
     assert plan.num_reqs == 4 and plan.query_start_loc.tolist() == [0, 1, 2, 3, 4]
     assert plan.seq_lens.tolist() == [7, 7, 7, 7]  # sink + W + itself, for every query
-    store = StreamingStore(1, 1, sink, window, torch.float32, slots=1, slack=3)
-    cap = sink + window + 3
-    for p in [0, 1, 16, 17, 18, 19]:  # the tokens before 20 a query may see
-        store.k[ring_slot(torch.tensor(p), sink, window + 3)] = float(p)
+    pool = {(0, p): float(p) for p in range(20)}
     keys = torch.arange(20, 24, dtype=torch.float32).view(4, 1, 1)
-    laid, _ = store.lay_out(plan, keys, keys)
+    laid = write_and_lay_out(pool, plan, [(0, p) for p in range(20, 24)], keys)
     assert seen_by_each_query(plan, laid) == [
         {0, 1, 16, 17, 18, 19, 20}, {0, 1, 17, 18, 19, 20, 21}, {0, 1, 18, 19, 20, 21, 22},
         {0, 1, 19, 20, 21, 22, 23}]
-    assert store.k.shape[0] == cap
     # the same step as a prefill chunk (positions < the prompt's end): one row, chunk semantics
-    chunk = build_step_plan([0], [20], [4], sink, window, block_size=8, prompt_lens=[30],
-                            slack=3)
+    chunk = build_step_plan([20], [4], sink, window, block_size=8, prompt_lens=[30])
     assert chunk.num_reqs == 1 and chunk.seq_lens.tolist() == [2 + 4 + 4]
-
-
-@pytest.mark.parametrize("slack", [3, 0])
-def test_rejected_drafts_do_not_clobber_the_window(slack):
-    """Step at 20 runs 20..23 and all three drafts are rejected: the next step starts at 21
-    and must still read 17..20. With a ring of W slots (slack 0, the code before issue 23) the
-    rejected 21, 22, 23 land on the slots of 17, 18, 19."""
-    sink, window = 2, 4
-    store = StreamingStore(1, 1, sink, window, torch.float32, slots=1, slack=slack)
-    done = 0
-    for c in [10, 1] + [1] * 9:  # prompt of 10, then decode one at a time to 20
-        plan = build_step_plan([0], [done], [c], sink, window, 8, [10], slack)
-        keys = torch.arange(done, done + c, dtype=torch.float32).view(-1, 1, 1)
-        store.commit(plan, keys, keys)
-        done += c
-    plan = build_step_plan([0], [20], [4], sink, window, 8, [10], slack)
-    drafts = torch.tensor([20, -21, -22, -23], dtype=torch.float32).view(-1, 1, 1)  # rejected
-    store.commit(plan, drafts, drafts)
-    plan = build_step_plan([0], [21], [1], sink, window, 8, [10], slack)
-    laid, _ = store.lay_out(plan, torch.full((1, 1, 1), 21.0), torch.full((1, 1, 1), 21.0))
-    seen = seen_by_each_query(plan, laid)[0]
-    if slack:
-        assert seen == {0, 1, 17, 18, 19, 20, 21}
-    else:
-        assert seen == {0, 1, -21, -22, -23, 20, 21}
 
 
 def test_speculative_steps_see_what_one_token_decode_sees():
@@ -272,7 +248,7 @@ def test_speculative_steps_see_what_one_token_decode_sees():
 
     rng = random.Random(0)
     sink, window, spec_k, bs = 3, 7, 3, 8
-    store = StreamingStore(1, 1, sink, window, torch.float32, slots=3, slack=spec_k)
+    pool: dict = {}
     prompt_lens = [25, 9, 40]
     done = [0, 0, 0]
     valid: list[dict[int, float]] = [{}, {}, {}]  # accepted K value of every position
@@ -285,9 +261,13 @@ def test_speculative_steps_see_what_one_token_decode_sees():
             q_lens.append(c)
             version += 1
             values.append([float(p * 1000 + version) for p in range(a, a + c)])
-        plan = build_step_plan([0, 1, 2], done, q_lens, sink, window, bs, prompt_lens, spec_k)
+        plan = build_step_plan(done, q_lens, sink, window, bs, prompt_lens)
+        # a step reads back only positions before its row's first query: the rejected drafts
+        # of the step before sit at positions this step rewrites first
+        assert all(int(p) < done[int(r)] for r, p in zip(plan.prefix_row, plan.prefix_pos))
         keys = torch.tensor([v for row in values for v in row]).view(-1, 1, 1)
-        laid, _ = store.lay_out(plan, keys, keys)
+        rows = [(r, done[r] + i) for r in range(3) for i in range(q_lens[r])]
+        laid = write_and_lay_out(pool, plan, rows, keys)
         seen = iter(seen_by_each_query(plan, laid))
         for r in range(3):
             n, a, c = prompt_lens[r], done[r], q_lens[r]
@@ -299,7 +279,6 @@ def test_speculative_steps_see_what_one_token_decode_sees():
                 mask = visibility(torch.tensor([q]), positions.view(1, -1), start,
                                   torch.tensor([True]), sink, window)[0, 0]
                 assert next(seen) == {known[int(p)] for p in positions[mask]}, (r, a, c, i)
-        store.commit(plan, keys, keys)
         for r in range(3):  # vLLM accepts the sampled token and a random number of drafts
             n, a, c = prompt_lens[r], done[r], q_lens[r]
             accepted = c if a < n else 1 + rng.randint(0, c - 1)

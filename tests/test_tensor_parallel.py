@@ -18,14 +18,12 @@ import openai
 import pytest
 import torch
 
-from compat_matrix import POOL, TP_CI, TP_IDS
+from compat_matrix import TP_CI, TP_IDS
 from conftest import SERVED_NAME, start_server
 from test_model_families_vllm import NEW_TOKENS, random_mask, reference
 from test_policies_vllm import flags, source_prompts
-from vllm_kvevict.config import HEAD_MASK_POLICIES, KVPolicyConfig
+from vllm_kvevict.config import HEAD_MASK_POLICIES
 from vllm_kvevict.integration.kv_cache_specs import layer_heads, paged_spec
-from vllm_kvevict.masks import resolve_full_heads
-from vllm_kvevict.served import ModelShape, ServedPolicy
 from vllm_kvevict.stats import ByteLayout
 
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank (vLLM asserts without it)
@@ -68,22 +66,12 @@ def test_world_must_divide_the_kv_heads():
         layer_heads(MASK, 3, rank=0, world=3)
 
 
-def test_streaming_bytes_per_rank_and_bytes_per_rank():
-    cfg = KVPolicyConfig.from_dict({"policy": "streaming", "sink": 4, "window": 12,
-                                    "streaming_storage": "ring"})
-    served = ServedPolicy.build(cfg, "m", ModelShape(3, 4, 8, 64))
-    per_head = 2 * 16 * 64 * 4
-    assert served.streaming_bytes_per_rank(torch.float32, 0, 2) == (6 * per_head, 6 * per_head)
-    assert served.streaming_bytes_per_request(torch.float32) == 12 * per_head
-    # in the pool (the default) the streaming heads' blocks are pool blocks: no store
-    pool = ServedPolicy.build(cfg.replace(streaming_storage=None), "m", ModelShape(3, 4, 8, 64))
-    assert pool.streaming_bytes_per_rank(torch.float32, 0, 2) == (0, 0)
+def test_bytes_per_rank():
+    # 3 blocks of 2000 bytes over both ranks: each rank holds half of every block
     layout = ByteLayout(block_size=128, group_bytes_per_block=(2000,), full_bytes_per_block=0,
-                        streaming_bytes_per_request=300, ranks=2,
-                        streaming_bytes_per_rank=(100, 200))
-    # 3 blocks (6000 bytes over both ranks) + both stores: 3000 + each rank's own store
-    assert layout.per_rank(6300) == [3100, 3200]
-    assert ByteLayout(128, (10,), 0, 5).per_rank(35) == [35]
+                        ranks=2)
+    assert layout.per_rank(6000) == [3000, 3000]
+    assert ByteLayout(128, (10,), 0).per_rank(30) == [30]
 
 
 # -- served at TP = 2 ---------------------------------------------------------------------------
@@ -101,8 +89,6 @@ TP_POLICIES = {
     "pyramidkv naive": {"policy": "pyramidkv", "sparsity": 0.5, "eviction": "naive",
                         "tiers": 2},
     "pyramidkv patched": {"policy": "pyramidkv", "sparsity": 0.7, "eviction": "patched"},
-    POOL: {"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64,
-           "streaming_storage": "pool"},
 }
 CASES = [pytest.param((4, TP_POLICIES[column]), id=test_id,
                       marks=[] if column in TP_CI else [pytest.mark.slow])
@@ -145,38 +131,19 @@ def test_tp2_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_torch_
         assert stats["full_kv_bytes_peak"] == expect_full  # both ranks' heads
         if name == "full":
             assert stats["kv_bytes_peak"] == expect_full and per_rank[0] == per_rank[1]
-        elif policy.get("streaming_storage") == "pool":
+        elif name in ("streaming", *HEAD_MASK_POLICIES):
             # every group's block on each rank: the plan's width in head pages x K, V x 128 x
             # 64 x 4 bytes (the ranks' companions padded alike, so their blocks are equal)
             width = int(re.search(r"blocks of (\d+) head pages", log).group(1))
-            assert stats["streaming_store_bytes"] == 0 and per_rank[0] == per_rank[1]
+            assert per_rank[0] == per_rank[1]
             assert stats["kv_bytes_peak"] == (2 * stats["blocks_held_peak"]
                                               * width * 2 * 128 * 64 * 4)
-        elif name in ("streaming", *HEAD_MASK_POLICIES):
-            assert stats["kv_bytes_peak"] == expected_head_mask_bytes(
-                policy, model_dir, model.config, len(prompt) + NEW_TOKENS - 1)
         else:
             assert stats["kv_bytes_peak"] < expect_full and per_rank[0] == per_rank[1]
 
 
-def expected_head_mask_bytes(policy, model_dir, config, tokens) -> int:
-    """Both ranks' bytes from the mask alone: each rank's paged blocks (every layer padded to
-    the most full heads a rank holds there) and its streaming heads' sink + window store."""
-    cfg = KVPolicyConfig.from_dict(policy)
-    layers, heads = config.num_hidden_layers, config.num_key_value_heads
-    full = torch.zeros(layers, heads, dtype=torch.bool)  # streaming: every head
-    if cfg.policy in HEAD_MASK_POLICIES:
-        full, _ = resolve_full_heads(cfg, str(model_dir), layers, heads)
-    padded = full.view(layers, 2, heads // 2).sum(dim=2).max(dim=1).values
-    paged_heads = 2 * int(padded.sum()) or 2  # every layer streaming: a 1-head placeholder
-    blocks = -(-tokens // 128)
-    per_head_token = 2 * 64 * 4  # K and V, head_dim 64, float32
-    store = int((~full).sum()) * (cfg.sink + cfg.window) * per_head_token
-    return paged_heads * 128 * blocks * per_head_token + store
-
-
 def test_padding_is_what_the_ranks_declare():
-    """The padding of expected_head_mask_bytes is layer_heads' (the served path)."""
+    """Each rank's paged cache declares the most full heads any rank holds in the layer."""
     mask = ~torch.tensor([[True, False, True, True], [False, False, False, True]])
     per_rank = [[h.paged_heads for h in layer_heads(~mask, 1, rank=r, world=2)] for r in (0, 1)]
     padded = mask.view(2, 2, 2).sum(dim=2).max(dim=1).values.tolist()

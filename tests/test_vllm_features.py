@@ -28,17 +28,12 @@ def complete(server, prompt, max_tokens: int = NEW_TOKENS):
     return r.choices[0].text, r.model_extra.get("kv_stats")
 
 
-# a head-mask policy (its streaming heads in the ring store and in vLLM's pool) and a token-eviction
-# one with patched question rows and 30 KV-cache groups. CI: a head mask with patched token
-# eviction, its streaming heads in the pool (the default; head-mask rows and question rows
-# through the compiled graph); the ring, a head mask alone and token eviction alone in the slow
-# tier (CI's budget)
+# a head-mask policy and a token-eviction one with patched question rows and 30 KV-cache groups.
+# CI: a head mask with patched token eviction (head-mask rows and question rows through the
+# compiled graph); a head mask alone and token eviction alone in the slow tier (CI's budget)
 @pytest.mark.parametrize("case", [pytest.param("prulong-0.7", marks=pytest.mark.slow),
-                                  pytest.param("prulong-0.7-pool", marks=pytest.mark.slow),
                                   pytest.param("pyramidkv-patched-0.7", marks=pytest.mark.slow),
-                                  pytest.param("hybrid-prulong-0.5-snapkv-patched-0.5",
-                                               marks=pytest.mark.slow),
-                                  "hybrid-prulong-0.5-snapkv-patched-0.5-pool"])
+                                  "hybrid-prulong-0.5-snapkv-patched-0.5"])
 def test_compiled_mode_matches_reference(case, bundled_model_dir, tokenizer, hf_model):
     """Without --enforce-eager vLLM compiles the model (torch.compile, piecewise around the
     attention op, which runs our backend eagerly): tokens must still be the reference's."""

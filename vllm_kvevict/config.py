@@ -26,11 +26,6 @@ EVICTION_MODES = ("patched", "naive")
 # preemption); vllm: stock admission (the prompt must fit), preempting under pressure, the
 # preempted request then replayed exactly (integration/admission.py).
 ADMISSION_MODES = ("reserve", "vllm")
-# Where streaming heads keep their sink + window: `pool`, blocks of vLLM's own pool
-# (integration/sink_window.py), freed as the window moves, seen by vLLM's planner, admission
-# and kv_cache_usage_perc, with prefix caching served (the default); `ring`, a per-request ring
-# buffer beside vLLM's pool.
-STREAMING_STORAGES = ("ring", "pool")
 
 DEFAULT_SINK = 64
 DEFAULT_WINDOW = 256
@@ -80,9 +75,6 @@ class KVPolicyConfig:
     # work: head-level and token-level eviction composed). Streaming heads keep sink + window.
     token_policy: str | None = None
     token_sparsity: float = DEFAULT_SPARSITY
-    # streaming / duo / prulong: one of STREAMING_STORAGES (see there); None: the default,
-    # `storage` resolves it.
-    streaming_storage: str | None = None
 
     def __post_init__(self) -> None:
         validate(self)
@@ -92,19 +84,11 @@ class KVPolicyConfig:
         return self.policy in HEAD_MASK_POLICIES or self.policy == "streaming"
 
     @property
-    def storage(self) -> str:
-        """Where the streaming heads' sink + window live: `streaming_storage`, by default vLLM's
-        pool for every head mask; `ring` for policies without streaming heads (nothing
-        stored)."""
-        if self.streaming_storage is not None:
-            return self.streaming_storage
-        return "pool" if self.uses_head_mask else "ring"
-
-    @property
     def caches_prefixes(self) -> bool:
-        """Prefix caching served exactly: head masks whose streaming heads live in vLLM's pool
-        (their sink + window state is in cached blocks; chunks are canonical)."""
-        return self.uses_head_mask and self.storage == "pool" and not self.evicts_tokens
+        """Prefix caching served exactly: head masks without token eviction (the streaming
+        heads' sink + window state is in cached pool blocks, integration/sink_window.py;
+        chunks are canonical)."""
+        return self.uses_head_mask and not self.evicts_tokens
 
     @property
     def evicts_tokens(self) -> bool:
@@ -228,14 +212,6 @@ def validate(cfg: KVPolicyConfig) -> None:
             or not 0.0 <= t <= 1.0:
         raise KVPolicyError(f"token_sparsity must be a number in [0, 1], got {t!r}",
                             "token_sparsity")
-    if cfg.streaming_storage not in (None, *STREAMING_STORAGES):
-        raise KVPolicyError(f"streaming_storage {cfg.streaming_storage!r} is unknown; valid: "
-                            f"{', '.join(STREAMING_STORAGES)}", "streaming_storage")
-    if cfg.streaming_storage == "pool":
-        if not cfg.uses_head_mask:
-            raise KVPolicyError(f"streaming_storage 'pool' only applies to streaming, "
-                                f"{', '.join(HEAD_MASK_POLICIES)}, not {cfg.policy!r}; valid "
-                                f"with {cfg.policy}: ring", "streaming_storage")
     if cfg.mask_path is not None and cfg.policy not in HEAD_MASK_POLICIES:
         raise KVPolicyError(
             f"mask_path only applies to {', '.join(HEAD_MASK_POLICIES)}, not {cfg.policy!r}",

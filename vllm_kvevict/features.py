@@ -31,17 +31,9 @@ def speculative_error(policy_config, method: str | None) -> str | None:
             f"{policy_config.policy}; supported: {', '.join(SUPPORTED_SPECULATIVE_METHODS)}")
 
 
-def speculative_slack(vllm_config) -> int:
-    """K = num_speculative_tokens of a VllmConfig (0 without speculation): the streaming-head
-    ring keeps K slots beyond sink + window so rejected drafts never overwrite a token still
-    inside the window."""
-    spec = getattr(vllm_config, "speculative_config", None)
-    return int(getattr(spec, "num_speculative_tokens", None) or 0)
-
-
 def connector_error(policy_config, connectors: list[str]) -> str | None:
     """A user's KV connector saves and loads whole KV blocks by token position; eviction rewrites
-    them (compacted, or streaming heads outside the pool), so loaded blocks would have to be
+    them (compacted, or freed outside a head's window), so loaded blocks would have to be
     what the policy kept at the same chunk boundaries: not built, so refused."""
     if not connectors or policy_config.policy == "full":
         return None
@@ -51,7 +43,7 @@ def connector_error(policy_config, connectors: list[str]) -> str | None:
 
 
 # KV cache dtypes served with every policy: the model's (`auto`) and vLLM's CPU fp8 formats
-# (`integration/fp8.py`: the streaming store keeps fp8 codes too; token eviction rewrites kept
+# (`integration/fp8.py`: streaming heads' blocks hold fp8 codes too; token eviction rewrites kept
 # tokens through vLLM's own quantizing write). Decoupled eviction chunks read earlier steps'
 # K/V back from the paged cache, which `paged_layout.py` knows for the model dtype only.
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -121,7 +113,7 @@ def prefix_caching_error(policy_config, requested: bool | None) -> str | None:
             "yet (a cache hit would skip the eviction state each request builds from its first "
             "token); valid: leave it out or pass --no-enable-prefix-caching, which evicting "
             "policies run with; prefix caching is served with --kv-policy full, and with "
-            "streaming/duo/prulong in pool storage (their default; not with --kv-token-policy)")
+            "streaming/duo/prulong (not with --kv-token-policy)")
 
 
 def lora_error(policy_config, enabled: bool) -> str | None:

@@ -107,8 +107,6 @@ class ServedPolicy:
         config = self.variant(overrides or {}).config
         params = config.to_dict()
         params.pop("policy", None)
-        if config.uses_head_mask:  # (resolved: the default depends on token_policy)
-            params["streaming_storage"] = config.storage
         mask = params.pop("mask_path", None) or self.mask_source
         if mask:
             params["mask"] = os.path.basename(mask)
@@ -118,22 +116,6 @@ class ServedPolicy:
     @property
     def streaming_kv_heads(self) -> int:
         return int(self.policy.streaming_heads().sum())
-
-    def streaming_bytes_per_request(self, dtype: torch.dtype, slack: int = 0) -> int:
-        """The streaming store of one running request: K and V of sink + window (+ `slack`,
-        the speculative K) tokens for every streaming head (head-mask policies; else 0)."""
-        return sum(self.streaming_bytes_per_rank(dtype, slack, 1))
-
-    def streaming_bytes_per_rank(self, dtype: torch.dtype, slack: int = 0,
-                                 world: int = 1) -> tuple[int, ...]:
-        """The same, per tensor-parallel rank (rank r holds KV heads [r H/world, ...))."""
-        if not self.config.uses_head_mask or self.config.storage == "pool":
-            return (0,) * world  # (pool storage: the streaming heads' blocks are pool blocks)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        per_head = 2 * (self.config.sink + self.config.window + slack) * self.shape.head_dim
-        streaming = self.policy.streaming_heads()
-        counts = streaming.view(streaming.shape[0], world, -1).sum(dim=(0, 2)).tolist()
-        return tuple(int(c) * per_head * itemsize for c in counts)
 
     def describe(self) -> dict[str, Any]:
         """Everything this server serves, for the start-up line and `GET /v1/kv_stats`."""

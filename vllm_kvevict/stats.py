@@ -7,8 +7,8 @@ the request holds in every KV-cache group (read from the KV manager after this s
 allocation, so they are the blocks held while the step runs). From those it keeps:
 
 - chunk_boundaries: the end of every prefill chunk vLLM scheduled, e.g. [256, 512, 700];
-- real bytes held at each step = sum over groups of blocks held x the group's bytes per block,
-  plus the streaming store of head-mask policies (a fixed sink + window buffer per request);
+- real bytes held at each step = sum over groups of blocks held x the group's bytes per block
+  (a head mask's streaming heads are groups of their own: every byte is a pool block);
   `kv_bytes_peak` is their maximum, `kv_bytes_integral` the sum over steps of bytes held x tokens
   processed for this request in that step;
 - the same two figures for stock vLLM's full attention: ceil(tokens / block_size) blocks of all
@@ -43,17 +43,13 @@ class ByteLayout:
     block_size: int                        # tokens per block (stock vLLM's, for full attention)
     group_bytes_per_block: tuple[int, ...]  # real bytes one block of KV-cache group g reserves
     full_bytes_per_block: int              # stock vLLM: every layer and KV head, block_size tokens
-    streaming_bytes_per_request: int = 0   # head-mask policies' sink + window store, per request
-    # tensor parallel: group_bytes_per_block and streaming_bytes_per_request sum every rank;
-    # each rank holds 1/ranks of a block's bytes and its own streaming heads' store
+    # tensor parallel: group_bytes_per_block sums every rank; each rank holds 1/ranks of a
+    # block's bytes (every rank declares the same specs: kv_cache_specs.layer_heads)
     ranks: int = 1
-    streaming_bytes_per_rank: tuple[int, ...] = ()
 
     def per_rank(self, total_bytes: int) -> list[int]:
-        """A request's bytes (a sum over ranks, store included) on each rank."""
-        streaming = self.streaming_bytes_per_rank or (self.streaming_bytes_per_request,)
-        pool = (total_bytes - self.streaming_bytes_per_request) // self.ranks
-        return [pool + s for s in streaming]
+        """A request's bytes (a sum over ranks) on each rank."""
+        return [total_bytes // self.ranks] * self.ranks
 
     def full_bytes(self, tokens: int) -> int:
         return -(-tokens // self.block_size) * self.full_bytes_per_block
@@ -129,8 +125,7 @@ class RequestRecord:
 
         if len(self._held) != len(held_ids):
             self._held = [None] * len(held_ids)
-        held_bytes = self.layout.streaming_bytes_per_request
-        held_blocks = 0
+        held_bytes = held_blocks = 0
         for g, ids in enumerate(held_ids):
             prev = self._held[g]
             if prev:
@@ -199,7 +194,6 @@ class RequestRecord:
             "full_kv_bytes_integral": self.full_bytes_integral,
             "measured_footprint": _ratio(self.bytes_integral, self.full_bytes_integral),
             "kv_bytes_saved": self.full_bytes_peak - self.bytes_peak,
-            "streaming_store_bytes": self.layout.streaming_bytes_per_request,
             "block_size": self.layout.block_size,
             "blocks_held_peak": self.blocks_held_peak,
             "blocks_held_end": self.blocks_held,

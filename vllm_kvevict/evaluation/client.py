@@ -18,7 +18,7 @@ from vllm_kvevict.evaluation.tasks import Example
 SERVED_NAME = "smollm2"
 KV_FIELDS = ("footprint", "peak_kv", "kv_bytes_peak", "measured_footprint", "chunk_boundaries",
              "prompt_tokens", "completion_tokens", "decode_steps", "ttft_s", "e2e_s",
-             "preemptions", "streaming_store_bytes", "overrides", "params")
+             "preemptions", "overrides", "params")
 
 
 class RequestError(RuntimeError):

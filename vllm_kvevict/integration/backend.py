@@ -4,7 +4,8 @@ Registered over `CPU_ATTN` (the CPU platform always asks for it). With `full` ev
 is vLLM's own, so `full` is stock vLLM bit for bit. With a head mask, per layer:
   - full heads: vLLM's kernel over the paged cache, which holds only those heads;
   - streaming heads: vLLM's kernel over a scratch paged cache laid out as
-    [sink | window | chunk] per request from `StreamingStore` (`streaming_store.py`);
+    [sink | window | chunk] per request from their blocks in vLLM's pool (`step_plan.py`,
+    `paged_layout.lay_out_from_pool`);
   - a layer whose heads are all full takes the stock path unchanged.
 With token eviction (snapkv, pyramidkv, or a head mask's full heads under `--kv-token-policy`)
 the paged heads attend over their compacted past and each prefill chunk is compressed after.
@@ -115,20 +116,16 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
 
     def _streaming(self, state, layer, heads, plan, query, key, value) -> torch.Tensor:
         """The streaming heads' outputs for the rows of `query` (the plan's kernel queries),
-        over [sink | window | chunk] laid out from `StreamingStore`; then the store keeps
-        the step's tokens that stay visible."""
+        over [sink | window | chunk] laid out from the pool (the step's K/V written there
+        first)."""
         stream_q, stream_kv = heads.streaming_q, list(heads.streaming_kv)
         out = torch.zeros(query.shape[0], len(stream_q), self.head_size, dtype=query.dtype)
         if not plan.valid:  # profiling / warm-up runs without real requests
             return out
         keys, values = key[:, stream_kv], value[:, stream_kv]
         scales = (layer._k_scale_float, layer._v_scale_float)
-        store = None if state.in_pool else state.store(heads.layer)
-        if store is None:  # (vLLM's pool: sink_window.py)
-            laid_k, laid_v = lay_out_from_pool(self, layer, plan, keys, values)
-        else:
-            laid_k, laid_v = store.lay_out(plan, keys, values, scales)
-        # fp8: the laid-out values are already the codes' grid values (streaming_store.py)
+        laid_k, laid_v = lay_out_from_pool(self, layer, plan, keys, values)
+        # fp8: the laid-out values are already the codes' grid values (step_plan.py)
         dtype, write_scale = ((torch.uint8, (1.0, 1.0)) if is_fp8(self.kv_cache_dtype)
                               else (keys.dtype, scales))
         scratch = self._scratch_cache(len(stream_kv), int(plan.block_table.max()) + 1,
@@ -143,14 +140,12 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
                                plan.query_start_loc, query.dtype)
         self._kernel(layer, query[:, stream_q], scratch, out, plan.query_start_loc,
                      plan.seq_lens, plan.block_table, sched)
-        if store is not None:
-            store.commit(plan, keys, values, scales)
         return out
 
     def _forward_token_eviction(self, state, layer, query, key, value, kv_cache, attn_metadata,
                                 output):
         """Attention over the kept (compacted) past + the chunk, then compress the chunk. A
-        head mask with a token policy: its full heads so; its streaming heads over the store,
+        head mask with a token policy: its full heads so; its streaming heads over their pool blocks,
         the patched questions' rows included."""
         plan, n = attn_metadata.plan, attn_metadata.num_actual_tokens
         heads = state.heads[_layer_index(layer)]

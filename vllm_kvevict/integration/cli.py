@@ -20,10 +20,15 @@ from vllm_kvevict.served import ADDITIONAL_CONFIG_KEY
 FLAGS = {
     "--kv-policy": ("policy", str,
                     f"KV eviction policy: {', '.join(POLICIES)} (default: full = stock vLLM). "
-                    "streaming/duo/prulong keep vLLM's prefix caching on (their streaming "
-                    "heads in vLLM's pool); snapkv/pyramidkv, --kv-token-policy and "
-                    "--kv-streaming-storage ring run with it off (an explicit "
-                    "--enable-prefix-caching is refused)."),
+                    "streaming/duo/prulong keep their streaming heads' sink + window in "
+                    "blocks of vLLM's own pool, freed as the window moves (counted by vLLM's "
+                    "admission and kv_cache_usage_perc), and keep vLLM's prefix caching on: "
+                    "the prompt is then chunked at multiples of --max-num-batched-tokens, each "
+                    "chunk held whole while it runs (with --no-enable-prefix-caching each step "
+                    "is a chunk and only its last window is stored). snapkv/pyramidkv and "
+                    "--kv-token-policy run with prefix caching off (patched eviction scores "
+                    "each chunk with the prompt's last tokens, so no prefix is shareable; an "
+                    "explicit --enable-prefix-caching is refused)."),
     "--kv-sparsity": ("sparsity", float,
                       "Head sparsity (share of streaming KV heads) for duo/prulong; token "
                       "sparsity p (share of each prefill chunk's KVs evicted) for "
@@ -63,17 +68,6 @@ FLAGS = {
                             "Token sparsity p of --kv-token-policy (share of each prefill "
                             "chunk's KVs a full head evicts), while --kv-sparsity stays the "
                             f"head sparsity. In [0, 1]; default {DEFAULT_SPARSITY}."),
-    "--kv-streaming-storage": ("streaming_storage", str,
-                               "streaming/duo/prulong: where streaming heads keep their sink + "
-                               "window: pool (default: blocks of vLLM's own pool, freed as the "
-                               "window moves; counted by vLLM's admission and "
-                               "kv_cache_usage_perc; prefix caching on by default, the prompt "
-                               "then chunked at multiples of --max-num-batched-tokens and each "
-                               "chunk held whole while it runs; with "
-                               "--no-enable-prefix-caching each step is a chunk and only its "
-                               "last window is stored) or ring (a per-request ring beside "
-                               "vLLM's pool, prefix caching off). With --kv-token-policy "
-                               "prefix caching is off: each step is a chunk."),
     "--kv-mask": ("mask_path", str, "Head-mask file for duo/prulong (our JSON format, PruLong "
                                     "0/1 TSV or DuoAttention gate TSV). Default: the mask shipped "
                                     "in head_masks/ for the served model."),

@@ -6,9 +6,10 @@ fp8 format's grid, saturating at its largest finite value (not round-to-nearest,
 `.to(float8)` does); attention dequantizes (code * scale) and computes in float32. The cache
 tensor is uint8 (`fp8` means e4m3).
 
-The streaming store keeps its ring as fp8 codes (one byte per element, like the paged cache),
-quantized here with vLLM's rule, and lays them out for the kernel as exact grid values written
-with scale 1, so the kernel reads the same values and multiplies by the layer's scale.
+Streaming heads' blocks hold fp8 codes written by vLLM's own op; their window is read back as
+codes and laid out for the kernel as exact grid values written with scale 1 (the step's own
+K/V quantized here with vLLM's rule), so the kernel reads the same values and multiplies by the
+layer's scale.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """KV-cache specs: what vLLM's KV-cache manager allocates for each layer (worker side declares
 them in `GPUModelRunner.get_kv_cache_spec`; the engine core groups them).
 
-Head masks that free memory: vLLM's paged cache holds only the full heads of each layer. A vLLM
-block spans every KV head of a layer, so a streaming head kept in the paged cache would hold the
-whole sequence. Instead each layer's spec says `num_kv_heads = its full heads` (vLLM then
-allocates, schedules and frees paged KV for full heads only) and streaming heads live in
-`StreamingStore` (sink + window per request). A layer with no full head has no paged KV at all:
-it is declared as sharing the cache of a layer that has one (vLLM's own cross-layer sharing),
-which gives it attention metadata without allocating anything.
+Head masks that free memory: a vLLM block spans every KV head of a layer, so a streaming head
+kept in the layer's cache would hold the whole sequence. Instead each layer's spec says
+`num_kv_heads = its full heads` (vLLM then allocates, schedules and frees paged KV for full
+heads only) and its streaming heads are a cache-only companion layer with a `SinkWindowSpec`
+(`sink_window.py`): their own KV-cache group, whose blocks vLLM frees as the window moves. A
+layer with no full head has no cache of its own: it is declared as sharing its companion's
+(vLLM's own cross-layer sharing), which gives it attention metadata without allocating.
 
 Per-tier block tables for token eviction: one vLLM KV-cache group per tier of layers. A group is
 a set of layers sharing one block table per request. With one group, a request holds in every
@@ -200,9 +200,9 @@ def layer_groups(kv_cache_config, num_layers: int) -> LayerGroups:
 # -- the runner hooks (registration.py wraps vLLM's functions with these) ------------------------
 
 def declare_specs(runner, stock_get_kv_cache_spec, state) -> dict:
-    """`GPUModelRunner.get_kv_cache_spec` with a policy: full heads only in each layer's paged
-    spec (layers without any share another layer's cache), and for token eviction one
-    KV-cache group per tier of layers."""
+    """`GPUModelRunner.get_kv_cache_spec` with a policy: a head mask's streaming heads in their
+    companions' groups, its full heads only in each layer's paged spec (below); for token
+    eviction alone one KV-cache group per tier of layers."""
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention import Attention
     from vllm.model_executor.models.utils import extract_layer_index
@@ -211,26 +211,14 @@ def declare_specs(runner, stock_get_kv_cache_spec, state) -> dict:
     index = {name: extract_layer_index(name) for name in layers}
     if state.in_pool:
         return _declare_pool_specs(runner, stock_get_kv_cache_spec, state, layers, index)
-    with_full = [n for n in layers if state.heads[index[n]].paged_heads]
-    # vLLM needs one paged layer to schedule blocks at all; with every head streaming,
-    # the first layer keeps a 1-head placeholder (reported as held bytes, never read).
-    target = with_full[0] if with_full else next(iter(layers))
-    for name, layer in layers.items():
-        if name != target and not state.heads[index[name]].paged_heads:
-            layer.kv_sharing_target_layer_name = target
-    specs = stock_get_kv_cache_spec(runner)
-    for name, spec in list(specs.items()):
-        heads = state.heads[index[name]]
-        specs[name] = paged_spec(spec, heads) or dataclasses.replace(spec, num_kv_heads=1)
-    if state.token is not None:
-        num_layers = state.served.shape.num_layers
-        specs = tier_specs(specs, index, num_layers, state.config.num_tiers(num_layers))
-    return specs
+    specs = stock_get_kv_cache_spec(runner)  # (token eviction alone: every head is full)
+    num_layers = state.served.shape.num_layers
+    return tier_specs(specs, index, num_layers, state.config.num_tiers(num_layers))
 
 
 class StreamingCacheLayer(torch.nn.Module, AttentionLayerBase):
-    """A cache-only layer holding one attention layer's streaming heads in vLLM's pool
-    (`--kv-streaming-storage pool`): vLLM declares its spec, allocates, binds and builds
+    """A cache-only layer holding one attention layer's streaming heads in vLLM's pool:
+    vLLM declares its spec, allocates, binds and builds
     metadata for it like any attention layer; the real layer's backend reads and writes it
     (the pattern of vLLM's own cache-only companion layers). Never run as a module."""
 
@@ -251,7 +239,7 @@ class StreamingCacheLayer(torch.nn.Module, AttentionLayerBase):
 
 
 def _declare_pool_specs(runner, stock_get_kv_cache_spec, state, layers, index) -> dict:
-    """Pool storage: each layer's full heads in its own spec (a layer without any shares its
+    """A head mask: each layer's full heads in its own spec (a layer without any shares its
     companion's cache, which gives it attention metadata), its streaming heads in a companion
     `StreamingCacheLayer` with a `SinkWindowSpec` (`sink_window.py`)."""
     from vllm_kvevict.integration.sink_window import (COMPANION_SUFFIX, PromptFullSpec,

@@ -22,7 +22,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from vllm_kvevict.integration.fp8 import grid_values, is_fp8
 from vllm_kvevict.integration.sink_window import COMPANION_SUFFIX
-from vllm_kvevict.integration.streaming_store import lay_out_visible
+from vllm_kvevict.integration.step_plan import lay_out_visible
 
 
 # Index digits written per probe pass: small integers, exact in the model's float dtypes (base
@@ -132,7 +132,7 @@ def lay_out_from_pool(impl, layer, plan, keys, values):
     step's K/V at their logical slots in the companion layer's cache (vLLM's slot mapping of
     its KV-cache group; the manager above frees what leaves sink + window), then read each
     kernel row's visible past back from the group's blocks and lay it out before the step's
-    tokens, as `StreamingStore.lay_out` does from its ring (fp8: as the codes' grid values)."""
+    tokens (fp8: as the codes' grid values)."""
     from vllm.forward_context import get_forward_context
 
     context = get_forward_context()

@@ -1,5 +1,4 @@
-"""The plan of KV-cache groups when streaming heads are in vLLM's pool (`--kv-streaming-storage
-pool`): the real layers' full-head specs and the streaming companions' `SinkWindowSpec`s packed
+"""The plan of KV-cache groups of a head mask (streaming heads in vLLM's pool): the real layers' full-head specs and the streaming companions' `SinkWindowSpec`s packed
 into groups of equal width (a block of any group costs the widest group's bytes in the
 block-outer layout), returned in place of vLLM's own `get_kv_cache_groups` (wrapped in
 `registration.py`)."""

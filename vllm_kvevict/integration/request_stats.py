@@ -13,10 +13,8 @@ from typing import Any
 import torch
 from vllm.v1.request import RequestStatus
 
-from vllm_kvevict.features import speculative_slack
 from vllm_kvevict.integration.connector_stats import (PENDING_LIMIT, SNAPSHOT_INTERVAL_S,
                                                       KVEvictConnectorStats)
-from vllm_kvevict.integration.fp8 import is_fp8
 from vllm_kvevict.integration.sink_window import canonical_chunk
 from vllm_kvevict.integration.token_ledger import prompt_len
 from vllm_kvevict.overrides import effective_config
@@ -86,22 +84,14 @@ class RequestStatsTracker:
         full_bytes_per_block = (shape.num_layers * 2 * block_size * shape.num_kv_heads
                                 * head_size * _dtype_bytes(kv_dtype))
         # Tensor parallel: every rank declares the same specs (kv_cache_specs.layer_heads), so a
-        # block id ties up its bytes on each rank; the streaming store is per rank.
+        # block id ties up its bytes on each rank.
         ranks = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
-        # the streaming store holds the cache dtype (fp8 codes: one byte; fp8.py)
-        store_dtype = (torch.uint8 if is_fp8(str(vllm_config.cache_config.cache_dtype))
-                       else vllm_config.model_config.dtype)
-        per_rank = served.streaming_bytes_per_rank(store_dtype, speculative_slack(vllm_config),
-                                                   ranks)
-        streaming_bytes = sum(per_rank)
         self.layout = ByteLayout(
             block_size=block_size,
             group_bytes_per_block=tuple(ranks * b for b in
                                         _group_bytes_per_block(kv_cache_config)),
-            full_bytes_per_block=full_bytes_per_block,
-            streaming_bytes_per_request=streaming_bytes, ranks=ranks,
-            streaming_bytes_per_rank=per_rank)
-        # pool storage with prefix caching: the prompt is chunked at multiples of the budget
+            full_bytes_per_block=full_bytes_per_block, ranks=ranks)
+        # a head mask with prefix caching: the prompt is chunked at multiples of the budget
         self.canonical_chunk = canonical_chunk(vllm_config)
         self.records: dict[str, RequestRecord] = {}
         self._requests: dict[str, Any] = {}
@@ -114,9 +104,9 @@ class RequestStatsTracker:
         self._ended_since_snapshot = False
         self._pending_first_token: dict[int, tuple[Any, list[str]]] = {}
         logger.info("vllm-kvevict: kv_stats on (policy %s): %s bytes per block per KV-cache group, "
-                    "%d per block for full attention, %d streaming-store bytes per request",
+                    "%d per block for full attention",
                     self.cfg.policy, list(self.layout.group_bytes_per_block),
-                    full_bytes_per_block, streaming_bytes)
+                    full_bytes_per_block)
 
     def guard(self, fn, *args):
         try:

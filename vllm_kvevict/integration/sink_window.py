@@ -1,5 +1,5 @@
 """Streaming heads in vLLM's own block pool: a sink + sliding-window KV-cache spec, its
-manager, and the plan of KV-cache groups (`--kv-streaming-storage pool`).
+manager, and the plan of KV-cache groups (every head-mask policy: streaming, duo, prulong).
 
 A streaming head running a prefill chunk [a, a + c) sees the sink (positions [0, s)), the W
 tokens before a, and the chunk; a decode query at q sees the sink and [q - W, q]. vLLM 0.32 has
@@ -26,7 +26,7 @@ Two regimes, chosen by vLLM's prefix caching (`canonical_chunk`):
 - prefix caching off: each step is its own chunk, and the positions of a step that leave the
   window before the step ends ([s, e - W)) are never stored: their blocks are vLLM's null block,
   the kernel reads them from the step's own K/V. The group then holds sink + the window before
-  the step + the window after it, what the ring store held, inside the pool.
+  the step + the window after it.
 """
 
 from __future__ import annotations
@@ -41,15 +41,13 @@ COMPANION_SUFFIX = ".kvevict_streaming"
 
 
 def canonical_chunk(vllm_config) -> int:
-    """The canonical prefill chunk E of pool storage: the step budget when prefix caching is on
+    """The canonical prefill chunk E of a head mask: the step budget when prefix caching is on
     (cached blocks must not depend on how vLLM split the steps), 0 otherwise (each step is its
-    own chunk, as with the ring store). One value for the scheduler, the specs, the worker and
-    the stats."""
+    own chunk). One value for the scheduler, the specs, the worker and the stats."""
     from vllm_kvevict.served import served_policy
 
     cfg = served_policy(vllm_config).config
-    if not (cfg.uses_head_mask and cfg.storage == "pool"
-            and vllm_config.cache_config.enable_prefix_caching):
+    if not (cfg.uses_head_mask and vllm_config.cache_config.enable_prefix_caching):
         return 0
     return int(vllm_config.scheduler_config.max_num_batched_tokens)
 

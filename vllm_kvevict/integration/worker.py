@@ -1,21 +1,20 @@
 """Worker side (GPUModelRunner): the policy's per-process state (the served policy, per-layer
-head splits, the streaming stores, request -> store slot, the current step's plan) and the
+head splits, the token-eviction ledgers, the current step's plan) and the
 model-runner hooks that keep it in step with vLLM (registration.py wraps vLLM's methods with
 `on_execute_model`, `forward_with_questions` and `slot_mappings`)."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from vllm_kvevict.config import KVPolicyConfig
-from vllm_kvevict.features import speculative_slack
 from vllm_kvevict.integration.kv_cache_specs import (LayerHeads, declare_specs, layer_groups,
                                                      layer_heads)
 from vllm_kvevict.integration.sink_window import canonical_chunk
-from vllm_kvevict.integration.streaming_store import StepPlan, StreamingStore, build_step_plan
+from vllm_kvevict.integration.step_plan import StepPlan, build_step_plan
 from vllm_kvevict.integration.token_eviction_worker import TokenEvictionWorker, TokenStepPlan
 from vllm_kvevict.overrides import policy_prompt_len
 from vllm_kvevict.policies import KVPolicy
@@ -31,12 +30,7 @@ class WorkerState:
     head_dim: int
     dtype: torch.dtype
     block_size: int
-    slack: int = 0  # speculative K: extra streaming-store ring slots (streaming_store.py)
-    kv_cache_dtype: str = "auto"  # vLLM's --kv-cache-dtype (fp8.py)
-    chunk: int = 0  # pool storage: the canonical prefill chunk (sink_window.canonical_chunk)
-    stores: dict[int, StreamingStore] = field(default_factory=dict)
-    slot_of: dict[str, int] = field(default_factory=dict)
-    free_slots: list[int] = field(default_factory=list)
+    chunk: int = 0  # the canonical prefill chunk (sink_window.canonical_chunk; 0: the step)
     step: int = 0
     runner: object = None
     token: TokenEvictionWorker | None = None
@@ -56,25 +50,13 @@ class WorkerState:
 
     @property
     def in_pool(self) -> bool:
-        """Streaming heads in vLLM's pool (`--kv-streaming-storage pool`), not in stores."""
-        return self.config.storage == "pool"
+        """Streaming heads, in vLLM's pool (companion KV-cache groups, `sink_window.py`)."""
+        return self.config.uses_head_mask
 
     # -- requests ------------------------------------------------------------------------
-    def slot_for(self, req_id: str) -> int:
-        if req_id not in self.slot_of:
-            slot = self.free_slots.pop() if self.free_slots else len(self.slot_of)
-            self.slot_of[req_id] = slot
-            for store in self.stores.values():
-                store.grow(slot + 1)
-        return self.slot_of[req_id]
-
     def release(self, req_ids) -> None:
         if self.token is not None:
             self.token.release(req_ids)
-        for req_id in req_ids or ():
-            slot = self.slot_of.pop(req_id, None)
-            if slot is not None:
-                self.free_slots.append(slot)
 
     # -- per step ------------------------------------------------------------------------
     def step_plan(self, common) -> StepPlan:
@@ -105,14 +87,9 @@ class WorkerState:
         return plan
 
     def _streaming_plan(self, req_ids, computed, q_lens, valid, questions=()) -> StepPlan:
-        num_reqs = len(q_lens)
-        # (pool storage addresses the past through the block tables, not store slots)
-        slots = [self.slot_for(r) for r in req_ids] if valid and not self.in_pool \
-            else [0] * num_reqs
-        prompt_lens = self._prompt_lens(req_ids[:num_reqs]) if valid else None
-        plan = build_step_plan(slots, computed, q_lens, self.config.sink, self.config.window,
-                               self.block_size, prompt_lens, self.slack, questions,
-                               chunk=self.chunk if self.in_pool else None)
+        prompt_lens = self._prompt_lens(req_ids[:len(q_lens)]) if valid else None
+        plan = build_step_plan(computed, q_lens, self.config.sink, self.config.window,
+                               self.block_size, prompt_lens, questions, chunk=self.chunk or None)
         plan.valid = valid
         return plan
 
@@ -168,15 +145,6 @@ class WorkerState:
         self.token.finish_step(
             plan, lambda r: requests[r].block_ids if r in requests else None, counts)
 
-    def store(self, layer: int) -> StreamingStore:
-        if layer not in self.stores:
-            heads = self.heads[layer]
-            self.stores[layer] = StreamingStore(
-                len(heads.streaming_kv), self.head_dim, self.config.sink, self.config.window,
-                self.dtype, slots=max(8, len(self.slot_of)), slack=self.slack,
-                kv_cache_dtype=self.kv_cache_dtype)
-        return self.stores[layer]
-
 
 _state: WorkerState | None = None
 
@@ -214,8 +182,7 @@ def init_state(vllm_config) -> WorkerState | None:
         served=served, heads=layer_heads(served.policy.streaming_heads(),
                                          served.shape.queries_per_kv, rank, world),
         head_dim=served.shape.head_dim, dtype=vllm_config.model_config.dtype,
-        block_size=block_size, slack=speculative_slack(vllm_config),
-        kv_cache_dtype=str(vllm_config.cache_config.cache_dtype or "auto"),
+        block_size=block_size,
         chunk=canonical_chunk(vllm_config),
         token=TokenEvictionWorker(served.policy, block_size, for_request=served.for_request)
         if served.policy.evicts_tokens else None)

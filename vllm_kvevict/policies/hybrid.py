@@ -27,8 +27,7 @@ class HybridPolicy(HeadMaskPolicy):
         super().__post_init__()
         # the token policy alone, at the token sparsity (its own config: no mask, no head part)
         cfg = self.config.replace(policy=self.config.token_policy, token_policy=None,
-                                  sparsity=self.config.token_sparsity, mask_path=None,
-                                  streaming_storage=None)
+                                  sparsity=self.config.token_sparsity, mask_path=None)
         cls = PyramidKVPolicy if cfg.policy == "pyramidkv" else SnapKVPolicy
         self.token = cls(config=cfg, num_layers=self.num_layers, num_kv_heads=self.num_kv_heads)
 

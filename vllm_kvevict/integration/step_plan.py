@@ -1,0 +1,163 @@
+"""The per-step plan of the streaming heads: which past positions each kernel row sees.
+
+Semantics (`policies/streaming.py`): a streaming head running a prefill chunk [a, a + c) sees
+the sink (first s tokens), the last W tokens before a, and the chunk causally; afterwards it keeps
+sink + last W. The tokens it may see before a are exactly positions [0, a) if a <= s + W, else
+[0, s) and [a - W, a). A decode query at position q (q >= the prompt length) sees the sink,
+[q - W, q) and itself, as when tokens are decoded one at a time; so a step that runs several
+decode queries of one request (speculative decoding: the last sampled token and K drafts) gives
+each its own kernel row (below).
+
+The streaming heads' K/V live in vLLM's pool (`sink_window.py`: a KV-cache group per layer's
+streaming companion, its blocks freed as the window moves). Each step, per layer
+(`paged_layout.lay_out_from_pool`):
+  1. the step's K/V are written at their slots in the companion's blocks (vLLM's slot mapping);
+  2. each kernel row's visible past is read back from those blocks and laid out, with the
+     step's visible tokens after it, in a zeroed scratch paged cache (through vLLM's
+     reshape-and-cache op, which knows the kernel's packed layouts), and vLLM's own CPU kernel
+     runs causally over it: it places query i at seq_len - q_len + i. A prefill chunk is one
+     row of its c queries (exactly the chunk's streaming mask); each decode query of a
+     multi-query step is a row of its own with one query, holding only what that query sees.
+The index bookkeeping (`StepPlan`) is computed once per engine step and shared by all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm_kvevict.integration.fp8 import grid_values, quantize
+
+
+@dataclass
+class StepPlan:
+    """Per-step indices shared by every layer (built from the batch's rows). A batch row (one
+    request) gives one kernel row, or several when it runs more than one decode query."""
+
+    num_reqs: int                   # kernel rows
+    seq_lens: torch.Tensor          # int32 [num_reqs]: laid-out tokens per kernel row
+    query_start_loc: torch.Tensor   # int32 [num_reqs + 1] (queries stay in batch order)
+    block_table: torch.Tensor       # int32 [num_reqs, max_blocks] into the scratch cache
+    scratch_slots: torch.Tensor     # int64 [sum(seq_lens)]: scratch slot of each laid-out token
+    prefix_dst: torch.Tensor        # long: rows of the laid-out tensor read from the pool
+    prefix_pos: torch.Tensor        # long: their positions
+    prefix_row: torch.Tensor        # long: their batch rows (whose block table they are read by)
+    chunk_dst: torch.Tensor         # long: rows of the laid-out tensor that come from the step
+    chunk_src: torch.Tensor         # long: their token indices in the batch
+    max_seq_len: int
+    valid: bool = True
+    # vLLM kernel work schedules for this step, per streaming-head count (filled lazily)
+    kernel_schedules: dict = field(default_factory=dict)
+
+
+def visible_before(a: int, sink: int, window: int, anchor: int | None = None) -> torch.Tensor:
+    """Positions < a that a streaming head sees from a query at a whose chunk starts at
+    `anchor` (default a): the sink and [anchor - W, a)."""
+    lo = a - window if anchor is None else anchor - window
+    if lo <= sink:
+        return torch.arange(a)
+    return torch.cat([torch.arange(sink), torch.arange(lo, a)])
+
+
+def build_step_plan(computed: list[int], query_lens: list[int], sink: int, window: int,
+                    block_size: int, prompt_lens: list[int] | None = None,
+                    questions: list[tuple[int, int, int]] = (),
+                    chunk: int | None = None) -> StepPlan:
+    """Indices for one step. Row r: `computed[r]` tokens already processed, `query_lens[r]`
+    tokens in this step (a prefill chunk, one decode token, or a verification step of 1 + K
+    decode tokens). Queries at positions >= `prompt_lens[r]` of a multi-query row each get
+    their own kernel row (None: every row is a chunk, as without speculation).
+    `questions`: (row, k, first index) of patched scoring's question tokens (a head mask with
+    a token policy), k extra tokens after the batch's, at positions right after row r's chunk:
+    a kernel row each, [visible past | the chunk | the question], that nothing stores.
+    `chunk`: canonical chunks (prefix caching on): prompt positions are chunked at multiples of
+    `chunk` whatever vLLM's steps are, so a step's prompt queries are split there, and a piece
+    of chunk [kE, ...) sees the sink, [kE - W, kE) and the chunk so far (None: the step is
+    the chunk)."""
+    seq_lens, q_start, blocks = [], [0], []
+    scratch_slots, prefix_dst, chunk_dst, chunk_src = [], [], [], []
+    prefix_pos, prefix_row = [], []
+    laid = 0        # rows of the laid-out tensor so far
+    next_block = 1  # block 0 stays unused (mirrors vLLM's null block)
+
+    def kernel_row(row: int, past: torch.Tensor, step_src: torch.Tensor, q_len: int) -> None:
+        nonlocal laid, next_block
+        v, n = len(past), len(past) + len(step_src)
+        nblocks = -(-n // block_size)
+        row_blocks = list(range(next_block, next_block + nblocks))
+        next_block += nblocks
+        blocks.append(row_blocks)
+        scratch_slots.append(torch.tensor(row_blocks).repeat_interleave(block_size)[:n]
+                             * block_size + torch.arange(n) % block_size)
+        prefix_dst.append(laid + torch.arange(v))
+        prefix_pos.append(past)
+        prefix_row.append(torch.full((v,), row))
+        chunk_dst.append(laid + v + torch.arange(n - v))
+        chunk_src.append(step_src)
+        seq_lens.append(n)
+        q_start.append(q_start[-1] + q_len)
+        laid += n
+
+    token_base, row_tokens = 0, []  # first batch token of this row; the rows' tokens
+    for r, (a, c) in enumerate(zip(computed, query_lens)):
+        in_prompt = prompt_lens is None or a < prompt_lens[r]
+        anchor = a // chunk * chunk if chunk and in_prompt else a
+        past = visible_before(a, sink, window, anchor)
+        p = a + torch.arange(c)
+        tokens = token_base + torch.arange(c)
+        # queries before the prompt's end: one chunk row (the paper's chunk semantics)
+        m = c if prompt_lens is None or (c == 1 and not chunk) else \
+            min(c, max(prompt_lens[r] - a, 0))
+        lo = a
+        while lo < a + m and chunk:  # canonical chunks: a row per piece of a chunk
+            start = lo // chunk * chunk
+            hi = min(start + chunk, a + m)
+            seen, upto = (past < sink) | (past >= start - window), p[: hi - a]
+            kernel_row(r, past[seen],
+                       tokens[: hi - a][(upto < sink) | (upto >= start - window)], hi - lo)
+            lo = hi
+        if m and not chunk:
+            kernel_row(r, past, tokens[:m], m)
+        for i in range(m, c):  # decode queries: a row each, with their own window
+            lo = p[i] - window
+            seen = (past < sink) | (past >= lo)
+            kernel_row(r, past[seen],
+                       tokens[: i + 1][(p[: i + 1] < sink) | (p[: i + 1] >= lo)], 1)
+        token_base += c
+        row_tokens.append((past, tokens))
+    for r, k, first in questions:  # after every batch row, as the queries are ordered
+        past, tokens = row_tokens[r]
+        kernel_row(r, past, torch.cat([tokens, first + torch.arange(k)]), k)
+    num_rows = len(blocks)
+    width = max((len(b) for b in blocks), default=1)
+    table = torch.zeros(num_rows, width, dtype=torch.int32)
+    for r, b in enumerate(blocks):
+        table[r, : len(b)] = torch.tensor(b, dtype=torch.int32)
+    cat = lambda xs: torch.cat(xs).long() if xs else torch.zeros(0, dtype=torch.long)
+    return StepPlan(num_reqs=num_rows, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                    query_start_loc=torch.tensor(q_start, dtype=torch.int32),
+                    block_table=table, scratch_slots=cat(scratch_slots),
+                    prefix_dst=cat(prefix_dst), prefix_pos=cat(prefix_pos),
+                    prefix_row=cat(prefix_row), chunk_dst=cat(chunk_dst),
+                    chunk_src=cat(chunk_src), max_seq_len=max(seq_lens, default=0))
+
+
+def lay_out_rows(plan: StepPlan, past: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """Token-major [visible past | visible step tokens] of every kernel row: `past` in
+    `prefix_dst` order, `step` in `chunk_dst` order."""
+    laid = step.new_empty(int(plan.seq_lens.sum()), *step.shape[1:])
+    laid[plan.prefix_dst] = past
+    laid[plan.chunk_dst] = step
+    return laid
+
+
+def lay_out_visible(plan: StepPlan, past: torch.Tensor, step: torch.Tensor, scale: float,
+                    fp8: str | None) -> torch.Tensor:
+    """`lay_out_rows` of one of K, V; with an fp8 cache (`fp8`: its format) `past` holds codes
+    and both come out as the codes' grid values (the step quantized with `scale`), to be
+    written with scale 1 (`paged_layout.lay_out_from_pool`)."""
+    if fp8:
+        past = grid_values(past, fp8, step.dtype)
+        step = grid_values(quantize(step, scale, fp8), fp8, step.dtype)
+    return lay_out_rows(plan, past, step)
