@@ -36,7 +36,7 @@ POLICIES = {
                               "tiers": 5},
 }
 DTYPES = ("auto", "fp8")
-FIELDS = ("kv_bytes_peak", "full_kv_bytes_peak", "streaming_store_bytes", "footprint",
+FIELDS = ("kv_bytes_peak", "full_kv_bytes_peak", "footprint",
           "measured_footprint", "chunk_boundaries")
 
 
