@@ -94,8 +94,9 @@ SLOW = pytest.mark.slow  # the rest of the compatibility matrix's preemption row
     # recompute replays the first run's steps
     pytest.param({"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64}, 64, 2048,
                  id="prulong-nopc", marks=SLOW),
-    # every head streaming: only the streaming companions' groups, sink + window each
-    pytest.param({"policy": "streaming", "sink": 16, "window": 64}, 16, 1024, id="streaming",
+    # every head streaming: only the streaming companions' groups, sink + window + a step
+    # each (15 groups of 6 head pages: 5.9 MB per block position; 48 MiB hold 8 of them)
+    pytest.param({"policy": "streaming", "sink": 16, "window": 64}, 48, 1024, id="streaming",
                  marks=SLOW),
     pytest.param({"policy": "duo", "sparsity": 0.3, "sink": 16, "window": 64}, 48, 1024,
                  id="duo", marks=SLOW),
