@@ -7,6 +7,7 @@ fixture that needs a differently configured server stops the previous one first.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -106,6 +107,13 @@ def start_server(model_dir: Path, extra_args: list[str], env: dict | None = None
     server = VLLMServer(model_dir, extra_args, env, eager=eager)
     _current.append(server)
     return server.wait_ready(300.0 if eager else 900.0)
+
+
+def pool_width(server: VLLMServer) -> int | None:
+    """Head pages per pool block of a head-mask server (every group's block costs the widest
+    group's: `pool_groups.py`'s start-up line); None when the server logged no such plan."""
+    m = re.search(r"blocks of (\d+) head pages", server.log_path.read_text(errors="replace"))
+    return int(m.group(1)) if m else None
 
 
 def served_policy_builds(server: VLLMServer) -> dict[int, int]:

@@ -12,14 +12,12 @@ are slow.
 
 from __future__ import annotations
 
-import re
-
 import openai
 import pytest
 import torch
 
 from compat_matrix import FP8_CI, TP_IDS
-from conftest import SERVED_NAME, start_server
+from conftest import SERVED_NAME, pool_width, start_server
 from test_model_families_vllm import NEW_TOKENS, random_mask
 from test_policies_vllm import flags, source_prompts
 from test_tensor_parallel import TP_POLICIES
@@ -103,8 +101,7 @@ def test_fp8_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_torch_
                              kv_cache_dtype=kv_cache_dtype)
     server = start_server(model_dir, [*flags(policy, CHUNK), "--kv-cache-dtype", kv_cache_dtype])
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
-    width = re.search(r"blocks of (\d+) head pages", server.log_path.read_text(errors="replace"))
-    width = int(width.group(1)) if width else None  # (pool storage's plan)
+    width = pool_width(server)
     fp8_differs = False
     for prompt in source_prompts(tokenizer, PROMPT_LENGTHS):
         r = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=NEW_TOKENS,

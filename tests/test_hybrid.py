@@ -11,13 +11,11 @@ kv_stats count the full heads' compacted blocks and the streaming store.
 
 from __future__ import annotations
 
-import re
-
 import openai
 import pytest
 import torch
 
-from conftest import SERVED_NAME, start_server
+from conftest import SERVED_NAME, pool_width, start_server
 from test_model_families_vllm import NEW_TOKENS, random_mask
 from test_policies_vllm import flags, source_prompts
 from vllm_kvevict.config import KVPolicyConfig, KVPolicyError
@@ -142,8 +140,7 @@ def test_hybrid_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_tor
     runner = ReferenceRunner(model, pol, kv_cache_dtype=kv_cache_dtype)
     server = start_server(model_dir, [*flags(policy, chunk), "--kv-cache-dtype", kv_cache_dtype])
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
-    log = server.log_path.read_text(errors="replace")
-    width = int(re.search(r"blocks of (\d+) head pages", log).group(1))
+    width = pool_width(server)
     itemsize = 1 if kv_cache_dtype.startswith("fp8") else 4
     parts = [ReferenceRunner(model, p, kv_cache_dtype=kv_cache_dtype) for p in (
         build_policy(cfg.replace(token_policy=None, tiers=None), 4, 4, full_heads=full_heads), pol.token)]

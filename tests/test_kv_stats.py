@@ -6,13 +6,11 @@ bytes. Unit tests without a server: test_kv_stats_unit.py."""
 
 from __future__ import annotations
 
-import re
-
 import httpx
 import openai
 import pytest
 
-from conftest import SERVED_NAME, start_server
+from conftest import SERVED_NAME, pool_width, start_server
 
 pytestmark = pytest.mark.server
 
@@ -98,8 +96,7 @@ def test_completion_reports_every_field_and_the_papers_footprint(streaming_serve
     # Real bytes: pool blocks of the streaming heads' groups (each block the plan's width in
     # head pages x K, V x 128 x 64 x 4), less than full attention's, which is
     # ceil(tokens / 128) blocks of all heads.
-    log = streaming_server.log_path.read_text(errors="replace")
-    width = int(re.search(r"blocks of (\d+) head pages", log).group(1))
+    width = pool_width(streaming_server)
     assert kv["kv_bytes_peak"] == kv["blocks_held_peak"] * width * 2 * BLOCK * HEAD_DIM * DTYPE_BYTES
     full_block = LAYERS * 2 * BLOCK * KV_HEADS * HEAD_DIM * DTYPE_BYTES
     assert 0 < kv["kv_bytes_peak"] < kv["full_kv_bytes_peak"]

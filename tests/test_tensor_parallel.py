@@ -12,14 +12,12 @@ scripts/tp_matrix.py serves each policy at TP = 1 and TP = 2 and compares them d
 
 from __future__ import annotations
 
-import re
-
 import openai
 import pytest
 import torch
 
 from compat_matrix import TP_CI, TP_IDS
-from conftest import SERVED_NAME, start_server
+from conftest import SERVED_NAME, pool_width, start_server
 from test_model_families_vllm import NEW_TOKENS, random_mask, reference
 from test_policies_vllm import flags, source_prompts
 from vllm_kvevict.config import HEAD_MASK_POLICIES
@@ -134,7 +132,7 @@ def test_tp2_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_torch_
         elif name in ("streaming", *HEAD_MASK_POLICIES):
             # every group's block on each rank: the plan's width in head pages x K, V x 128 x
             # 64 x 4 bytes (the ranks' companions padded alike, so their blocks are equal)
-            width = int(re.search(r"blocks of (\d+) head pages", log).group(1))
+            width = pool_width(server)
             assert per_rank[0] == per_rank[1]
             assert stats["kv_bytes_peak"] == (2 * stats["blocks_held_peak"]
                                               * width * 2 * 128 * 64 * 4)
