@@ -27,7 +27,6 @@ import numpy as np
 from loadtest.monitors import parse_vllm_metrics
 from vllm_kvevict.launch import ServerProcess, build_server_command, parse_policy
 from loadtest.workloads import exact_length_ids
-from vllm_kvevict.config import TOKEN_EVICTION_POLICIES
 
 SERVE_EXTRA = ["--dtype", "float32", "--served-model-name", "bench", "--max-model-len", "8192",
                "--max-num-seqs", "64"]
@@ -179,9 +178,12 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=None,
                     help="vLLM KV block size in tokens (CPU: a multiple of 32; default vLLM's 128)")
     ap.add_argument("--prefill-step", type=int, default=None,
-                    help="vLLM's prefill step (--max-num-batched-tokens) when smaller than "
-                         "--chunk: snapkv/pyramidkv then still evict once per --chunk tokens "
-                         "(--kv-eviction-chunk); other policies' chunk is this step")
+                    help="vLLM's prefill step (--max-num-batched-tokens) when it differs "
+                         "from --chunk: snapkv/pyramidkv still evict once per --chunk tokens "
+                         "and streaming/duo/prulong chunk the prompt at multiples of --chunk "
+                         "(--kv-eviction-chunk; a step above --chunk lets a chunk run in one "
+                         "step beside the decodes sharing the budget); full's chunk is this "
+                         "step")
     ap.add_argument("--admission", choices=("reserve", "vllm"), default=None,
                     help="--kv-admission of the evicting policies (default: the plugin's, reserve)")
     ap.add_argument("--no-prefix-caching", action="store_true",
@@ -212,7 +214,7 @@ def main() -> None:
     for text in args.policies:
         spec = parse_policy(text)
         decoupled = ["--kv-eviction-chunk", str(args.chunk)] if (
-            args.prefill_step and spec.policy in TOKEN_EVICTION_POLICIES) else []
+            args.prefill_step and spec.policy != "full" and spec.token_policy is None) else []
         argv = build_server_command(model, spec, kv_cache_bytes=args.kv_cache_memory_bytes,
                                     max_batched_tokens=args.prefill_step or args.chunk,
                                     port=args.port,

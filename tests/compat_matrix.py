@@ -136,8 +136,12 @@ ROWS = [
         "full": Cell("exact", (C + "test_repeated_prompt_prefix_cache[full]",)),
         **{c: Cell("exact", (("(s)" if c in SLOW_COLUMNS else "") + C
                              + f"test_repeated_prompt_prefix_cache[{COLUMNS[c]}]",
-                             POOL_STORAGE(c)),
-                   "hits at any block, served from the cached sink + window blocks")
+                             POOL_STORAGE(c),
+                             *(("(s)" + POOL_STORAGE(c).replace("]", "-dense]"),)
+                               if c == "prulong 0.7" else ())),
+                   "served from the cached sink + window blocks; hits at chunk boundaries and "
+                   "inside a prompt's last chunk (vLLM's default retention), at any block with "
+                   "`--prefix-cache-retention-interval None`")
            for c in HEAD_MASKS},
         **each("n/a", C + "test_repeated_prompt_prefix_cache[{id}]", NOT_CACHING,
                why="switched off at start-up for token-evicting policies (logged; "

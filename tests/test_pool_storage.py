@@ -6,7 +6,9 @@ while the policy's chunks stay canonical: multiples of the budget), then prefixe
 two served from vLLM's prefix cache; greedy tokens equal the reference's at those chunks, the
 first position's top-20 log-probs agree; the streaming
 groups hold at most sink + window (+ one block) per request at the end, and vLLM's pool is
-empty afterwards.
+empty afterwards. Hit lengths follow vLLM's `--prefix-cache-retention-interval`: with its
+default (0) a prefix hits at the longest canonical chunk boundary, or inside the prompt's last
+chunk (stored whole); with `None` (dense) at any block, as stock vLLM's full attention.
 """
 
 from __future__ import annotations
@@ -26,6 +28,12 @@ pytestmark = pytest.mark.server
 BLOCK = 32
 CASES = {
     "prulong-0.7": {"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64},
+    # the canonical chunk below the step budget (--kv-eviction-chunk 256, budget 320)
+    "prulong-0.7-e256": {"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64,
+                         "eviction_chunk": 256},
+    # vLLM's --prefix-cache-retention-interval None: every position stored, hits at any block
+    "prulong-0.7-dense": {"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64,
+                          "retention": None},
     # every head streaming: no layer keeps a full-head cache, each shares its companion's
     "streaming": {"policy": "streaming", "sink": 48, "window": 80},
     "duo-0.3": {"policy": "duo", "sparsity": 0.3, "sink": 16, "window": 64},
@@ -38,11 +46,15 @@ def _usage(base_url: str) -> float:
 
 
 # (streaming and duo in the slow tier: CI's budget; prulong runs the same path)
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c != "prulong-0.7"
-                                  else c for c in CASES])
+@pytest.mark.parametrize("case", [c if c in ("prulong-0.7", "prulong-0.7-e256")
+                                  else pytest.param(c, marks=pytest.mark.slow) for c in CASES])
 def test_pool_storage_matches_reference(case, bundled_model_dir, tokenizer, hf_model):
-    policy, chunk = CASES[case], 256
-    server = start_server(bundled_model_dir, [*flags(policy, chunk), "--block-size", str(BLOCK)])
+    policy, chunk = dict(CASES[case]), 256
+    dense = "retention" in policy and policy.pop("retention") is None
+    retention = ["--prefix-cache-retention-interval", "None"] if dense else []
+    budget = chunk + 64 if "eviction_chunk" in policy else chunk
+    server = start_server(bundled_model_dir, [*flags(policy, budget), "--block-size", str(BLOCK),
+                                              *retention])
     log = server.log_path.read_text(errors="replace")
     assert "KV-cache groups in the pool" in log
     prompts = source_prompts(tokenizer, (700, 1600, 400, 700, 1000, 1300))
@@ -80,9 +92,14 @@ def test_pool_storage_matches_reference(case, bundled_model_dir, tokenizer, hf_m
     again = served_top_logprobs(server.base_url, batch[2])
     assert again[0] == results[len(alone) + 2][0]
     assert again[2]["cached_tokens"] == (len(batch[2]) - 1) // BLOCK * BLOCK
-    # hits as long as stock vLLM's (block-aligned, below the prompt's last token)
-    for prompt, (_, _, stats) in zip(hits, results[-len(hits):]):
-        assert stats["cached_tokens"] == (len(prompt) - 1) // BLOCK * BLOCK, stats
+    # dense: hits as long as stock vLLM's (block-aligned, below the prompt's last token);
+    # vLLM's default retention: the longest of the prefix's chunk boundary and the blocks of
+    # the longer prompt's last chunk (stored whole)
+    for prompt, source, (_, _, stats) in zip(hits, alone, results[-len(hits):]):
+        h = (len(prompt) - 1) // BLOCK * BLOCK
+        if not dense and h < (len(source) - 1) // chunk * chunk:
+            h = h // chunk * chunk
+        assert stats["cached_tokens"] == h, (dense, stats)
     assert _usage(server.base_url) == 0.0  # every group's blocks back in vLLM's pool
     # the README's 37-token chat: with the ring store prulong 0.7 held 2.05x full attention's
     # bytes (a preallocated sink + window for each of 63 streaming heads); in the pool it

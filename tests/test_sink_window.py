@@ -13,16 +13,17 @@ from vllm_kvevict.integration.pool_groups import plan_widths
 from vllm_kvevict.integration.sink_window import SinkWindowManager, SinkWindowSpec, register_manager
 
 
-def _manager(sink: int, window: int, block: int = 16, blocks: int = 64, chunk: int = 0):
+def _manager(sink: int, window: int, block: int = 16, blocks: int = 64, chunk: int = 0,
+             retention: int | None = 0, caching: bool = False):
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.single_type_kv_cache_manager import get_manager_for_kv_cache_spec
 
     register_manager()
     spec = SinkWindowSpec(block_size=block, num_kv_heads=2, head_size=64, dtype=torch.float32,
-                          sliding_window=window + 1, sink=sink, chunk=chunk)
-    pool = BlockPool(blocks, enable_caching=False, hash_block_size=block)
+                          sliding_window=window + 1, sink=sink, chunk=chunk, retention=retention)
+    pool = BlockPool(blocks, enable_caching=caching, hash_block_size=block)
     manager = get_manager_for_kv_cache_spec(spec, max_in_flight_tokens=64, max_model_len=4096,
-                                            block_pool=pool, enable_caching=False,
+                                            block_pool=pool, enable_caching=caching,
                                             kv_cache_group_id=0, scheduler_block_size=block)
     return manager, pool, spec
 
@@ -48,11 +49,11 @@ def test_sink_blocks_kept_gap_freed_window_kept(chunk):
     step's blocks. Held after the allocation: every block with a token of the sink, of
     [anchor - W, a) (anchor: a, or with canonical chunks of E the start of a's chunk while in
     the prompt) and of the step's tokens a later step reads: all of them with canonical chunks
-    (a prefix hit may start anywhere), else only the step's last W (the rest are null blocks,
-    never allocated). Everything else is back in the pool, and vLLM's count of blocks to
-    allocate is what was allocated."""
+    and dense retention (a prefix hit may start anywhere), else only the step's last W (the
+    rest are null blocks, never allocated). Everything else is back in the pool, and vLLM's
+    count of blocks to allocate is what was allocated."""
     sink, window, bs, prompt = 20, 40, 16, 200
-    manager, pool, _ = _manager(sink, window, bs, chunk=chunk)
+    manager, pool, _ = _manager(sink, window, bs, chunk=chunk, retention=None)
     free0 = pool.get_num_free_blocks()
     computed = 0
     for step in [96, 48, 56] + [1] * 30:
@@ -82,6 +83,81 @@ def test_sink_blocks_kept_gap_freed_window_kept(chunk):
     assert _held(manager) == ([0, 1, 3, 4, 5, 9, 10, 11] if not chunk else list(range(12)))
     manager.free("r")
     assert pool.get_num_free_blocks() == free0
+
+
+@pytest.mark.parametrize("retention", [0, 64, None])
+def test_retention_stores_chunk_tails_and_the_last_chunk(retention):
+    """Canonical chunks of E = 128 with vLLM's retention interval R: the scheduler's steps end
+    at chunk ends (here the first chunk in two steps, then whole ones). A step that ends a
+    chunk before the prompt's last stores only the blocks of its last W positions (R = 0), and
+    with R = 64 also the chunk's positions below its multiple of R; a step that does not end
+    its chunk, and the prompt's last chunk, store everything; R = None (dense) stores every
+    position. Held after each allocation: the sink, [anchor - W, a) and what the step stores;
+    vLLM's count of blocks to allocate is what was allocated."""
+    sink, window, bs, prompt, E = 20, 20, 16, 300, 128
+    manager, pool, _ = _manager(sink, window, bs, chunk=E, retention=retention)
+    free0, computed, stored = pool.get_num_free_blocks(), 0, []
+    for step in [40, 88, 128, 44] + [1] * 10:
+        manager.remove_skipped_blocks("r", computed, num_prompt_tokens=prompt)
+        end = computed + step
+        count = manager.get_num_blocks_to_allocate("r", end, [], computed, computed, end)
+        free_before = pool.get_num_free_blocks()
+        manager.allocate_new_blocks("r", end, end)
+        assert free_before - pool.get_num_free_blocks() == count, (computed, count)
+        anchor = computed // E * E if computed < prompt else computed
+        needed = {p // bs for p in range(min(sink, end))}
+        needed |= {p // bs for p in range(max(anchor - window, 0), computed)}
+        step_pos = set(range(computed, end))
+        if retention is not None and end % E == 0 and end < prompt:
+            lo = end - E if not retention else (end - 1) // retention * retention
+            step_pos = {p for p in step_pos if p < max(lo, 32) or p >= (end - window) // bs * bs}
+        needed |= {p // bs for p in step_pos}
+        assert set(_held(manager)) == needed, (computed, _held(manager), sorted(needed))
+        stored.append(len(step_pos))
+        computed = end
+    expected = {0: [40, 32, 32, 44], 64: [40, 56, 96, 44], None: [40, 88, 128, 44]}
+    assert stored[:4] == expected[retention]
+    manager.free("r")
+    assert pool.get_num_free_blocks() == free0
+
+
+@pytest.mark.parametrize("retention", [0, None])
+def test_cache_hits_start_where_the_retained_blocks_allow(retention):
+    """vLLM's own BlockPool with caching on: a 200-token prompt (chunks of 64) runs and is
+    freed; a request with the same block hashes then hits at the longest h whose sink and
+    [kE - W, h) blocks are cached: any block with dense retention; with R = 0 a chunk
+    boundary (the tail a chunk end stores) or a block of the prompt's last chunk (stored
+    whole: the replay boundary)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+
+    sink, window, bs, prompt, E = 20, 40, 16, 200, 64
+    manager, pool, spec = _manager(sink, window, bs, chunk=E, retention=retention,
+                                   caching=True)
+    request = SimpleNamespace(request_id="a", num_prompt_tokens=prompt, sampling_params=None,
+                              block_hashes=[bytes([i]) * 32 for i in range(prompt // bs)],
+                              shared_prefix_boundary=None)
+    computed = 0
+    for step in [64, 64, 64, 8, 1, 1]:
+        manager.remove_skipped_blocks("a", computed, num_prompt_tokens=prompt)
+        manager.allocate_new_blocks("a", computed + step, computed + step)
+        computed += step
+        manager.cache_blocks(request, computed, replay_boundaries=(prompt - 1,))
+    manager.free("a")
+
+    def hit(max_length):
+        rows, h = SinkWindowManager.find_longest_cache_hit(
+            request.block_hashes, max_length, [0], pool, spec, False, None)
+        return h
+
+    got = [hit(m) for m in range(bs, prompt, bs)]
+    if retention is None:
+        assert got == list(range(bs, prompt, bs))
+    else:  # the first chunk's blocks are all there (its window reaches the sink)
+        assert got == [h if h <= E or h >= 3 * E else h // E * E
+                       for h in range(bs, prompt, bs)], got
+    assert "find_longest_cache_hit" in SlidingWindowManager.__dict__
 
 
 @pytest.mark.parametrize("chunk", [0, 64])

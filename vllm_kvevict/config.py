@@ -189,10 +189,14 @@ def validate(cfg: KVPolicyConfig) -> None:
                                 f"(or a token_policy), not {cfg.policy!r}", "tiers")
     if cfg.eviction_chunk is not None:
         _check_int("eviction_chunk", cfg.eviction_chunk, 1)
-        if cfg.policy not in TOKEN_EVICTION_POLICIES:
-            # (a token_policy's streaming heads take vLLM's prefill steps as their chunks)
-            raise KVPolicyError(f"eviction_chunk only applies to "
-                                f"{', '.join(TOKEN_EVICTION_POLICIES)}, not {cfg.policy!r}",
+        # head masks: the canonical prefill chunk (integration/sink_window.canonical_chunk);
+        # a token_policy's streaming heads take vLLM's prefill steps as their chunks
+        if cfg.policy not in TOKEN_EVICTION_POLICIES and (
+                not cfg.uses_head_mask or cfg.token_policy is not None):
+            valid = (*TOKEN_EVICTION_POLICIES, "streaming", *HEAD_MASK_POLICIES)
+            raise KVPolicyError(f"eviction_chunk only applies to {', '.join(valid)} (a head "
+                                f"mask without token_policy), not {cfg.policy!r}"
+                                + (" with a token_policy" if cfg.token_policy else ""),
                                 "eviction_chunk")
     if cfg.token_policy is not None:
         if cfg.token_policy not in TOKEN_EVICTION_POLICIES:

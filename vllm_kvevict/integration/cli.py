@@ -23,9 +23,12 @@ FLAGS = {
                     "streaming/duo/prulong keep their streaming heads' sink + window in "
                     "blocks of vLLM's own pool, freed as the window moves (counted by vLLM's "
                     "admission and kv_cache_usage_perc), and keep vLLM's prefix caching on: "
-                    "the prompt is then chunked at multiples of --max-num-batched-tokens, each "
-                    "chunk held whole while it runs (with --no-enable-prefix-caching each step "
-                    "is a chunk and only its last window is stored). snapkv/pyramidkv and "
+                    "the prompt is then chunked at multiples of --max-num-batched-tokens; "
+                    "hits start at chunk boundaries or inside a prompt's last chunk, and a "
+                    "chunk's positions before its last window are not stored (vLLM's "
+                    "--prefix-cache-retention-interval: 0 by default; None stores every "
+                    "position, for hits at any block; with --no-enable-prefix-caching each "
+                    "step is its own chunk). snapkv/pyramidkv and "
                     "--kv-token-policy run with prefix caching off (patched eviction scores "
                     "each chunk with the prompt's last tokens, so no prefix is shareable; an "
                     "explicit --enable-prefix-caching is refused)."),
@@ -59,7 +62,11 @@ FLAGS = {
                             "snapkv/pyramidkv: evict once per this many prompt tokens (the "
                             "paper's chunk), while vLLM prefills in steps of "
                             "--max-num-batched-tokens (which then must be >= --kv-obs-window). "
-                            "Default: evict after every prefill chunk vLLM schedules."),
+                            "Default: evict after every prefill chunk vLLM schedules. "
+                            "streaming/duo/prulong: the prompt's prefill chunk (default: "
+                            "--max-num-batched-tokens with prefix caching on, each step "
+                            "without); set it below --max-num-batched-tokens so a chunk runs in "
+                            "one step beside the decodes that share the budget."),
     "--kv-token-policy": ("token_policy", str,
                           "duo/prulong: also evict tokens of the full heads with this policy "
                           "(snapkv or pyramidkv; --kv-eviction, --kv-obs-window, --kv-tiers "

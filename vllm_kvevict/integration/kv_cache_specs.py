@@ -243,7 +243,7 @@ def _declare_pool_specs(runner, stock_get_kv_cache_spec, state, layers, index) -
     companion's cache, which gives it attention metadata), its streaming heads in a companion
     `StreamingCacheLayer` with a `SinkWindowSpec` (`sink_window.py`)."""
     from vllm_kvevict.integration.sink_window import (COMPANION_SUFFIX, PromptFullSpec,
-                                                      SinkWindowSpec)
+                                                      SinkWindowSpec, prefix_retention)
 
     context = runner.vllm_config.compilation_config.static_forward_context
     cfg = state.config
@@ -261,7 +261,8 @@ def _declare_pool_specs(runner, stock_get_kv_cache_spec, state, layers, index) -
         heads, base = state.heads[index[name]], layers[name]
         spec = SinkWindowSpec(block_size=state.block_size, num_kv_heads=heads.companion_heads,
                               head_size=state.head_dim, dtype=runner.kv_cache_dtype,
-                              sliding_window=cfg.window + 1, sink=cfg.sink, chunk=state.chunk)
+                              sliding_window=cfg.window + 1, sink=cfg.sink, chunk=state.chunk,
+                              retention=prefix_retention(runner.vllm_config))
         # (vLLM's registration of cache-only layers: a name -> layer entry of the context)
         context[companion] = StreamingCacheLayer(
             companion, spec, base.get_attn_backend(),

@@ -19,14 +19,24 @@ Then a block of any group costs the widest group's bytes, and `pool_groups.plan_
 layers into groups of near-equal width: the full heads' layers, and the streaming companions.
 The worker side (writing a step, reading the window back) is `paged_layout.lay_out_from_pool`.
 
-Two regimes, chosen by vLLM's prefix caching (`canonical_chunk`):
-- prefix caching on: the prompt is chunked at multiples of E (the step budget) whatever vLLM's
-  steps, so a cached block's K/V depend only on the tokens before it, and every position of a
-  chunk is stored (a hit may start at any block: it needs [kE - W, h) from the cache);
-- prefix caching off: each step is its own chunk, and the positions of a step that leave the
-  window before the step ends ([s, e - W)) are never stored: their blocks are vLLM's null block,
-  the kernel reads them from the step's own K/V. The group then holds sink + the window before
-  the step + the window after it.
+Regimes, chosen by vLLM's prefix caching (`canonical_chunk`) and its
+`--prefix-cache-retention-interval` R (which prefix-cache checkpoints a sliding-window group
+retains; `retention`):
+- prefix caching off (and no `--kv-eviction-chunk`): each step is its own chunk, and the
+  positions of a step that leave the window before the step ends ([s, e - W)) are never
+  stored: their blocks are vLLM's null block, the kernel reads them from the step's own K/V.
+  The group then holds sink + the window before the step + the window after it.
+- prefix caching on, the prompt chunked at multiples of E (`--kv-eviction-chunk`, by default
+  the step budget) whatever vLLM's steps, so a cached block's K/V depend only on the tokens before it. A hit at h needs the sink
+  and [kE - W, h) cached (k: h's chunk). Which positions are stored follows R, as for vLLM's own
+  sliding-window groups:
+  - R = 0 (vLLM's default): a step that ends a chunk before the prompt's last stores only its
+    last W positions (the next chunk reads them: hits at chunk boundaries cost nothing); the
+    prompt's last chunk is stored whole (vLLM's replay boundary: a resent prompt, or a chat's
+    next turn, hits at its last full block).
+  - R > 0: as R = 0, and a chunk holding a multiple m of R stores [kE, m) too (a hit at m).
+  - R = None (dense): every position is stored, a hit may start at any block.
+  A step that does not end its chunk stores everything: the chunk's later steps read it.
 """
 
 from __future__ import annotations
@@ -41,15 +51,30 @@ COMPANION_SUFFIX = ".kvevict_streaming"
 
 
 def canonical_chunk(vllm_config) -> int:
-    """The canonical prefill chunk E of a head mask: the step budget when prefix caching is on
-    (cached blocks must not depend on how vLLM split the steps), 0 otherwise (each step is its
-    own chunk). One value for the scheduler, the specs, the worker and the stats."""
+    """The canonical prefill chunk E of a head mask: `--kv-eviction-chunk` if given, else the
+    step budget when prefix caching is on (cached blocks must not depend on how vLLM split the
+    steps), 0 otherwise (each step is its own chunk). One value for the scheduler, the specs,
+    the worker and the stats. An E below the budget lets a chunk run in one step beside the
+    decodes sharing that budget, which is what lets a chunk's end drop its positions."""
     from vllm_kvevict.served import served_policy
 
     cfg = served_policy(vllm_config).config
-    if not (cfg.uses_head_mask and vllm_config.cache_config.enable_prefix_caching):
+    if not cfg.uses_head_mask or cfg.evicts_tokens:
+        return 0
+    if cfg.eviction_chunk:
+        return int(cfg.eviction_chunk)
+    if not vllm_config.cache_config.enable_prefix_caching:
         return 0
     return int(vllm_config.scheduler_config.max_num_batched_tokens)
+
+
+def prefix_retention(vllm_config) -> int | None:
+    """vLLM's `prefix_cache_retention_interval` as our streaming groups apply it (None:
+    dense, every position stored; 0 or R: see the module's docstring; 0 without prefix
+    caching, where nothing is cached)."""
+    if not vllm_config.cache_config.enable_prefix_caching:
+        return 0
+    return vllm_config.cache_config.prefix_cache_retention_interval
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +85,7 @@ class SinkWindowSpec(SlidingWindowSpec):
 
     sink: int = 0
     chunk: int = 0  # canonical prefill chunk E (0: each step is its own chunk)
+    retention: int | None = 0  # with a chunk: vLLM's prefix-cache retention interval
     group: int = 0
 
     def max_admission_blocks_per_request(self, max_in_flight_tokens: int,
@@ -85,7 +111,8 @@ class SinkWindowSpec(SlidingWindowSpec):
     def is_uniform_with_collection(self, kv_cache_specs) -> bool:
         return all(isinstance(spec, SinkWindowSpec) and spec.group == self.group
                    and spec.sink == self.sink and spec.sliding_window == self.sliding_window
-                   and spec.chunk == self.chunk for spec in kv_cache_specs.values())
+                   and spec.chunk == self.chunk and spec.retention == self.retention
+                   for spec in kv_cache_specs.values())
 
     @classmethod
     def merge(cls, specs):
@@ -98,22 +125,33 @@ class SinkWindowSpec(SlidingWindowSpec):
 
 class SinkWindowManager(SlidingWindowManager):
     """Keeps the sink blocks and the blocks that hold [a - W, ...); frees the gap between.
-    Without canonical chunks, a step's new blocks that hold only positions before its last W
-    tokens are vLLM's null block (never allocated)."""
+    A step's new blocks that hold only positions no later step or hit reads (`_dropped`) are
+    vLLM's null block (never allocated)."""
 
     def __init__(self, kv_cache_spec: SinkWindowSpec, **kwargs) -> None:
         super().__init__(kv_cache_spec, **kwargs)
         self.sink, self.chunk = kv_cache_spec.sink, kv_cache_spec.chunk
+        self.retention = kv_cache_spec.retention
         self.window = kv_cache_spec.sliding_window - 1
         self._freed_to: dict[str, int] = {}  # per request: blocks below are null or sink
+        self._prompt_len: dict[str, int] = {}  # vLLM's, from remove_skipped_blocks
 
-    def _dropped(self, first: int, end: int, num_tokens: int) -> list[bool]:
+    def _dropped(self, request_id: str, first: int, end: int, num_tokens: int) -> list[bool]:
         """For new block positions [first, end) of a step ending at `num_tokens`: which hold
-        nothing a later step reads (past the sink, wholly before the step's last W tokens).
-        Without canonical chunks only (the callers' check)."""
-        keep_from = max(num_tokens - self.window, 0) // self.block_size
-        sink_blocks = cdiv(self.sink, self.block_size)
-        return [sink_blocks <= j < keep_from for j in range(first, end)]
+        nothing a later step or prefix hit reads (past the sink, wholly before the step's last
+        W tokens; with canonical chunks only at a chunk's end before the prompt's last chunk,
+        and not below a retention checkpoint inside the chunk)."""
+        bs = self.block_size
+        lo, keep_from = cdiv(self.sink, bs), max(num_tokens - self.window, 0) // bs
+        if self.chunk:
+            prompt = self._prompt_len.get(request_id)
+            if (self.retention is None or prompt is None or num_tokens % self.chunk
+                    or num_tokens >= prompt):
+                return [False] * (end - first)
+            if self.retention:  # a hit at m (a multiple of R inside the chunk) reads [kE, m)
+                m = (num_tokens - 1) // self.retention * self.retention
+                lo = max(lo, m // bs)
+        return [lo <= j < keep_from for j in range(first, end)]
 
     def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks,
                                    total_computed_tokens, num_local_computed_tokens,
@@ -122,18 +160,19 @@ class SinkWindowManager(SlidingWindowManager):
         n = super().get_num_blocks_to_allocate(
             request_id, num_tokens, new_computed_blocks, total_computed_tokens,
             num_local_computed_tokens, num_tokens_main_model, apply_admission_cap, prefill_end)
-        if self.chunk or apply_admission_cap:  # (the cap already counts what is held)
+        # (the admission cap already counts what is held; a partial hit copies a block)
+        if apply_admission_cap or request_id in self._partial_hit_reqs:
             return n
         first = len(self.req_to_blocks.get(request_id, ())) + len(new_computed_blocks)
         end = cdiv(num_tokens, self.block_size)
-        return max(n - sum(self._dropped(first, end, num_tokens_main_model)), 0)
+        return max(n - sum(self._dropped(request_id, first, end, num_tokens_main_model)), 0)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int,
                             num_tokens_main_model: int) -> list:
-        if self.chunk or request_id in self._partial_hit_reqs:
+        if request_id in self._partial_hit_reqs:
             return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
         blocks = self.req_to_blocks[request_id]
-        dropped = self._dropped(len(blocks), cdiv(num_tokens, self.block_size),
+        dropped = self._dropped(request_id, len(blocks), cdiv(num_tokens, self.block_size),
                                 num_tokens_main_model)
         new = self.block_pool.get_new_blocks(dropped.count(False))
         if self._record_new_block_ids:
@@ -165,10 +204,13 @@ class SinkWindowManager(SlidingWindowManager):
     def pop_blocks_for_free(self, request_id: str) -> list:
         # (`free` goes through here too; a preempted request comes back under the same id)
         self._freed_to.pop(request_id, None)
+        self._prompt_len.pop(request_id, None)
         return super().pop_blocks_for_free(request_id)
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
+        if num_prompt_tokens is not None:  # (vLLM calls this before every allocation)
+            self._prompt_len[request_id] = num_prompt_tokens
         a = processed_computed_tokens
         # a prompt step in canonical chunk k still sees [kE - W, ...); vLLM's prompt length
         # may include a teacher-forced tail (decode for the policy): keeping more is safe
@@ -184,16 +226,15 @@ class SinkWindowManager(SlidingWindowManager):
         # (nulls included), as it does for a request whose blocks were never freed
         return 0
 
-
     # -- prefix caching ----------------------------------------------------------------------
     @classmethod
     def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool,
                                kv_cache_spec, drop_eagle_block, alignment_tokens,
                                dcp_world_size=1, pcp_world_size=1):
         """The longest block-aligned h <= max_length this group can resume at: the blocks of
-        the sink and of [kE - W, h) cached (k: h's canonical chunk), the gap left null. Any
-        block boundary can be a hit: with canonical chunks a cached block's K/V depend only on
-        the tokens before it, never on the steps that computed them."""
+        the sink and of [kE - W, h) cached (k: h's canonical chunk), the gap left null. (A
+        cached block's K/V depend only on the tokens before it; which h have their blocks
+        cached follows the retention, see the module's docstring.)"""
         bs, sink = kv_cache_spec.block_size, kv_cache_spec.sink
         chunk, window = kv_cache_spec.chunk, kv_cache_spec.sliding_window - 1
         null, found = block_pool.null_block, {}

@@ -61,7 +61,7 @@ def validate_against_model(vllm_config, prefix_caching_requested: bool | None = 
             divisors = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
             raise KVPolicyError(f"--kv-tiers {tiers} does not divide the model's {num_layers} "
                                 f"layers; valid: {', '.join(map(str, divisors))}")
-        if cfg.eviction_chunk is not None:
+        if cfg.eviction_chunk is not None and cfg.evicts_tokens:
             # a chunk's last step must hold its observation window whole (its queries score)
             budget = vllm_config.scheduler_config.max_num_batched_tokens
             if budget < cfg.obs_window:
