@@ -19,17 +19,16 @@ Then a block of any group costs the widest group's bytes, and `pool_groups.plan_
 layers into groups of near-equal width: the full heads' layers, and the streaming companions.
 The worker side (writing a step, reading the window back) is `paged_layout.lay_out_from_pool`.
 
-Regimes, chosen by vLLM's prefix caching (`canonical_chunk`) and its
-`--prefix-cache-retention-interval` R (which prefix-cache checkpoints a sliding-window group
-retains; `retention`):
+Regimes, chosen by vLLM's prefix caching (`canonical_chunk`) and its retention interval R:
 - prefix caching off (and no `--kv-eviction-chunk`): each step is its own chunk, and the
   positions of a step that leave the window before the step ends ([s, e - W)) are never
   stored: their blocks are vLLM's null block, the kernel reads them from the step's own K/V.
   The group then holds sink + the window before the step + the window after it.
 - prefix caching on, the prompt chunked at multiples of E (`--kv-eviction-chunk`, by default
-  the step budget) whatever vLLM's steps, so a cached block's K/V depend only on the tokens before it. A hit at h needs the sink
-  and [kE - W, h) cached (k: h's chunk). Which positions are stored follows R, as for vLLM's own
-  sliding-window groups:
+  the step budget) whatever vLLM's steps, so a cached block's K/V depend only on the tokens
+  before it. A hit at h needs the sink and [kE - W, h) cached (k: h's chunk). Which positions
+  are stored follows `--prefix-cache-retention-interval` R, as for vLLM's own sliding-window
+  groups:
   - R = 0 (vLLM's default): a step that ends a chunk before the prompt's last stores only its
     last W positions (the next chunk reads them: hits at chunk boundaries cost nothing); the
     prompt's last chunk is stored whole (vLLM's replay boundary: a resent prompt, or a chat's
