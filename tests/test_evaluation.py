@@ -479,6 +479,30 @@ def test_store_resumes_and_drops_a_cut_line(tmp_path, builder):
     assert again.of_setting(setting, [ex])[0]["score"] == 1.0
 
 
+def test_a_record_cut_by_a_smaller_budget_is_superseded(tmp_path, builder):
+    """Passkey's budget is 16 tokens: an answer that stopped by itself within it, or that 16
+    cut, stands; one cut at 12 (the old budget) is superseded, so the store asks again."""
+    from vllm_kvevict.evaluation.client import is_current
+
+    ex = make_example(builder, "passkey", 1024, 0)
+    assert ex.max_tokens == tasks.TASKS["passkey"].max_tokens == 16
+    setting = grid.Setting(grid.ServerConfig("full", 256))
+    base = {"setting": setting.key, "example": example_id(ex), "task": "passkey"}
+    stopped = dict(base, finish_reason="stop", completion_tokens=9)
+    cut_now = dict(base, finish_reason="length", completion_tokens=16)
+    cut_before = dict(base, finish_reason="length", completion_tokens=12)
+    too_long = dict(base, finish_reason="stop", completion_tokens=17)
+    assert is_current(stopped) and is_current(cut_now)
+    assert not is_current(cut_before) and not is_current(too_long)
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps(cut_before) + "\n")
+    store = ResultStore(path)
+    assert not store.has(setting, ex) and store.records == []
+    assert store.superseded[(setting.key, example_id(ex))] == cut_before
+    store.add(cut_now)
+    assert ResultStore(path).has(setting, ex)
+
+
 # -------------------------------------------------------------------- through vllm serve
 
 @pytest.mark.server
@@ -537,8 +561,28 @@ def test_smoke_run_through_real_servers_resumes_and_reports(bundled_model_dir, t
     again.run()
     assert again.server_starts == 0 and again.requests_run == 0
 
-    table, plot = report(tmp_path / "results.jsonl", tmp_path / "report", replicates=20)
+    # A record cut by a smaller generation budget than the task's today is asked again, and
+    # only its answer: its gold log-prob (budget-independent) is carried, not re-measured.
+    path = tmp_path / "results.jsonl"
+    cut = dict(full["niah_single"], prediction=" 9", score=0.0, finish_reason="length",
+               completion_tokens=2, gold_logprob=-9.0)
+    lines = [json.dumps(cut) if json.loads(line) == full["niah_single"] else line
+             for line in path.read_text().splitlines()]
+    path.write_text("\n".join(lines) + "\n")
+    redo = Runner(spec, examples, ResultStore(path), str(bundled_model_dir), tmp_path / "logs",
+                  progress=False)
+    assert len(redo.store.superseded) == 1
+    redo.run()
+    assert redo.server_starts == 1 and redo.requests_run == 1
+    fresh = [r for r in load_records(path) if r["method"] == "full"
+             and r["task"] == "niah_single"][-1]
+    assert fresh["prediction"] == full["niah_single"]["prediction"] and fresh["score"] == 1.0
+    assert fresh["gold_logprob"] == -9.0 and fresh["run"] == redo.run_id
+
+    table, plot = report(path, tmp_path / "report", replicates=20)
     assert "→ SnapKV (patched)" in table.read_text() and plot.exists()
+    assert f"Records: {len(records)}; distinct examples: {len(examples)}; 1 more superseded" \
+        in table.read_text()
     assert (tmp_path / "report" / "logprob.png").exists()  # the smoke run scored log-probs
 
 

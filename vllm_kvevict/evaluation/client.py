@@ -13,7 +13,7 @@ import time
 import httpx
 
 from vllm_kvevict.evaluation.grid import Setting
-from vllm_kvevict.evaluation.tasks import Example
+from vllm_kvevict.evaluation.tasks import TASKS, Example
 
 SERVED_NAME = "smollm2"
 KV_FIELDS = ("footprint", "peak_kv", "kv_bytes_peak", "measured_footprint", "chunk_boundaries",
@@ -105,3 +105,17 @@ def example_id(example: Example) -> str:
 
     digest = hashlib.sha256(repr(example.prompt_ids).encode()).hexdigest()[:10]
     return f"{example.key}/{digest}"
+
+
+def is_current(record: dict) -> bool:
+    """Whether a greedy record is the answer its task's generation budget gives today: one
+    that stopped by itself within the budget, or that the budget cut at exactly its length.
+    A record cut by a smaller budget than today's is superseded (the runner asks again; the
+    report skips it): raising a budget must not leave answers cut at the old one."""
+    task = TASKS.get(record.get("task"))
+    tokens = record.get("completion_tokens")
+    if task is None or tokens is None:
+        return True
+    if record.get("finish_reason") == "length":
+        return tokens == task.max_tokens
+    return tokens <= task.max_tokens

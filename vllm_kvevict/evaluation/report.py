@@ -22,6 +22,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from vllm_kvevict.evaluation.client import is_current
 from vllm_kvevict.evaluation.critical import FRACTION
 from vllm_kvevict.evaluation.curves import Curve, build_curves
 
@@ -46,6 +47,7 @@ METRIC_TITLES = {"footprint": "KV footprint", "measured_footprint": "measured fo
 
 
 def load_records(path: Path) -> list[dict]:
+    """Every record of a results file, superseded ones included (report() drops those)."""
     records = []
     for line in path.read_text().splitlines():
         if line.strip():
@@ -314,7 +316,8 @@ def _lower_cells(point: float, reps: Sequence[float], scale: float, digits: int)
 
 
 def write_table(records: Sequence[dict], curves: Sequence[Curve], notes: Sequence[str],
-                path: Path, replicates: int, seed: int, command: str | None) -> str:
+                path: Path, replicates: int, seed: int, command: str | None,
+                superseded: int = 0) -> str:
     n_examples = len({r["example"] for r in records})
     text = [
         "# Critical KV footprint on the bundled model (SmolLM2-135M-Instruct)", "",
@@ -324,7 +327,9 @@ def write_table(records: Sequence[dict], curves: Sequence[Curve], notes: Sequenc
         "`>x`: not reached even at the largest measured footprint. Intervals: "
         f"{replicates} bootstrap replicates over examples (seed {seed}), paired across "
         "settings. Head-mask curves end at the streaming point (head sparsity 1.0).", "",
-        f"Records: {len(records)}; distinct examples: {n_examples}.", ""]
+        f"Records: {len(records)}; distinct examples: {n_examples}"
+        + (f"; {superseded} more superseded (cut by a smaller generation budget than the "
+           "task's today), not used." if superseded else "."), ""]
     if command:
         text += [f"Produced by: `{command}`", ""]
     text += [critical_table(curves, "footprint", replicates, seed), ""]
@@ -421,7 +426,8 @@ def plot_pareto(curves: Sequence[Curve], path: Path, metric: str = "footprint",
 
 def report(results: Path, out_dir: Path, replicates: int = 1000, seed: int = 0,
            command: str | None = None) -> tuple[Path, Path]:
-    records = load_records(results)
+    everything = load_records(results)
+    records = [r for r in everything if is_current(r)]
     if not records:
         raise ValueError(f"{results} holds no records")
     curves, notes = build_curves(records)
@@ -430,7 +436,8 @@ def report(results: Path, out_dir: Path, replicates: int = 1000, seed: int = 0,
                          f"at the same chunk size" + ("; " + "; ".join(notes) if notes else ""))
     table = out_dir / "table.md"
     plot = out_dir / "pareto.png"
-    write_table(records, curves, notes, table, replicates, seed, command)
+    write_table(records, curves, notes, table, replicates, seed, command,
+                len(everything) - len(records))
     plot_pareto(curves, plot)
     if any(c.logprobs is not None for c in curves):
         plot_pareto(curves, out_dir / "logprob.png", y="logprob")

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from vllm_kvevict.launch import ServerProcess, build_server_command
 from vllm_kvevict.evaluation.client import (SERVED_NAME, complete, example_id, gold_logprobs,
-                                            to_record)
+                                            is_current, to_record)
 from vllm_kvevict.evaluation.critical import FRACTION
 from vllm_kvevict.evaluation.grid import (HEAD_MASK, GridSpec, base_method, head_policy,
                                           kv_cache_dtype, per_point, ServerConfig, Setting, Sweep,
@@ -46,12 +46,14 @@ SERVE_EXTRA = ["--dtype", "float32", "--served-model-name", SERVED_NAME, "--max-
 
 class ResultStore:
     """The JSONL results file: existing records are loaded, new ones appended and flushed one
-    by one (a killed run loses at most the requests in flight)."""
+    by one (a killed run loses at most the requests in flight). A record that a task's larger
+    generation budget supersedes (client.is_current) stays in the file but counts as not done."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.records: list[dict] = []
         self._done: set[tuple[str, str]] = set()
+        self.superseded: dict[tuple[str, str], dict] = {}
         if path.exists():
             for line_no, line in enumerate(path.read_text().splitlines(), 1):
                 if not line.strip():
@@ -66,6 +68,9 @@ class ResultStore:
         path.parent.mkdir(parents=True, exist_ok=True)
 
     def _remember(self, record: dict) -> None:
+        if not is_current(record):
+            self.superseded[(record["setting"], record["example"])] = record
+            return
         self.records.append(record)
         self._done.add((record["setting"], record["example"]))
 
@@ -241,10 +246,16 @@ class Runner:
             def one(example: Example) -> tuple[dict, float]:
                 start = time.monotonic()
                 response = complete(client, base_url, example, setting)
+                # A superseded record's gold log-prob stands: it does not depend on the
+                # generation budget (prompt, gold answer and policy are the same).
+                old = self.store.superseded.get((setting.key, example_id(example)), {})
+                carried = old.get("gold_logprob") is not None
                 gold = (gold_logprobs(client, base_url, example, setting)
-                        if self.logprobs else None)
-                return to_record(example, setting, response, self.run_id, gold), \
-                    time.monotonic() - start
+                        if self.logprobs and not carried else None)
+                record = to_record(example, setting, response, self.run_id, gold)
+                if carried:
+                    record.update(gold_logprob=old["gold_logprob"], gold_tokens=old["gold_tokens"])
+                return record, time.monotonic() - start
             futures = {pool.submit(one, e): e for e in todo}
             for future in cf.as_completed(futures):
                 record, seconds = future.result()
