@@ -563,26 +563,34 @@ def test_smoke_run_through_real_servers_resumes_and_reports(bundled_model_dir, t
 
     # A record cut by a smaller generation budget than the task's today is asked again, and
     # only its answer: its gold log-prob (budget-independent) is carried, not re-measured.
+    # A record without a log-prob (a --no-logprobs run) gets only the log-prob request.
     path = tmp_path / "results.jsonl"
+    icl = next(r for r in records if r["method"] == "full" and r["task"] == "icl_classify")
     cut = dict(full["niah_single"], prediction=" 9", score=0.0, finish_reason="length",
                completion_tokens=2, gold_logprob=-9.0)
-    lines = [json.dumps(cut) if json.loads(line) == full["niah_single"] else line
-             for line in path.read_text().splitlines()]
+    edited = {json.dumps(full["niah_single"]): cut, json.dumps(icl): dict(icl, gold_logprob=None)}
+    lines = [json.dumps(edited.get(line, json.loads(line))) for line in
+             path.read_text().splitlines()]
     path.write_text("\n".join(lines) + "\n")
     redo = Runner(spec, examples, ResultStore(path), str(bundled_model_dir), tmp_path / "logs",
                   progress=False)
     assert len(redo.store.superseded) == 1
     redo.run()
-    assert redo.server_starts == 1 and redo.requests_run == 1
-    fresh = [r for r in load_records(path) if r["method"] == "full"
-             and r["task"] == "niah_single"][-1]
-    assert fresh["prediction"] == full["niah_single"]["prediction"] and fresh["score"] == 1.0
-    assert fresh["gold_logprob"] == -9.0 and fresh["run"] == redo.run_id
+    assert redo.server_starts == 1 and redo.requests_run == 2
+    fresh = {r["task"]: r for r in load_records(path)[len(records):]}
+    assert fresh["niah_single"]["prediction"] == full["niah_single"]["prediction"]
+    assert fresh["niah_single"]["score"] == 1.0 and fresh["niah_single"]["run"] == redo.run_id
+    assert fresh["niah_single"]["gold_logprob"] == -9.0
+    got, want = dict(fresh["icl_classify"]), dict(icl, gold_run=redo.run_id)
+    # the same log-prob, measured again; the rest of the record unchanged
+    assert got.pop("gold_logprob") == pytest.approx(want.pop("gold_logprob"), abs=1e-4)
+    assert got == want
+    assert len(ResultStore(path).records) == len(records)
 
     table, plot = report(path, tmp_path / "report", replicates=20)
     assert "→ SnapKV (patched)" in table.read_text() and plot.exists()
-    assert f"Records: {len(records)}; distinct examples: {len(examples)}; 1 more superseded" \
-        in table.read_text()
+    assert f"Records: {len(records)}; distinct examples: {len(examples)}; 2 more lines " \
+        "superseded" in table.read_text()
     assert (tmp_path / "report" / "logprob.png").exists()  # the smoke run scored log-probs
 
 

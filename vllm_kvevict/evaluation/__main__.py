@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
@@ -151,6 +152,9 @@ def cmd_run(args) -> int:
                     logprobs=args.logprobs)
     (out_dir / "command.txt").write_text("python -m vllm_kvevict.evaluation "
                                          + shlex.join(sys.argv[1:]) + "\n")
+    # `kill` unwinds as Ctrl-C does (a background run ignores Ctrl-C): the server this run
+    # started is stopped, not orphaned; the results so far are already on disk.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     start = time.monotonic()
     runner.run()
     took = time.monotonic() - start

@@ -91,11 +91,15 @@ def to_record(example: Example, setting: Setting, response: dict, run_id: str,
         "length": example.length, "index": example.index,
         "answers": list(example.answers), "prediction": prediction,
         "finish_reason": choice.get("finish_reason"), "score": example.score(prediction),
-        **{k: kv.get(k) for k in KV_FIELDS}, "run": run_id,
-        # mean log-prob of the gold answer's tokens (None: not measured)
-        "gold_logprob": sum(gold) / len(gold) if gold else None,
-        "gold_tokens": len(gold) if gold else None,
+        **{k: kv.get(k) for k in KV_FIELDS}, "run": run_id, **gold_fields(gold),
     }
+
+
+def gold_fields(gold: list[float] | None) -> dict:
+    """The record's continuous score: the gold answer's mean token log-prob (None: not
+    measured) and its token count."""
+    return {"gold_logprob": sum(gold) / len(gold) if gold else None,
+            "gold_tokens": len(gold) if gold else None}
 
 
 def example_id(example: Example) -> str:

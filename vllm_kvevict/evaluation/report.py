@@ -328,8 +328,9 @@ def write_table(records: Sequence[dict], curves: Sequence[Curve], notes: Sequenc
         f"{replicates} bootstrap replicates over examples (seed {seed}), paired across "
         "settings. Head-mask curves end at the streaming point (head sparsity 1.0).", "",
         f"Records: {len(records)}; distinct examples: {n_examples}"
-        + (f"; {superseded} more superseded (cut by a smaller generation budget than the "
-           "task's today), not used." if superseded else "."), ""]
+        + (f"; {superseded} more lines superseded, not used (cut by a smaller generation "
+           "budget than the task's today, or followed by a later record of the same setting "
+           "and example)." if superseded else "."), ""]
     if command:
         text += [f"Produced by: `{command}`", ""]
     text += [critical_table(curves, "footprint", replicates, seed), ""]
@@ -427,7 +428,8 @@ def plot_pareto(curves: Sequence[Curve], path: Path, metric: str = "footprint",
 def report(results: Path, out_dir: Path, replicates: int = 1000, seed: int = 0,
            command: str | None = None) -> tuple[Path, Path]:
     everything = load_records(results)
-    records = [r for r in everything if is_current(r)]
+    latest = {(r["setting"], r["example"]): r for r in everything if is_current(r)}
+    records = list(latest.values())
     if not records:
         raise ValueError(f"{results} holds no records")
     curves, notes = build_curves(records)

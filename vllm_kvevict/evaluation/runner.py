@@ -30,8 +30,8 @@ import httpx
 from tqdm import tqdm
 
 from vllm_kvevict.launch import ServerProcess, build_server_command
-from vllm_kvevict.evaluation.client import (SERVED_NAME, complete, example_id, gold_logprobs,
-                                            is_current, to_record)
+from vllm_kvevict.evaluation.client import (SERVED_NAME, complete, example_id, gold_fields,
+                                            gold_logprobs, is_current, to_record)
 from vllm_kvevict.evaluation.critical import FRACTION
 from vllm_kvevict.evaluation.grid import (HEAD_MASK, GridSpec, base_method, head_policy,
                                           kv_cache_dtype, per_point, ServerConfig, Setting, Sweep,
@@ -46,13 +46,14 @@ SERVE_EXTRA = ["--dtype", "float32", "--served-model-name", SERVED_NAME, "--max-
 
 class ResultStore:
     """The JSONL results file: existing records are loaded, new ones appended and flushed one
-    by one (a killed run loses at most the requests in flight). A record that a task's larger
-    generation budget supersedes (client.is_current) stays in the file but counts as not done."""
+    by one (a killed run loses at most the requests in flight). A later record of the same
+    (setting, example) replaces an earlier one (a log-prob added to a run without them). A
+    record that a task's larger generation budget supersedes (client.is_current) stays in the
+    file but counts as not done."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.records: list[dict] = []
-        self._done: set[tuple[str, str]] = set()
+        self._latest: dict[tuple[str, str], dict] = {}
         self.superseded: dict[tuple[str, str], dict] = {}
         if path.exists():
             for line_no, line in enumerate(path.read_text().splitlines(), 1):
@@ -71,11 +72,17 @@ class ResultStore:
         if not is_current(record):
             self.superseded[(record["setting"], record["example"])] = record
             return
-        self.records.append(record)
-        self._done.add((record["setting"], record["example"]))
+        self._latest[(record["setting"], record["example"])] = record
+
+    @property
+    def records(self) -> list[dict]:
+        return list(self._latest.values())
+
+    def get(self, setting: Setting, example: Example) -> dict | None:
+        return self._latest.get((setting.key, example_id(example)))
 
     def has(self, setting: Setting, example: Example) -> bool:
-        return (setting.key, example_id(example)) in self._done
+        return self.get(setting, example) is not None
 
     def add(self, record: dict) -> None:
         with self.path.open("a") as f:
@@ -84,8 +91,8 @@ class ResultStore:
 
     def of_setting(self, setting: Setting, examples: Sequence[Example]) -> list[dict]:
         wanted = {example_id(e) for e in examples}
-        return [r for r in self.records if r["setting"] == setting.key
-                and r["example"] in wanted]
+        return [r for (key, ex), r in self._latest.items() if key == setting.key
+                and ex in wanted]
 
 
 def category_scores(records: Sequence[dict]) -> dict[str, float]:
@@ -234,35 +241,50 @@ class Runner:
             lazy.stop()
 
     def run_setting(self, server: "LazyServer", setting: Setting) -> None:
-        todo = [e for e in self.examples if not self.store.has(setting, e)]
+        # A run with log-probs completes the records of a run without them (one request each).
+        todo = [e for e in self.examples if not self.store.has(setting, e) or (
+            self.logprobs and self.store.get(setting, e).get("gold_logprob") is None)]
         self.bar.update(len(self.examples) - len(todo))
         if not todo:
             return
         self.bar.set_postfix_str(setting.key, refresh=False)
         base_url = server.ensure_started()
         timeout = httpx.Timeout(self.request_timeout_s, connect=10.0)
-        with httpx.Client(timeout=timeout, trust_env=False) as client, \
-                cf.ThreadPoolExecutor(self.concurrency) as pool:
-            def one(example: Example) -> tuple[dict, float]:
-                start = time.monotonic()
-                response = complete(client, base_url, example, setting)
-                # A superseded record's gold log-prob stands: it does not depend on the
-                # generation budget (prompt, gold answer and policy are the same).
-                old = self.store.superseded.get((setting.key, example_id(example)), {})
-                carried = old.get("gold_logprob") is not None
-                gold = (gold_logprobs(client, base_url, example, setting)
-                        if self.logprobs and not carried else None)
-                record = to_record(example, setting, response, self.run_id, gold)
-                if carried:
-                    record.update(gold_logprob=old["gold_logprob"], gold_tokens=old["gold_tokens"])
-                return record, time.monotonic() - start
-            futures = {pool.submit(one, e): e for e in todo}
-            for future in cf.as_completed(futures):
-                record, seconds = future.result()
-                self.store.add(record)
-                self.requests_run += 1
-                self.request_seconds[futures[future].length].append(seconds)
-                self.bar.update(1)
+        with httpx.Client(timeout=timeout, trust_env=False) as client:
+            pool = cf.ThreadPoolExecutor(self.concurrency)
+            try:
+                futures = {pool.submit(self.request, client, base_url, setting, e): e
+                           for e in todo}
+                for future in cf.as_completed(futures):
+                    record, seconds = future.result()
+                    self.store.add(record)
+                    self.requests_run += 1
+                    self.request_seconds[futures[future].length].append(seconds)
+                    self.bar.update(1)
+            finally:
+                # Ctrl-C or kill: drop the queued requests, wait only for the ones in flight.
+                pool.shutdown(wait=True, cancel_futures=True)
+
+    def request(self, client: httpx.Client, base_url: str, setting: Setting,
+                example: Example) -> tuple[dict, float]:
+        """One example's record (and the seconds it took) on a running server."""
+        start = time.monotonic()
+        done = self.store.get(setting, example)
+        if done is not None:  # only its gold log-prob is missing
+            gold = gold_logprobs(client, base_url, example, setting)
+            return dict(done, **gold_fields(gold), gold_run=self.run_id), \
+                time.monotonic() - start
+        response = complete(client, base_url, example, setting)
+        # A superseded record's gold log-prob stands: it does not depend on the generation
+        # budget (prompt, gold answer and policy are the same).
+        old = self.store.superseded.get((setting.key, example_id(example)), {})
+        carried = old.get("gold_logprob") is not None
+        gold = (gold_logprobs(client, base_url, example, setting)
+                if self.logprobs and not carried else None)
+        record = to_record(example, setting, response, self.run_id, gold)
+        if carried:
+            record.update(gold_logprob=old["gold_logprob"], gold_tokens=old["gold_tokens"])
+        return record, time.monotonic() - start
 
 
 class LazyServer:
