@@ -22,7 +22,6 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from vllm_kvevict.evaluation.client import is_current
 from vllm_kvevict.evaluation.critical import FRACTION
 from vllm_kvevict.evaluation.curves import Curve, build_curves
 
@@ -47,7 +46,7 @@ METRIC_TITLES = {"footprint": "KV footprint", "measured_footprint": "measured fo
 
 
 def load_records(path: Path) -> list[dict]:
-    """Every record of a results file, superseded ones included (report() drops those)."""
+    """Every record of a results file, superseded ones included."""
     records = []
     for line in path.read_text().splitlines():
         if line.strip():
@@ -427,9 +426,10 @@ def plot_pareto(curves: Sequence[Curve], path: Path, metric: str = "footprint",
 
 def report(results: Path, out_dir: Path, replicates: int = 1000, seed: int = 0,
            command: str | None = None) -> tuple[Path, Path]:
-    everything = load_records(results)
-    latest = {(r["setting"], r["example"]): r for r in everything if is_current(r)}
-    records = list(latest.values())
+    from vllm_kvevict.evaluation.runner import ResultStore
+
+    store = ResultStore(results)  # the records a resumed run would stand on
+    records = store.records
     if not records:
         raise ValueError(f"{results} holds no records")
     curves, notes = build_curves(records)
@@ -439,7 +439,7 @@ def report(results: Path, out_dir: Path, replicates: int = 1000, seed: int = 0,
     table = out_dir / "table.md"
     plot = out_dir / "pareto.png"
     write_table(records, curves, notes, table, replicates, seed, command,
-                len(everything) - len(records))
+                store.lines - len(records))
     plot_pareto(curves, plot)
     if any(c.logprobs is not None for c in curves):
         plot_pareto(curves, out_dir / "logprob.png", y="logprob")

@@ -55,6 +55,7 @@ class ResultStore:
         self.path = path
         self._latest: dict[tuple[str, str], dict] = {}
         self.superseded: dict[tuple[str, str], dict] = {}
+        self.lines = 0  # records read or written, superseded and replaced ones included
         if path.exists():
             for line_no, line in enumerate(path.read_text().splitlines(), 1):
                 if not line.strip():
@@ -69,6 +70,7 @@ class ResultStore:
         path.parent.mkdir(parents=True, exist_ok=True)
 
     def _remember(self, record: dict) -> None:
+        self.lines += 1
         if not is_current(record):
             self.superseded[(record["setting"], record["example"])] = record
             return
