@@ -13,7 +13,7 @@ from vllm_kvevict.integration.sink_window import COMPANION_SUFFIX, register_mana
 logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
 
 
-def _pack(items: list[tuple[str, int]], width: int) -> list[list[str]]:
+def _first_fit(items: list[tuple[str, int]], width: int) -> list[list[str]]:
     """First-fit decreasing of (name, heads) into bins of `width` heads; bins keep layer order."""
     bins: list[tuple[int, list[tuple[int, str]]]] = []
     order = {name: i for i, (name, _) in enumerate(items)}
@@ -25,6 +25,80 @@ def _pack(items: list[tuple[str, int]], width: int) -> list[list[str]]:
         else:
             bins.append((heads, [(order[name], name)]))
     return [[n for _, n in sorted(names)] for _, names in bins]
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _fewest_bins(counts: tuple[int, ...], sizes: tuple[int, ...], width: int,
+                 limit: int) -> list[tuple[int, ...]]:
+    """The fewest bins of `width` holding counts[k] items of sizes[k] (sizes descending), as
+    per-bin count vectors. Exact search over the remaining counts: the next bin holds the
+    largest item left and is maximal (no item left fits beside it), which loses no optimum;
+    raises _TooLarge past `limit` states. Few distinct sizes (heads per layer) keep it small."""
+    memo: dict[tuple[int, ...], tuple[int, tuple[int, ...]]] = {}
+
+    def fills(left: list[int], j: int, room: int):
+        if j == len(sizes):
+            yield ()
+            return
+        for take in range(min(left[j], room // sizes[j]), -1, -1):
+            for rest in fills(left, j + 1, room - take * sizes[j]):
+                yield (take,) + rest
+
+    def solve(state: tuple[int, ...]) -> int:
+        if not any(state):
+            return 0
+        if state not in memo:
+            if len(memo) >= limit:
+                raise _TooLarge
+            bound = -(-sum(c * s for c, s in zip(state, sizes)) // width)
+            i = next(k for k, c in enumerate(state) if c)
+            left = list(state)
+            left[i] -= 1
+            best = None
+            for fill in fills(left, 0, width - sizes[i]):
+                rest = tuple(c - f for c, f in zip(left, fill))
+                room = width - sizes[i] - sum(f * s for f, s in zip(fill, sizes))
+                if any(c and s <= room for c, s in zip(rest, sizes)):
+                    continue  # not maximal
+                n = 1 + solve(rest)
+                if best is None or n < best[0]:
+                    best = (n, tuple(f + (k == i) for k, f in enumerate(fill)))
+                    if n == bound:
+                        break
+            memo[state] = best
+        return memo[state][0]
+
+    solve(counts)
+    bins, state = [], counts
+    while any(state):
+        bins.append(memo[state][1])
+        state = tuple(c - b for c, b in zip(state, bins[-1]))
+    return bins
+
+
+def _pack(items: list[tuple[str, int]], width: int, limit: int = 1_000) -> list[list[str]]:
+    """(name, heads) into the fewest bins of `width` heads: first-fit decreasing, or the exact
+    search where first fit misses the lower bound and the search stays under `limit` states
+    (the bundled prulong mask at 0.1 has layers of 3 and 2 full heads: first fit packs them
+    into 10 bins of 9 where 9 suffice)."""
+    bins = _first_fit(items, width)
+    if len(bins) == -(-sum(h for _, h in items) // width):
+        return bins
+    sizes = tuple(sorted({h for _, h in items}, reverse=True))
+    try:
+        exact = _fewest_bins(tuple(sum(1 for _, h in items if h == s) for s in sizes),
+                             sizes, width, limit)
+    except _TooLarge:
+        return bins
+    if len(exact) >= len(bins):
+        return bins
+    queues = {s: [n for n, h in items if h == s] for s in sizes}  # layer order within a size
+    order = {name: i for i, (name, _) in enumerate(items)}
+    out = [[queues[s].pop(0) for s, c in zip(sizes, b) for _ in range(c)] for b in exact]
+    return [sorted(names, key=order.__getitem__) for names in out]
 
 
 def plan_widths(full: list[tuple[str, int]], streaming: list[tuple[str, int]],
