@@ -45,6 +45,22 @@ class VLLMServer(ServerProcess):
         return self
 
 
+def skip_without_fp8_kv_cache(kv_cache_dtype: str = "fp8") -> None:
+    """Skip a test that serves an fp8 KV cache where vLLM's CPU attention refuses one: it
+    needs AVX-512 or AMX (`cpu_attn._get_attn_isa`, asked here with the test models' shape,
+    so the reason is vLLM's own and moves with it; AVX2-only CPUs of this machine kind
+    exist). A served fp8 cache on such a CPU fails at start-up in vLLM's worker."""
+    if not kv_cache_dtype.startswith("fp8"):
+        return
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    try:
+        _get_attn_isa(torch.float32, 128, 64, kv_cache_dtype)
+    except NotImplementedError as exc:
+        pytest.skip(f"vLLM cannot serve --kv-cache-dtype {kv_cache_dtype} on this CPU: {exc}")
+
+
 @pytest.fixture(scope="session")
 def bundled_model_dir() -> Path:
     from vllm_kvevict.model import ensure_bundled_model

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from compat_matrix import FP8_CI, TP_IDS
-from conftest import SERVED_NAME, pool_width, start_server
+from conftest import SERVED_NAME, pool_width, skip_without_fp8_kv_cache, start_server
 from test_model_families_vllm import NEW_TOKENS, random_mask
 from test_policies_vllm import flags, source_prompts
 from test_tensor_parallel import TP_POLICIES
@@ -87,6 +87,7 @@ def test_fp8_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_torch_
     from transformers import AutoModelForCausalLM
 
     column, kv_cache_dtype = case
+    skip_without_fp8_kv_cache(kv_cache_dtype)
     model_dir = tiny_qwen3(4)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                  attn_implementation="eager").eval()

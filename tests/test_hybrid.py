@@ -15,7 +15,7 @@ import openai
 import pytest
 import torch
 
-from conftest import SERVED_NAME, pool_width, start_server
+from conftest import SERVED_NAME, pool_width, skip_without_fp8_kv_cache, start_server
 from test_model_families_vllm import NEW_TOKENS, random_mask
 from test_policies_vllm import flags, source_prompts
 from vllm_kvevict.config import KVPolicyConfig, KVPolicyError
@@ -127,6 +127,7 @@ def test_hybrid_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_tor
     settings, chunk = case
     settings = dict(settings)
     kv_cache_dtype = settings.pop("kv_cache_dtype", "auto")
+    skip_without_fp8_kv_cache(kv_cache_dtype)
     model_dir = tiny_qwen3(4)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                  attn_implementation="eager").eval()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from conftest import SERVED_NAME, start_server
+from conftest import SERVED_NAME, skip_without_fp8_kv_cache, start_server
 
 pytestmark = pytest.mark.server
 
@@ -84,6 +84,7 @@ def test_multi_turn_chat_workload_hits_the_prefix_cache(full_server, tokenizer):
 def test_full_policy_fp8_is_stock(bundled_model_dir):
     """An fp8 KV cache under `full` is stock vLLM's (same quantized attention), tokens and
     log-probs bit for bit; the evicting policies refuse fp8 at start-up (test_features.py)."""
+    skip_without_fp8_kv_cache()
     fp8 = ["--kv-cache-dtype", "fp8"]
     stock = greedy(start_server(bundled_model_dir, fp8,
                                 env={"VLLM_PLUGINS": "no-such-plugin"}).base_url)

@@ -10,6 +10,7 @@ import inspect
 
 import pytest
 
+from conftest import skip_without_fp8_kv_cache
 from vllm_kvevict.integration.registration import PATCHED, RELIED_ON
 
 
@@ -152,6 +153,7 @@ def test_cpu_fp8_cache_rounds_toward_zero(kv_cache_dtype):
     from vllm_kvevict.integration.fp8 import quantize
     from vllm_kvevict.reference.quantization import cached_kv
 
+    skip_without_fp8_kv_cache(kv_cache_dtype)
     torch.manual_seed(0)
     bs, heads, d, group, n = 128, 2, 64, 2, 200
     isa = _get_attn_isa(torch.float32, bs, d, kv_cache_dtype)
