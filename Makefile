@@ -21,12 +21,20 @@ serve: model
 	.venv/bin/vllm serve "$$($(PY) -m vllm_kvevict.model)" --kv-policy $(POLICY) \
 		--kv-sparsity $(SPARSITY) $(SERVE_FLAGS)
 
+# Two pytest-xdist workers, each pinned with its servers to one core (tests/conftest.py), then
+# the tests marked `serial` (tensor parallelism: a rank per core) alone. Both parts must pass.
+WORKERS ?= 2
+PARALLEL := -n $(WORKERS) --dist loadfile
+
 test: model
-	$(PY) -m pytest -q --durations=40
+	$(PY) -m pytest -q $(PARALLEL) -m "not slow and not serial" --durations=40; a=$$?; \
+	$(PY) -m pytest -q -m "serial and not slow" --durations=10; b=$$?; \
+	echo "[test] parallel part exited $$a, serial part $$b"; [ $$a -eq 0 ] && [ $$b -eq 0 ]
 
 # the developers' tier: no server, 2-3 minutes here (the full suite starts vllm serve ~35x)
 test-fast: model
-	$(PY) -m pytest -q -m "not server and not slow"
+	$(PY) -m pytest -q $(PARALLEL) -m "not server and not slow"
 
 test-all: model
-	$(PY) -m pytest -q -m ""
+	$(PY) -m pytest -q $(PARALLEL) -m "not serial"; a=$$?; \
+	$(PY) -m pytest -q -m "serial"; b=$$?; [ $$a -eq 0 ] && [ $$b -eq 0 ]

@@ -1,7 +1,10 @@
 """Shared fixtures: the bundled model and `vllm serve` processes started once per test session.
 
-Servers run on loopback in eager mode with a small KV pool; two cores allow one at a time, so a
-fixture that needs a differently configured server stops the previous one first.
+Servers run on loopback in eager mode with a small KV pool, one at a time per pytest process: a
+fixture that needs a differently configured server stops the previous one first. `make test`
+runs two pytest-xdist workers, each pinned with its servers and its reference to one core
+(`pytest_configure`), so two OpenMP pools never share a core; tests marked `serial` (tensor
+parallelism: one rank per core) run after them, alone on the machine.
 """
 
 from __future__ import annotations
@@ -43,6 +46,24 @@ class VLLMServer(ServerProcess):
             self.stop()
             raise
         return self
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, pin this worker to one core and hand that core to the servers it
+    starts (vLLM binds its OpenMP threads to VLLM_CPU_OMP_THREADS_BIND; a test may override
+    it, as tensor parallelism's "0|1"). Two OpenMP pools on one core slow each other down
+    many times over; one pool per core costs little (vLLM serving a 135M model gains far less
+    than 2x from its second core, and start-up is single-threaded Python imports)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker:
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[int(worker.removeprefix("gw")) % len(cores)]
+    os.sched_setaffinity(0, {core})
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def skip_without_fp8_kv_cache(kv_cache_dtype: str = "fp8") -> None:

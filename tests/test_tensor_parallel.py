@@ -97,6 +97,7 @@ CASES.append(pytest.param((2, TP_POLICIES["prulong 0.7"]), id="kv2-prulong-0.7",
 
 
 @pytest.mark.server
+@pytest.mark.serial  # one rank per core: no other server may hold a core meanwhile
 @pytest.mark.parametrize("case", CASES)
 def test_tp2_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_torch_thread):
     from transformers import AutoModelForCausalLM
