@@ -24,7 +24,7 @@ serve: model
 # Two pytest-xdist workers, each pinned with its servers to one core (tests/conftest.py), then
 # the tests marked `serial` (tensor parallelism: a rank per core) alone. Both parts must pass.
 WORKERS ?= 2
-PARALLEL := -n $(WORKERS) --dist loadfile
+PARALLEL := -n $(WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: model
 	$(PY) -m pytest -q $(PARALLEL) -m "not slow and not serial" --durations=40; a=$$?; \

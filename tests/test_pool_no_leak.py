@@ -74,9 +74,12 @@ def wait_for_idle_pool(base_url: str, timeout: float = 60) -> float:
                  marks=pytest.mark.slow),
     # streaming heads in the pool (their groups free blocks mid-request), prefix caching on
     # (cached blocks count as free), some requests with a teacher-forced tail (no cache reads)
-    (["--kv-policy", "prulong", "--kv-sparsity", "0.7", "--kv-sink", "16", "--kv-window", "64",
-      "--block-size", "32",
-      "--max-num-batched-tokens", "256"], 40, [{}, {"kv_teacher_forced": 8}]),
+    # (slow tier: the hybrid below runs the same streaming groups, with cancellations, in CI;
+    # test_pool_storage.py checks this server's pool is empty after its batches)
+    pytest.param(["--kv-policy", "prulong", "--kv-sparsity", "0.7", "--kv-sink", "16",
+                  "--kv-window", "64", "--block-size", "32",
+                  "--max-num-batched-tokens", "256"], 40, [{}, {"kv_teacher_forced": 8}],
+                 marks=pytest.mark.slow),
     # a head mask with token eviction on its full heads, streaming heads in the pool: the
     # ledger frees full groups' tails and the streaming groups their gap (patched questions)
     (["--kv-policy", "prulong", "--kv-sparsity", "0.5", "--kv-sink", "16", "--kv-window", "64",
