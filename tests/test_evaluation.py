@@ -406,6 +406,18 @@ def test_bisection_stops_when_censored():
     assert grid.next_sparsities(cands, never, {"r": 0.9}) == []
 
 
+def test_a_resumed_run_first_reruns_every_point_an_earlier_run_measured():
+    cands = [0.1, 0.3, 0.5, 0.7, 0.9]
+    # an earlier, smaller run bisected to 0.3 and 0.7: new examples need those points too,
+    # else the report's pairing across a curve's points drops them from the curve
+    assert grid.first_round(cands, [0.3, 0.7], {"r": 0.9}, bisect=True) == [0.1, 0.3, 0.5,
+                                                                            0.7, 0.9]
+    assert grid.first_round(cands, [], {"r": 0.9}, bisect=True) == [0.1, 0.5, 0.9]
+    # a point outside this run's candidates (the streaming end, another grid) is not added
+    assert grid.first_round([0.1, 0.9], [0.5, 1.0], {"r": 0.9}, bisect=True) == [0.1, 0.9]
+    assert grid.first_round(cands, [0.3], {"r": 0.9}, bisect=False) == cands
+
+
 def test_setting_keys_name_the_mask_and_the_override():
     sweep = grid.Sweep("snapkv", 256, "patched", (0.5,))
     s = sweep.setting(0.5)

@@ -234,6 +234,17 @@ def next_sparsities(candidates: Sequence[float],
     return sorted(wanted)
 
 
+def first_round(candidates: Sequence[float], seen: Sequence[float],
+                thresholds: Mapping[str, float], bisect: bool) -> list[float]:
+    """Sparsities a sweep runs first: every candidate, or the bisection's opening three, and in
+    both cases every candidate an earlier run measured for some of the examples (`seen`).
+    A run that adds examples thus gives them the same points the older examples have: the
+    report pairs examples across a curve's points, so a point the new examples lack would
+    drop them from the whole curve."""
+    opening = next_sparsities(candidates, {}, thresholds) if bisect else list(candidates)
+    return sorted(set(opening) | (set(seen) & set(candidates)))
+
+
 def worst_case_points(candidates: int, categories: int, bisect: bool) -> int:
     """Points one curve can need: all candidates, or with bisection 3 to start and then
     log2 of a bracket per category (categories may share points, so often fewer)."""

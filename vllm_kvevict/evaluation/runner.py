@@ -6,7 +6,9 @@
   missing from the results file, so a resumed run skips finished servers entirely.
 - Order per chunk size: full, streaming, then each sweep; a sweep with bisection asks
   grid.next_sparsities for its next points after each round, using the categories' scores so
-  far and 90 % of full attention's score at the same chunk as thresholds.
+  far and 90 % of full attention's score at the same chunk as thresholds. Its first round
+  includes every point an earlier run measured (grid.first_round), so examples added by a
+  resumed run get the same points as the older ones.
 - Requests go one at a time by default: with several in flight, vLLM's token budget is shared
   and a prompt's prefill chunks no longer fall at multiples of the chunk size, which changes
   what the evicting policies keep. `--concurrency` > 1 is allowed (the footprint is computed
@@ -35,7 +37,8 @@ from vllm_kvevict.evaluation.client import (SERVED_NAME, complete, example_id, g
 from vllm_kvevict.evaluation.critical import FRACTION
 from vllm_kvevict.evaluation.grid import (HEAD_MASK, GridSpec, base_method, head_policy,
                                           kv_cache_dtype, per_point, ServerConfig, Setting, Sweep,
-                                          file_digest, next_sparsities, worst_case_points)
+                                          file_digest, first_round, next_sparsities,
+                                          worst_case_points)
 from vllm_kvevict.evaluation.tasks import Example
 
 # Prefix caching off for every policy (the evicting ones turn it off themselves): generated
@@ -207,8 +210,9 @@ class Runner:
                                f"full-attention results at that chunk (method 'full')")
         budget = worst_case_points(len(sweep.candidates), len(self.categories),
                                    self.spec.bisect)
-        pending = (next_sparsities(sweep.candidates, {}, thresholds) if self.spec.bisect
-                   else list(sweep.candidates))
+        seen = [s for s in sweep.candidates
+                if self.store.of_setting(self.sweep_setting(sweep, s), self.examples)]
+        pending = first_round(sweep.candidates, seen, thresholds, self.spec.bisect)
         if not pending:
             return
         run_points = 0
