@@ -31,7 +31,7 @@ test: model
 	$(PY) -m pytest -q -m "serial and not slow" --durations=10; b=$$?; \
 	echo "[test] parallel part exited $$a, serial part $$b"; [ $$a -eq 0 ] && [ $$b -eq 0 ]
 
-# the developers' tier: no server, 2-3 minutes here (the full suite starts vllm serve ~35x)
+# the developers' tier: no server, ~3.5 minutes here on two workers (the full suite starts vllm serve ~34x)
 test-fast: model
 	$(PY) -m pytest -q $(PARALLEL) -m "not server and not slow"
 
