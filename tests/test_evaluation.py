@@ -324,6 +324,10 @@ def test_report_writes_the_table_and_the_plot(tmp_path):
     # Each method row has one cell per category, each with a bracketed interval.
     row = next(line for line in text.splitlines() if line.startswith("| → PruLong"))
     assert row.count("[") == 2
+    # ... and the number of examples the curve pairs across its points
+    curves, _ = build_curves(synthetic_records())
+    n = {len(c.examples) for c in curves if c.method == "prulong"}
+    assert row.count("(") == 2 and all(f"] ({k})" in row for k in n), row
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
 
 

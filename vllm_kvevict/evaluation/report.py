@@ -113,7 +113,8 @@ def critical_table(curves: Sequence[Curve], metric: str, replicates: int, seed: 
     by_key = {(c.method, c.section, c.category): c for c in curves}
     for section in sections(curves):
         lines += [f"**{section_title(section)}** — critical {METRIC_TITLES[metric]} (%) ↓, "
-                  f"bootstrap 95 % interval in brackets", "",
+                  f"bootstrap 95 % interval in brackets, examples paired across the "
+                  f"curve's points in parentheses", "",
                   "| Method | " + " | ".join(CATEGORY_TITLES.get(c, c) for c in categories)
                   + " |",
                   "|---|" + "---:|" * len(categories)]
@@ -126,7 +127,8 @@ def critical_table(curves: Sequence[Curve], metric: str, replicates: int, seed: 
                     continue
                 point = curve.critical(metric)
                 lo, hi = curve.interval(replicates, seed, metric)
-                cells.append(f"{point.format()} [{lo.format()}, {hi.format()}]")
+                cells.append(f"{point.format()} [{lo.format()}, {hi.format()}] "
+                             f"({len(curve.examples)})")
             lines.append(f"| {DISPLAY.get(method, method)} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
