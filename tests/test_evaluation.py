@@ -714,3 +714,34 @@ def test_chunk_sensitivity_rows_carry_paired_intervals():
     cells = rows[("→ PyramidKV (patched)", "recall")].split(" | ")
     low, high = (float(x) for x in cells[5].split("[")[1].rstrip("]").split(", "))
     assert low < 0 < high, cells
+
+
+def test_comparisons_pair_curves_of_different_sizes_on_their_common_examples():
+    """A curve with more examples than its counterpart (a run extended one setting) is
+    compared on the examples both hold, with intervals, instead of printing n/a."""
+    from vllm_kvevict.evaluation.curves import paired
+    from vllm_kvevict.evaluation.report import chunk_sensitivity_table, comparisons_table
+
+    records = [r for r in synthetic_records(n_per_task=10, naive_drop=2.0)
+               # chunk 256 keeps 6 examples per task; naive PyramidKV at 1024 keeps 4
+               if not (r["chunk"] == 256 and r["index"] >= 6)
+               and not (r["chunk"] == 1024 and r["eviction"] == "naive" and r["index"] >= 4)]
+    for r in records:
+        if r["method"] == "prulong" and r["chunk"] == 256:
+            r["score"] = max(0.0, r["score"] - 0.3)
+    curves, _ = build_curves(records)
+    key = {(c.method, c.chunk, c.category): c for c in curves}
+    small, large = key[("prulong", 256, "recall")], key[("prulong", 1024, "recall")]
+    assert (len(small.examples), len(large.examples)) == (12, 20)
+    a, b = paired(small, large)
+    assert a.examples == b.examples == small.examples and a.tasks == b.tasks
+    assert b.scores.shape == (len(large.sparsities), 12)
+    rows = {(line.split(" | ")[1], line.split(" | ")[2]): line
+            for line in chunk_sensitivity_table(curves, 200, 0).splitlines()[2:]}
+    cells = rows[("→ PruLong", "recall")].split(" | ")
+    high = float(cells[5].split("[")[1].rstrip("]").split(", ")[1])
+    assert high < 0 and float(cells[6]) == 1.0 and cells[10].endswith("(12)"), cells
+    row = next(line for line in comparisons_table(curves, 200, 0).splitlines()
+               if line.startswith("| 2048 | 1024 | recall | pyramidkv-patched |"))
+    # 8 common examples: patched lower (naive never reaches 90 %) in most replicates
+    assert "(8) |" in row and float(row.split(" | ")[-1].rstrip(" |")) > 0.75, row

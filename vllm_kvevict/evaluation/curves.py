@@ -114,6 +114,30 @@ class Curve:
         return np.interp(footprints, x[order], self.logprob_gap(picks)[order])
 
 
+    def restricted(self, examples: list[str]) -> "Curve":
+        """The same curve on a subset of its examples, in the given order."""
+        idx = [self.examples.index(e) for e in examples]
+        cols = lambda m: None if m is None else m[..., idx]  # noqa: E731
+        return Curve(self.method, self.chunk, self.category, self.sparsities,
+                     [self.tasks[i] for i in idx], list(examples), self.scores[:, idx],
+                     {k: v[:, idx] for k, v in self.footprints.items()},
+                     self.full_scores[idx], length=self.length, logprobs=cols(self.logprobs),
+                     full_logprobs=cols(self.full_logprobs))
+
+
+def paired(a: Curve, b: Curve) -> tuple[Curve, Curve] | None:
+    """Both curves on the examples both hold (in a's order), so that one bootstrap draw picks
+    the same prompts for both; None if they share none. A 9-example and a 24-example curve
+    are thus compared on their 9 common examples instead of not at all."""
+    common = set(b.examples)
+    shared = [e for e in a.examples if e in common]
+    if not shared:
+        return None
+    if shared == a.examples == b.examples:
+        return a, b
+    return a.restricted(shared), b.restricted(shared)
+
+
 def _sparsity_of(record: dict) -> float:
     return 1.0 if record["method"].partition("@")[0] == "streaming" else float(
         record["sparsity"])

@@ -23,7 +23,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from vllm_kvevict.evaluation.critical import FRACTION
-from vllm_kvevict.evaluation.curves import Curve, build_curves
+from vllm_kvevict.evaluation.curves import Curve, build_curves, paired
 
 ROW_ORDER = ("duo", "prulong", "pyramidkv-naive", "pyramidkv-patched", "snapkv-naive",
              "snapkv-patched")
@@ -207,11 +207,17 @@ def _pair_cells(a: Curve, b: Curve) -> str:
 
 def comparisons_table(curves: Sequence[Curve], replicates: int, seed: int) -> str:
     lines = ["| prompt | chunk | category | candidate | baseline | critical % (candidate / "
-             "baseline) | P(candidate lower) |", "|---:|---:|---|---|---|---|---:|"]
+             "baseline) on the examples both answered | P(candidate lower) |",
+             "|---:|---:|---|---|---|---|---:|"]
     for a, b in pairs(curves):
+        both = paired(a, b)
+        if both is None:
+            lines.append(f"{_pair_cells(a, b)} no example in common | n/a |")
+            continue
+        a, b = both
         p = probability_lower(a, b, replicates, seed)
         lines.append(f"{_pair_cells(a, b)} {a.critical().format()} / {b.critical().format()} "
-                     f"| {'n/a' if p is None else f'{p:.2f}'} |")
+                     f"({len(a.examples)}) | {p:.2f} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
@@ -251,8 +257,10 @@ def logprob_comparisons_table(curves: Sequence[Curve], replicates: int, seed: in
              "sparsity [95 %] | P(higher) | footprint range (%) | at matched footprint "
              "[95 %] | P(higher) |", "|---:|---:|---|---|---|---|---|---:|---|---|---:|"]
     for a, b in pairs(curves):
-        if a.logprobs is None or b.logprobs is None or a.examples != b.examples:
+        both = paired(a, b)
+        if both is None or a.logprobs is None or b.logprobs is None:
             continue
+        a, b = both
         shared = sorted(set(a.sparsities) & set(b.sparsities) - {1.0})
         if not shared:
             continue
@@ -283,14 +291,14 @@ def chunk_sensitivity_table(curves: Sequence[Curve], replicates: int = 1000,
                             seed: int = 0) -> str:
     """Score at the smallest chunk minus the score at the largest, at the sparsities both ran
     (the paper's Figure 4, left: smaller chunks lose score at equal settings), with paired
-    bootstrap intervals over examples (both chunks answered the same examples: the same draws),
+    bootstrap intervals over the examples both chunks answered (the same draws for both),
     the same for the gold answer's log-prob, and the share of replicates in which the small
     chunk's critical footprint is the higher one."""
     by_key = {(c.method, c.length, c.chunk, c.category): c for c in curves}
     lines = ["| prompt | method | category | sparsities | chunks (small, large) | score, small "
              "- large (points) [95 %] | P(small lower) | footprint, small - large (points) | "
              "gold log-prob, small - large [95 %] | P(small lower) | critical % (small / "
-             "large) | P(small's higher) |",
+             "large) on the examples both answered | P(small's higher) |",
              "|---:|---|---|---|---|---|---:|---:|---|---:|---|---:|"]
     for length in sorted({c.length for c in curves}):
         chunks = sorted({c.chunk for c in curves if c.length == length})
@@ -310,10 +318,13 @@ def chunk_sensitivity_table(curves: Sequence[Curve], replicates: int = 1000,
 
 
 def _sensitivity_row(a: Curve, b: Curve, replicates: int, seed: int) -> tuple[str, str] | None:
-    """(sparsities both ran, the row's other cells): small chunk `a` minus large chunk `b`."""
+    """(sparsities both ran, the row's other cells): small chunk `a` minus large chunk `b`,
+    on the examples both answered."""
     shared = sorted(set(a.sparsities) & set(b.sparsities))
-    if not shared:
+    both = paired(a, b)
+    if not shared or both is None:
         return None
+    a, b = both
     ia = [a.sparsities.index(s) for s in shared]
     ib = [b.sparsities.index(s) for s in shared]
     # gold log-probs at the shared sparsities < 1, as the pairs' table (a head mask's
@@ -323,16 +334,14 @@ def _sensitivity_row(a: Curve, b: Curve, replicates: int, seed: int) -> tuple[st
     gold = lambda p=None: float(np.mean([a.logprob_gap(p)[i] - b.logprob_gap(p)[j]  # noqa: E731
                                          for i, j in lp]))
     d_foot = np.mean(a.point_footprints()[ia] - b.point_footprints()[ib])
-    paired = a.examples == b.examples
-    draws = a.draws(replicates, seed) if paired else []
+    draws = a.draws(replicates, seed)
     score_cells = _lower_cells(score(), [score(p) for p in draws], 100, 1)
     gold_cells = ("n/a | –" if a.logprobs is None or b.logprobs is None or not lp else
                   _lower_cells(gold(), [gold(p) for p in draws], 1, 4))
     higher = probability_lower(b, a, replicates, seed)  # a higher = b lower
-    crit = f"{a.critical().format()} / {b.critical().format()}"
+    crit = f"{a.critical().format()} / {b.critical().format()} ({len(a.examples)})"
     return (", ".join(f"{s:g}" for s in shared),
-            f"{score_cells} | {100 * d_foot:+.1f} | {gold_cells} | {crit} | "
-            f"{'n/a' if higher is None else f'{higher:.2f}'}")
+            f"{score_cells} | {100 * d_foot:+.1f} | {gold_cells} | {crit} | {higher:.2f}")
 
 
 def _lower_cells(point: float, reps: Sequence[float], scale: float, digits: int) -> str:
@@ -368,7 +377,10 @@ def write_table(records: Sequence[dict], curves: Sequence[Curve], notes: Sequenc
     if pairs:
         text += ["## The paper's comparisons", "",
                  "P(candidate lower): share of paired bootstrap replicates in which the "
-                 "candidate's critical footprint is below the baseline's.", "", pairs, ""]
+                 "candidate's critical footprint is below the baseline's. Every comparison "
+                 "below is on the examples both curves answered (their number in "
+                 "parentheses), so its critical footprints can differ from the table above "
+                 "when one curve holds more examples.", "", pairs, ""]
     gold = logprob_comparisons_table(curves, replicates, seed)
     if gold:
         text += ["## The same comparisons on the gold answer's log-prob", "",
