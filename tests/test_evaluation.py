@@ -451,6 +451,65 @@ def test_hybrid_sweeps_serve_a_head_mask_with_token_eviction_per_point():
     assert full.servers == 2 and full.requests == 2
 
 
+def test_hybrid_at_a_fixed_token_sparsity_is_its_own_curve_named_and_paired_with_its_parts():
+    """The compose issue's (head, token) pairs: `--hybrid-token-sparsities s,0.25` traces the
+    hybrid twice along head sparsity, once with p = s (keys unchanged, so older records still
+    match) and once with p fixed at 0.25 (its own key, record label, row name and comparisons
+    against PruLong and patched SnapKV)."""
+    from vllm_kvevict.evaluation.__main__ import build_parser
+    from vllm_kvevict.evaluation.report import comparisons_table, display, parts
+
+    args = build_parser().parse_args(["run", "--methods", "prulong+snapkv",
+                                      "--hybrid-token-sparsities", "s,0.25"])
+    assert args.hybrid_token_sparsities == (None, 0.25)
+    for bad in ("1.5", "x", ","):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["run", "--hybrid-token-sparsities", bad])
+    spec = grid.GridSpec(tasks=("niah_single",), lengths=(1000,), per_category=1, chunks=(128,),
+                         methods=("prulong+snapkv",), evictions=("patched",),
+                         head_sparsities=(0.5,), hybrid_token_sparsities=(None, 0.25),
+                         masks={"prulong": "/m/p.json"})
+    same, fixed = spec.sweeps(128)
+    assert (same.label, fixed.label) == ("prulong+snapkv-patched",
+                                         "prulong+snapkv-patched-t0.25")
+    assert same.setting(0.5, "ab12").key == "chunk=128/prulong+snapkv/patched/s=0.5/mask=ab12"
+    setting = fixed.setting(0.5, "ab12")
+    assert setting.key == "chunk=128/prulong+snapkv/patched/t=0.25/s=0.5/mask=ab12"
+    assert setting.server.policy_spec().label == "prulong:0.5+snapkv:0.25:patched"
+    assert setting.server.slug == "c128-prulong+snapkv-patched-t0.25-s0.5-p"
+    full, _ = grid.estimate(spec, [(1000, 8)], categories=1)
+    assert full.servers == 2
+
+    def record(method, eviction, sparsity, token, example, score):
+        return {"setting": f"{method}/{eviction}/{token}/{sparsity}", "method": method,
+                "eviction": eviction, "sparsity": sparsity, "token_sparsity": token,
+                "chunk": 128, "length": 2048, "example": example, "task": "t",
+                "category": "recall", "score": score, "footprint": 1.0 - (sparsity or 0.0),
+                "measured_footprint": 1.0, "peak_kv": 1.0}
+
+    records = []
+    for e in ("e0", "e1"):
+        records += [record("full", None, None, None, e, 1.0),
+                    record("prulong", None, 0.5, None, e, 1.0),
+                    record("snapkv", "patched", 0.5, None, e, 1.0),
+                    record("prulong+snapkv", "patched", 0.5, None, e, 1.0),
+                    record("prulong+snapkv", "patched", 0.5, 0.25, e, 0.0)]
+    curves, _ = build_curves(records)
+    labels = {c.method for c in curves}
+    assert labels == {"prulong", "snapkv-patched", "prulong+snapkv-patched",
+                      "prulong+snapkv-patched-t0.25"}
+    assert display("prulong+snapkv-patched-t0.25") == (
+        "PruLong + SnapKV (patched), token sparsity 0.25")
+    assert display("prulong+snapkv-patched") == (
+        "PruLong + SnapKV (patched), head = token sparsity")
+    assert parts("prulong+snapkv-patched-t0.25") == ("prulong", "snapkv-patched")
+    assert parts("prulong") is None
+    table = comparisons_table(curves, replicates=50, seed=0)
+    for candidate in ("prulong+snapkv-patched", "prulong+snapkv-patched-t0.25"):
+        for baseline in ("prulong", "snapkv-patched"):
+            assert f"| {candidate} | {baseline} |" in table
+
+
 def test_fp8_variants_serve_with_an_fp8_cache_and_close_with_fp8_streaming():
     spec = grid.GridSpec(tasks=("niah_single",), lengths=(1000,), per_category=1, chunks=(128,),
                          methods=("full", "full@fp8", "prulong@fp8"), head_sparsities=(0.5,))

@@ -26,6 +26,23 @@ def words(text: str) -> tuple[str, ...]:
     return tuple(x for x in text.split(",") if x)
 
 
+def hybrid_token_sparsities(text: str) -> tuple[float | None, ...]:
+    """`s,0.25`: one hybrid curve per entry, `s` for token sparsity = head sparsity."""
+    out: list[float | None] = []
+    for x in (x.strip() for x in text.split(",") if x.strip()):
+        try:
+            value = None if x == "s" else float(x)
+        except ValueError:
+            value = -1.0
+        if value is not None and not 0.0 <= value <= 1.0:
+            raise argparse.ArgumentTypeError(
+                f"--hybrid-token-sparsities takes 's' or numbers in [0, 1], got {x!r}")
+        out.append(value)
+    if not out:
+        raise argparse.ArgumentTypeError("--hybrid-token-sparsities is empty")
+    return tuple(out)
+
+
 def mask_arg(text: str) -> tuple[str, str]:
     policy, sep, path = text.partition("=")
     if not sep or not path:
@@ -57,11 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--methods", type=words, default=None,
                      help="subset of full,streaming,duo,prulong,snapkv,pyramidkv and the "
                           "hybrids prulong+snapkv, prulong+pyramidkv, duo+snapkv, "
-                          "duo+pyramidkv (a head mask at s with token sparsity s on its full "
-                          "heads), and full@fp8, prulong@fp8 (--kv-cache-dtype fp8)")
+                          "duo+pyramidkv (a head mask at s with token eviction on its full "
+                          "heads, see --hybrid-token-sparsities), and full@fp8, prulong@fp8 "
+                          "(--kv-cache-dtype fp8)")
     run.add_argument("--evictions", type=words, default=None, help="naive,patched")
     run.add_argument("--head-sparsities", type=floats, default=None)
     run.add_argument("--token-sparsities", type=floats, default=None)
+    run.add_argument("--hybrid-token-sparsities", type=hybrid_token_sparsities, default=None,
+                     help="the hybrids' token sparsity p on their full heads, one curve per "
+                          "entry along the head sparsities: 's' (p = s, the default) or a "
+                          "fixed p in [0, 1], e.g. s,0.25")
     run.add_argument("--no-bisect", dest="bisect", action="store_false", default=None,
                      help="run every candidate sparsity instead of bisecting the 90 %% crossing")
     run.add_argument("--mask", type=mask_arg, action="append", default=[],
@@ -119,7 +141,9 @@ def cmd_run(args) -> int:
     spec = preset(args.preset, args.tasks or DEFAULT_TASKS, lengths=args.lengths,
                   per_category=args.per_category, chunks=args.chunks, methods=args.methods,
                   evictions=args.evictions, head_sparsities=args.head_sparsities,
-                  token_sparsities=args.token_sparsities, bisect=args.bisect, seed=args.seed)
+                  token_sparsities=args.token_sparsities,
+                  hybrid_token_sparsities=args.hybrid_token_sparsities, bisect=args.bisect,
+                  seed=args.seed)
     spec = with_masks(spec, args.mask)
     out_dir = args.out_dir or (Path("/tmp/kvevict-eval-smoke") if args.preset == "smoke"
                                else DEFAULT_OUT)

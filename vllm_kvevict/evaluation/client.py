@@ -85,7 +85,8 @@ def to_record(example: Example, setting: Setting, response: dict, run_id: str,
     server = setting.server
     return {
         "setting": setting.key, "method": server.policy, "eviction": server.eviction,
-        "sparsity": setting.sparsity, "chunk": server.chunk,
+        "sparsity": setting.sparsity, "token_sparsity": server.token_sparsity,
+        "chunk": server.chunk,
         "mask": server.mask, "mask_digest": setting.mask_digest,
         "example": example_id(example), "task": example.task, "category": example.category,
         "length": example.length, "index": example.index,

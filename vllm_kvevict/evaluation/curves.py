@@ -27,10 +27,14 @@ FOOTPRINT_METRICS = ("footprint", "measured_footprint", "peak_kv")
 
 
 def method_label(record: dict) -> str:
-    """`duo`, `prulong`, `snapkv-patched`, ... (eviction mode only where it exists)."""
+    """`duo`, `prulong`, `snapkv-patched`, ... (eviction mode only where it exists), and a
+    hybrid's fixed token sparsity (`prulong+snapkv-patched-t0.25`; none where p = s)."""
+    label = record["method"]
     if record.get("eviction"):
-        return f"{record['method']}-{record['eviction']}"
-    return record["method"]
+        label = f"{label}-{record['eviction']}"
+    if record.get("token_sparsity") is not None:
+        label = f"{label}-t{record['token_sparsity']:g}"
+    return label
 
 
 @dataclass

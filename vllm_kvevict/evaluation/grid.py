@@ -22,8 +22,9 @@ from vllm_kvevict.config import HEAD_MASK_POLICIES as HEAD_MASK
 from vllm_kvevict.config import TOKEN_EVICTION_POLICIES as TOKEN_EVICTION
 
 EVICTIONS = tuple(sorted(EVICTION_MODES))  # ("naive", "patched")
-# a head mask with token eviction on its full heads (--kv-token-policy), traced along
-# head sparsity = token sparsity: `prulong+snapkv` is prulong at s with snapkv at p = s
+# a head mask with token eviction on its full heads (--kv-token-policy), traced along head
+# sparsity s: `prulong+snapkv` is prulong at s with snapkv at p = s, or at a fixed p
+# (`GridSpec.hybrid_token_sparsities`: the (head, token) pairs of the compose issue)
 HYBRIDS = tuple(f"{h}+{t}" for h in HEAD_MASK for t in TOKEN_EVICTION)
 # `METHOD@fp8`: the method served with `--kv-cache-dtype fp8` (scored against full attention
 # in the model's dtype, so the curve shows what quantization and eviction cost together)
@@ -63,15 +64,17 @@ class ServerConfig:
     sparsity: float | None = None     # duo/prulong (and hybrids) only: fixed per server
     eviction: str | None = None       # snapkv/pyramidkv (and hybrids) only
     mask: str | None = None           # duo/prulong (and hybrids) only: the mask file served
+    token_sparsity: float | None = None  # hybrids only: fixed p (None: p = head sparsity)
 
     def policy_spec(self):
-        """The served policy (`launch.PolicySpec`); a hybrid's token sparsity is its head
-        sparsity."""
+        """The served policy (`launch.PolicySpec`); a hybrid's token sparsity is its own
+        if set, else its head sparsity."""
         from vllm_kvevict.launch import PolicySpec
 
         head, _, token = base_method(self.policy).partition("+")
+        p = self.sparsity if self.token_sparsity is None else self.token_sparsity
         return PolicySpec(head, self.sparsity, self.eviction, token_policy=token or None,
-                          token_sparsity=self.sparsity if token else None)
+                          token_sparsity=p if token else None)
 
     @property
     def server_args(self) -> list[str]:
@@ -84,6 +87,8 @@ class ServerConfig:
         parts = [f"c{self.chunk}", self.policy]
         if self.eviction:
             parts.append(self.eviction)
+        if self.token_sparsity is not None:
+            parts.append(f"t{self.token_sparsity:g}")
         if self.sparsity is not None:
             parts.append(f"s{self.sparsity:g}")
         if self.mask:
@@ -105,6 +110,8 @@ class Setting:
         parts = [f"chunk={s.chunk}", s.policy]
         if s.eviction:
             parts.append(s.eviction)
+        if s.token_sparsity is not None:  # absent for p = s: keys of older runs still match
+            parts.append(f"t={s.token_sparsity:g}")
         if self.sparsity is not None:
             parts.append(f"s={self.sparsity:g}")
         if self.mask_digest:
@@ -126,14 +133,17 @@ class Sweep:
     eviction: str | None
     candidates: tuple[float, ...]
     mask: str | None = None
+    token_sparsity: float | None = None  # hybrids: fixed p (None: p = head sparsity)
 
     @property
     def label(self) -> str:
-        return f"{self.policy}-{self.eviction}" if self.eviction else self.policy
+        label = f"{self.policy}-{self.eviction}" if self.eviction else self.policy
+        return label if self.token_sparsity is None else f"{label}-t{self.token_sparsity:g}"
 
     def setting(self, sparsity: float, mask_digest: str | None = None) -> Setting:
         if per_point(self.policy):
-            server = ServerConfig(self.policy, self.chunk, sparsity, self.eviction, self.mask)
+            server = ServerConfig(self.policy, self.chunk, sparsity, self.eviction, self.mask,
+                                  self.token_sparsity)
         else:
             server = ServerConfig(self.policy, self.chunk, None, self.eviction)
         return Setting(server, sparsity, mask_digest)
@@ -149,6 +159,8 @@ class GridSpec:
     evictions: tuple[str, ...] = EVICTIONS
     head_sparsities: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
     token_sparsities: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
+    # hybrids: one curve per entry, None = token sparsity equal to head sparsity
+    hybrid_token_sparsities: tuple[float | None, ...] = (None,)
     bisect: bool = True
     masks: Mapping[str, str | None] = field(default_factory=dict)  # policy -> mask path
     seed: int = 0
@@ -164,7 +176,8 @@ class GridSpec:
                         for e in self.evictions]
             elif policy in HYBRIDS:
                 out += [Sweep(policy, chunk, e, tuple(self.head_sparsities),
-                              self.masks.get(head_policy(policy))) for e in self.evictions]
+                              self.masks.get(head_policy(policy)), t)
+                        for e in self.evictions for t in self.hybrid_token_sparsities]
         return out
 
     def fixed_settings(self, chunk: int) -> list[Setting]:

@@ -38,6 +38,26 @@ COLORS = {"duo": "tab:blue", "prulong": "tab:green", "pyramidkv-naive": "tab:ora
           "snapkv-patched": "tab:brown", "prulong+snapkv-patched": "black",
           "prulong+pyramidkv-patched": "tab:gray", "full@fp8": "tab:pink",
           "prulong@fp8": "tab:olive"}
+
+
+def display(method: str) -> str:
+    """A curve's row name; a hybrid at a fixed token sparsity (`...-t0.25`) is named by it."""
+    base, sep, token = method.rpartition("-t")
+    if sep and "+" in base and base in DISPLAY:
+        return DISPLAY[base].replace("head = token sparsity", f"token sparsity {token}")
+    return DISPLAY.get(method, method)
+
+
+def parts(method: str) -> tuple[str, str] | None:
+    """A hybrid curve's two parts (`prulong+snapkv-patched-t0.25` -> `prulong`,
+    `snapkv-patched`), None for any other curve."""
+    head, plus, token = method.partition("+")
+    if not plus:
+        return None
+    base, sep, _ = token.rpartition("-t")
+    return head, base if sep else token
+
+
 CATEGORY_ORDER = ("recall", "tracing", "aggregation", "icl")
 CATEGORY_TITLES = {"recall": "Recall", "tracing": "Tracing", "aggregation": "Aggregation",
                    "icl": "ICL"}
@@ -129,7 +149,7 @@ def critical_table(curves: Sequence[Curve], metric: str, replicates: int, seed: 
                 lo, hi = curve.interval(replicates, seed, metric)
                 cells.append(f"{point.format()} [{lo.format()}, {hi.format()}] "
                              f"({len(curve.examples)})")
-            lines.append(f"| {DISPLAY.get(method, method)} | " + " | ".join(cells) + " |")
+            lines.append(f"| {display(method)} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -169,10 +189,10 @@ def points_table(curves: Sequence[Curve]) -> str:
     return "\n".join(lines)
 
 
-# The paper's comparisons, then the composition against its parts: (candidate, baseline).
+# The paper's comparisons and fp8 against the model's dtype: (candidate, baseline); then
+# every hybrid curve against each of its parts (`parts`).
 PAIRS = (("prulong", "duo"), ("pyramidkv-patched", "pyramidkv-naive"),
-         ("snapkv-patched", "snapkv-naive"), ("prulong+snapkv-patched", "prulong"),
-         ("prulong+snapkv-patched", "snapkv-patched"), ("prulong@fp8", "prulong"))
+         ("snapkv-patched", "snapkv-naive"), ("prulong@fp8", "prulong"))
 
 
 def probability_lower(a: Curve, b: Curve, replicates: int, seed: int,
@@ -192,9 +212,10 @@ def pairs(curves: Sequence[Curve]) -> Iterator[tuple[Curve, Curve]]:
     """(candidate, baseline) curves of each of PAIRS, per section and category, where both
     were run."""
     by_key = {(c.method, c.section, c.category): c for c in curves}
+    hybrids = [(m, part) for m in _order(curves) if parts(m) for part in parts(m)]
     for section in sections(curves):
         for category in categories_of(curves):
-            for cand, base in PAIRS:
+            for cand, base in list(PAIRS) + hybrids:
                 a = by_key.get((cand, section, category))
                 b = by_key.get((base, section, category))
                 if a is not None and b is not None:
@@ -312,7 +333,7 @@ def chunk_sensitivity_table(curves: Sequence[Curve], replicates: int = 1000,
                 if a is not None and b is not None:
                     row = _sensitivity_row(a, b, replicates, seed)
                     if row:
-                        lines.append(f"| {length} | {DISPLAY.get(method, method)} | {category} "
+                        lines.append(f"| {length} | {display(method)} | {category} "
                                      f"| {row[0]} | {small}, {large} | {row[1]} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
@@ -434,7 +455,7 @@ def plot_pareto(curves: Sequence[Curve], path: Path, metric: str = "footprint",
                 v = c.logprob_gap() if y == "logprob" else 100 * c.point_scores()
                 order = np.argsort(x)
                 ax.plot(x[order], v[order], marker="o", ms=3.5, lw=1.4,
-                        color=COLORS.get(c.method), label=DISPLAY.get(c.method, c.method))
+                        color=COLORS.get(c.method), label=display(c.method))
                 full = 0.0 if y == "logprob" else 100 * c.full_score()
             if full is not None:
                 ax.axhline(full, color="gray", ls="--", lw=1.0)

@@ -179,8 +179,8 @@ class Runner:
             return Setting(ServerConfig("streaming" if dtype == "auto" else f"streaming@{dtype}",
                                         sweep.chunk))
         path, digest = self.resolve_mask(sweep, sparsity)
-        return Setting(ServerConfig(sweep.policy, sweep.chunk, sparsity, sweep.eviction, path),
-                       sparsity, digest)
+        return Setting(ServerConfig(sweep.policy, sweep.chunk, sparsity, sweep.eviction, path,
+                                    sweep.token_sparsity), sparsity, digest)
 
     # ----------------------------------------------------------------------------- running
 
