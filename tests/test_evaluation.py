@@ -457,7 +457,7 @@ def test_hybrid_at_a_fixed_token_sparsity_is_its_own_curve_named_and_paired_with
     match) and once with p fixed at 0.25 (its own key, record label, row name and comparisons
     against PruLong and patched SnapKV)."""
     from vllm_kvevict.evaluation.__main__ import build_parser
-    from vllm_kvevict.evaluation.report import comparisons_table, display, parts
+    from vllm_kvevict.evaluation.report import comparisons_table, display, line_style, parts
 
     args = build_parser().parse_args(["run", "--methods", "prulong+snapkv",
                                       "--hybrid-token-sparsities", "s,0.25"])
@@ -503,6 +503,11 @@ def test_hybrid_at_a_fixed_token_sparsity_is_its_own_curve_named_and_paired_with
     assert display("prulong+snapkv-patched") == (
         "PruLong + SnapKV (patched), head = token sparsity")
     assert parts("prulong+snapkv-patched-t0.25") == ("prulong", "snapkv-patched")
+    # drawn dashed in the s = p curve's color, never in a color another method has
+    assert line_style("prulong+snapkv-patched-t0.25") == (
+        line_style("prulong+snapkv-patched")[0], "--")
+    assert line_style("prulong+snapkv-patched-t0.25")[0] not in {
+        line_style(m)[0] for m in ("duo", "prulong", "snapkv-patched", "pyramidkv-patched")}
     assert parts("prulong") is None
     table = comparisons_table(curves, replicates=50, seed=0)
     for candidate in ("prulong+snapkv-patched", "prulong+snapkv-patched-t0.25"):

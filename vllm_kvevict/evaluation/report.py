@@ -48,6 +48,15 @@ def display(method: str) -> str:
     return DISPLAY.get(method, method)
 
 
+def line_style(method: str) -> tuple[str | None, str]:
+    """(color, line style) of a curve: a hybrid at a fixed token sparsity is drawn dashed in
+    its s = p curve's color, so no curve falls back to a color another method already has."""
+    base, sep, _ = method.rpartition("-t")
+    if sep and "+" in base and base in COLORS:
+        return COLORS[base], "--"
+    return COLORS.get(method), "-"
+
+
 def parts(method: str) -> tuple[str, str] | None:
     """A hybrid curve's two parts (`prulong+snapkv-patched-t0.25` -> `prulong`,
     `snapkv-patched`), None for any other curve."""
@@ -454,8 +463,9 @@ def plot_pareto(curves: Sequence[Curve], path: Path, metric: str = "footprint",
                 x = 100 * c.point_footprints(metric)
                 v = c.logprob_gap() if y == "logprob" else 100 * c.point_scores()
                 order = np.argsort(x)
-                ax.plot(x[order], v[order], marker="o", ms=3.5, lw=1.4,
-                        color=COLORS.get(c.method), label=display(c.method))
+                color, ls = line_style(c.method)
+                ax.plot(x[order], v[order], marker="o", ms=3.5, lw=1.4, color=color, ls=ls,
+                        label=display(c.method))
                 full = 0.0 if y == "logprob" else 100 * c.full_score()
             if full is not None:
                 ax.axhline(full, color="gray", ls="--", lw=1.0)
