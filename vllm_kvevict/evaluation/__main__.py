@@ -30,13 +30,14 @@ def hybrid_token_sparsities(text: str) -> tuple[float | None, ...]:
     """`s,0.25`: one hybrid curve per entry, `s` for token sparsity = head sparsity."""
     out: list[float | None] = []
     for x in (x.strip() for x in text.split(",") if x.strip()):
+        error = argparse.ArgumentTypeError(
+            f"--hybrid-token-sparsities takes 's' or numbers in [0, 1], got {x!r}")
         try:
             value = None if x == "s" else float(x)
         except ValueError:
-            value = -1.0
+            raise error from None
         if value is not None and not 0.0 <= value <= 1.0:
-            raise argparse.ArgumentTypeError(
-                f"--hybrid-token-sparsities takes 's' or numbers in [0, 1], got {x!r}")
+            raise error
         out.append(value)
     if not out:
         raise argparse.ArgumentTypeError("--hybrid-token-sparsities is empty")

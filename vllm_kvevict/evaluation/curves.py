@@ -37,6 +37,14 @@ def method_label(record: dict) -> str:
     return label
 
 
+def fixed_token(label: str) -> tuple[str, str] | None:
+    """A hybrid label's fixed token sparsity, split off (`prulong+snapkv-patched-t0.25` ->
+    (`prulong+snapkv-patched`, `0.25`)); None for any other label (the inverse of the suffix
+    `method_label` adds)."""
+    base, sep, token = label.rpartition("-t")
+    return (base, token) if sep and "+" in base else None
+
+
 @dataclass
 class Curve:
     method: str

@@ -23,7 +23,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from vllm_kvevict.evaluation.critical import FRACTION
-from vllm_kvevict.evaluation.curves import Curve, build_curves, paired
+from vllm_kvevict.evaluation.curves import Curve, build_curves, fixed_token, paired
 
 ROW_ORDER = ("duo", "prulong", "pyramidkv-naive", "pyramidkv-patched", "snapkv-naive",
              "snapkv-patched")
@@ -42,29 +42,27 @@ COLORS = {"duo": "tab:blue", "prulong": "tab:green", "pyramidkv-naive": "tab:ora
 
 def display(method: str) -> str:
     """A curve's row name; a hybrid at a fixed token sparsity (`...-t0.25`) is named by it."""
-    base, sep, token = method.rpartition("-t")
-    if sep and "+" in base and base in DISPLAY:
-        return DISPLAY[base].replace("head = token sparsity", f"token sparsity {token}")
+    fixed = fixed_token(method)
+    if fixed and fixed[0] in DISPLAY:
+        return DISPLAY[fixed[0]].replace("head = token sparsity", f"token sparsity {fixed[1]}")
     return DISPLAY.get(method, method)
 
 
 def line_style(method: str) -> tuple[str | None, str]:
     """(color, line style) of a curve: a hybrid at a fixed token sparsity is drawn dashed in
     its s = p curve's color, so no curve falls back to a color another method already has."""
-    base, sep, _ = method.rpartition("-t")
-    if sep and "+" in base and base in COLORS:
-        return COLORS[base], "--"
+    fixed = fixed_token(method)
+    if fixed and fixed[0] in COLORS:
+        return COLORS[fixed[0]], "--"
     return COLORS.get(method), "-"
 
 
 def parts(method: str) -> tuple[str, str] | None:
     """A hybrid curve's two parts (`prulong+snapkv-patched-t0.25` -> `prulong`,
     `snapkv-patched`), None for any other curve."""
-    head, plus, token = method.partition("+")
-    if not plus:
-        return None
-    base, sep, _ = token.rpartition("-t")
-    return head, base if sep else token
+    fixed = fixed_token(method)
+    head, plus, token = (fixed[0] if fixed else method).partition("+")
+    return (head, token) if plus else None
 
 
 CATEGORY_ORDER = ("recall", "tracing", "aggregation", "icl")
@@ -221,7 +219,7 @@ def pairs(curves: Sequence[Curve]) -> Iterator[tuple[Curve, Curve]]:
     """(candidate, baseline) curves of each of PAIRS, per section and category, where both
     were run."""
     by_key = {(c.method, c.section, c.category): c for c in curves}
-    hybrids = [(m, part) for m in _order(curves) if parts(m) for part in parts(m)]
+    hybrids = [(m, part) for m in _order(curves) for part in parts(m) or ()]
     for section in sections(curves):
         for category in categories_of(curves):
             for cand, base in list(PAIRS) + hybrids:
