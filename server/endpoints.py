@@ -39,6 +39,10 @@ def make_router():
             "server_rss_bytes": state.rss.current,
             "server_peak_rss_bytes": state.rss.peak,
             "aggregates": state.store.aggregates(),
+            # stop-string requests whose stats the engine still owes, and responses that went
+            # out without them after VLLM_KVEVICT_STATS_WAIT_S (an engine that never reported)
+            "stats_owed": len(state.pending),
+            "stats_wait_timeouts": state.stats_wait_timeouts,
             "recent": state.store.recent(limit),
         })
 

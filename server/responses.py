@@ -10,8 +10,9 @@ response bodies, and its pure helpers (unit-tested).
   `stream_options.include_usage` the final usage chunk (`choices: []`) gets `kv_stats` (and
   `kv_stats_per_request` for n > 1 or several prompts); without it one more chunk of that shape
   goes just before `data: [DONE]`.
-- a request ended by a stop string reaches the engine as an abort, and its stats arrive a step
-  later: the response waits for them (at most `SETTLE_S`).
+- a request ended by a stop string reaches the engine as an abort, and its stats arrive with a
+  later engine step: the response waits for them (`settled`: until they are recorded, however
+  loaded the engine is).
 """
 
 from __future__ import annotations
@@ -19,23 +20,40 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from typing import Any
 
+from server.lifecycle import WATCH
 from server.store import STATS_KEY, ServerStats
 
 logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
 
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
-SETTLE_S = 1.0  # longest wait for a stop-string request's stats (one engine step, normally)
+# A stop-string request's stats come with the engine step that handles its abort: a step
+# later when idle, many seconds later on a loaded engine. The response waits for them, not for
+# a time; this bound only ends a wait for an engine that will never report (it is logged).
+STATS_WAIT_S = float(os.environ.get("VLLM_KVEVICT_STATS_WAIT_S", "600"))
 
 
 async def settled(response_id: str | None) -> None:
     """Wait until no request of this response still owes its stats (stop strings)."""
     state = ServerStats.get()
-    deadline = time.monotonic() + SETTLE_S
-    while response_id and state.owes_stats(response_id) and time.monotonic() < deadline:
-        await asyncio.sleep(0.005)
+    if not response_id or not state.owes_stats(response_id):
+        return
+    deadline = time.monotonic() + STATS_WAIT_S
+    while state.owes_stats(response_id):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            state.stats_wait_timeouts += 1
+            logger.warning("vllm-kvevict: response %s sent without the kv_stats the engine "
+                           "still owes after %.0f s (VLLM_KVEVICT_STATS_WAIT_S)", response_id,
+                           STATS_WAIT_S)
+            return
+        try:
+            await asyncio.wait_for(state.next_recorded(), min(remaining, 5.0))  # re-check
+        except asyncio.TimeoutError:
+            pass
 
 
 def lift_kv_stats(payload: dict[str, Any], found: list[dict[str, Any]]) -> dict[str, Any]:
@@ -144,6 +162,8 @@ class KVStatsMiddleware:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
+        if not WATCH.started:  # the first scope (lifespan startup): watch the engine
+            WATCH.start(scope.get("app"))
         if scope["type"] != "http" or scope.get("method") != "POST":
             return await self.app(scope, receive, send)
         path = scope["path"].removeprefix(scope.get("root_path", "") or "")

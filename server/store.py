@@ -11,6 +11,7 @@ at install time (`endpoints.install`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
@@ -144,6 +145,10 @@ class KVStatsStore:
             while len(self._by_engine) > self.capacity:
                 self._forget(next(iter(self._by_engine)))
         return True
+
+    def has(self, engine_id: str) -> bool:
+        with self._lock:
+            return engine_id in self._by_engine
 
     def _forget(self, engine_id: str) -> None:
         stats = self._by_engine.pop(engine_id)
@@ -288,10 +293,14 @@ class ServerStats:
         self.timeline = Timeline()
         self.rss = ProcessTreeRSS()
         # engine id -> (API id, finish reason, stop reason) of requests that finished in the
-        # API server without kv_stats (stop strings): their stats come later, as aborted.
+        # API server without kv_stats (stop strings): their stats come later, in the engine's
+        # connector stats.
         self.pending: OrderedDict[str, tuple[str, str, Any]] = OrderedDict()
         self.context = None  # what the server serves (set by endpoints.install)
         self._metrics = None
+        self._recorded: asyncio.Event | None = None  # set at the next recorded request
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.stats_wait_timeouts = 0  # responses sent without stats the engine still owed
 
     @classmethod
     def get(cls) -> "ServerStats":
@@ -307,6 +316,26 @@ class ServerStats:
 
             self._metrics = get_metrics()
         return self._metrics
+
+    async def next_recorded(self) -> None:
+        """Returns when the next request's stats are recorded (from any source)."""
+        if self._recorded is None:
+            self._loop, self._recorded = asyncio.get_running_loop(), asyncio.Event()
+        await self._recorded.wait()
+
+    def notify_recorded(self) -> None:
+        event, loop = self._recorded, self._loop
+        if event is None:
+            return
+        self._recorded = None  # later waiters wait for the request after this one
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            event.set()
+        else:  # recorded off the event loop's thread
+            loop.call_soon_threadsafe(event.set)
 
     def owes_stats(self, response_id: str) -> bool:
         """A request of this response ended in the API server and its stats are on the way."""
@@ -338,6 +367,7 @@ def _record(engine_id: str, external_id: str, stats: dict[str, Any]) -> dict[str
             state.metrics.observe(full)
         except Exception:  # metrics must never break a response
             logger.exception("vllm-kvevict: Prometheus update failed")
+    state.notify_recorded()
     return full
 
 
@@ -362,13 +392,16 @@ def record_output_finished(engine_id: str, external_id: str, finish_reason: str,
 
 def record_engine_stats(payload: dict[str, Any], running: int, waiting: int,
                         usage: float | None) -> None:
-    """One engine step's connector payload: pool snapshots and aborted requests' kv_stats."""
+    """One engine step's connector payload: pool snapshots and a copy of every finished
+    request's kv_stats (recorded here when no output carried them: aborts, stop strings)."""
     state = ServerStats.get()
     snapshots = payload.get("snapshots") or ()
     for snapshot in snapshots:
         state.timeline.add(snapshot, running, waiting, usage)
     for stats in payload.get("finished") or ():
         engine_id = str(stats.get("engine_request_id"))
+        if state.store.has(engine_id):  # its output carried them already
+            continue
         pending = state.pending.get(engine_id)
         _record(engine_id, pending[0] if pending else external_of(engine_id), stats)
     if snapshots:

@@ -200,9 +200,7 @@ ROWS = [
                  "untested: patched eviction appends question rows to the input ids that "
                  "embeddings replace") for c in COLUMNS}),
     Row("per-request `seed` with a prompt longer than one step",
-        each("n/a", "tests/test_vllm_contract.py::test_seeded_partial_prefill_needs_a_generator_offset",
-             why="stock vLLM 0.32 CPU stops its worker on it (\"CPU Generator does not use "
-                 "offset\") when a seeded prompt prefills over several steps")),
+        each("exact", C + "test_seeded_sampling_over_several_prefill_steps_matches_reference[{id}]")),
     Row("async scheduling (`--async-scheduling`)",
         each("n/a", "tests/test_vllm_contract.py::test_cpu_platform_turns_async_scheduling_off",
              why="vLLM 0.32's CPU platform turns it off")),

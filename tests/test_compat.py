@@ -276,11 +276,47 @@ def test_echo_with_logprobs_matches_reference(column, bundled_model_dir, tokeniz
     assert r.choices[0].text == tokenizer.decode(prompt) + tokenizer.decode(ref.token_ids)
 
 
+def seeded_reference(model, bundled_model_dir, policy, ids, seed, temperature, new_tokens):
+    """The reference's logits, sampled as vLLM's CPU sampler samples a seeded request: per
+    step one 31-bit seed drawn from the request's generator (seeded with `seed`; no draw of a
+    discarded partial-prefill step survives), then vLLM's Gumbel-max op on logits / T."""
+    ref = runner(model, bundled_model_dir, policy)
+    pre = ref.prefill(list(ids), CHUNK)
+    generator = torch.Generator().manual_seed(seed)
+    logits, tokens = pre.logits[-1], []
+    for i in range(new_tokens):
+        step_seed = torch.randint(0, 2**31, (1,), generator=generator, dtype=torch.long)
+        scaled = (logits.float() / temperature).view(1, -1)
+        token = int(torch.ops._C.fused_gumbel_argmax(scaled, step_seed)[0])
+        tokens.append(token)
+        logits = ref.decode_step(pre.cache, token, len(ids) + i)
+    return tokens
+
+
+def test_seeded_sampling_over_several_prefill_steps_matches_reference(
+        column, bundled_model_dir, tokenizer, hf_model, prompt):
+    """`seed` with a prompt that prefills in three steps: stock vLLM 0.32's CPU worker died on
+    it ("CPU Generator does not use offset"); here the tokens are the reference's sampled with
+    the same seed, the same twice, and the server stays up (integration/seeded_sampling.py)."""
+    name, policy, server = column
+    import vllm._custom_ops  # noqa: F401  (registers torch.ops._C, vLLM's sampling op)
+
+    def sample(seed):
+        r = client(server).completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=12,
+                                              temperature=0.8, seed=seed, logprobs=0)
+        assert r.model_extra.get("kv_stats") is not None
+        return r.choices[0].logprobs.tokens, r.choices[0].text
+
+    first, again, other = sample(11), sample(11), sample(12)
+    assert first == again, name
+    assert first != other, name  # 12 tokens at T = 0.8: the seed is really used
+    want = seeded_reference(hf_model, bundled_model_dir, policy, prompt, 11, 0.8, 12)
+    assert first[1] == tokenizer.decode(want), (name, first[1], tokenizer.decode(want))
+
+
 def test_n_children_are_each_the_reference(column, bundled_model_dir, tokenizer, hf_model,
                                            prompt):
     name, policy, server = column
-    # (no `seed`: a seeded request whose prefill spans several steps stops vLLM 0.32's CPU
-    # worker, "CPU Generator does not use offset", with or without the plugin)
     r = client(server).completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=NEW_TOKENS,
                                           n=2, temperature=1.0, extra_body={"top_k": 1})
     ref = tokenizer.decode(ref_generate(hf_model, bundled_model_dir, policy, prompt).token_ids)

@@ -317,16 +317,25 @@ def test_prefix_caching_is_unset_until_vllm_resolves_its_default():
     assert "if self.enable_prefix_caching is None:" in source
 
 
-def test_seeded_partial_prefill_needs_a_generator_offset():
-    """Why the compatibility matrix's `seed` row is n/a: vLLM 0.32 rewinds a seeded request's
-    generator after a partial-prefill step with `set_offset`, which a CPU torch.Generator does
-    not have, so the worker stops (stock vLLM too, checked by hand: HTTP 500, "CPU Generator
-    does not use offset"). When either side changes, the row needs a real test."""
+def test_seeded_partial_prefill_rewinds_by_offset():
+    """integration/seeded_sampling.py: vLLM 0.32 rewinds a seeded request's generator after a
+    partial-prefill step with `set_offset(get_offset() - 4)`, which a CPU torch.Generator does
+    not have (stock vLLM's worker dies: "CPU Generator does not use offset"). Our generator
+    restores the state saved before the step samples; it must stay a torch.Generator that
+    vLLM's CPU sampler draws its per-step seed from, from the dict `prepare` rewrites."""
     import torch
+    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+    from vllm.v1.worker.gpu_input_batch import InputBatch
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     assert "gen.set_offset(gen.get_offset() - 4)" in inspect.getsource(
         GPUModelRunner._bookkeeping_sync)
+    assert "self.input_batch.generators.get(" in inspect.getsource(
+        GPUModelRunner._bookkeeping_sync)
+    assert "generator=gen" in inspect.getsource(TopKTopPSampler.forward_cpu)
+    assert "generators=self.generators" in inspect.getsource(InputBatch._make_sampling_metadata)
+    assert "generator.manual_seed(sampling_params.seed)" in inspect.getsource(
+        GPUModelRunner._update_states)
     with pytest.raises(RuntimeError, match="does not use offset"):
         torch.Generator(device="cpu").get_offset()
 

@@ -12,7 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPro
                                                                   KVConnectorStats)
 
 SNAPSHOT_INTERVAL_S = 0.25  # live view resolution; a snapshot costs one pass over held blocks
-PENDING_LIMIT = 256  # snapshots / aborted stats kept while no one collects them (stats off)
+PENDING_LIMIT = 256  # snapshots / finished requests' stats kept while no one collects them
 
 
 @dataclass
@@ -31,7 +31,7 @@ class KVEvictConnectorStats(KVConnectorStats):
     def reduce(self) -> dict[str, int]:
         last = (self.data.get("snapshots") or [{}])[-1]
         return {"kvevict_pool_blocks_used": sum(last.get("blocks_used", ())),
-                "kvevict_aborted_requests_reported": len(self.data.get("finished", ()))}
+                "kvevict_finished_requests_reported": len(self.data.get("finished", ()))}
 
     def is_empty(self) -> bool:
         return not (self.data.get("snapshots") or self.data.get("finished"))

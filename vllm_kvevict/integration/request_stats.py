@@ -1,6 +1,6 @@
 """Scheduler-side accounting behind kv_stats (engine-core process, scheduler thread only): one
 `RequestRecord` per request fed from every engine step's block tables, the pool snapshots of
-the live view, and the queue of aborted requests' stats. Driven by the stats connector
+the live view, and the queue of finished requests' stats. Driven by the stats connector
 (`stats_connector.py`); its payload type is in `connector_stats.py`.
 """
 
@@ -11,7 +11,6 @@ import time
 from typing import Any
 
 import torch
-from vllm.v1.request import RequestStatus
 
 from vllm_kvevict.integration.connector_stats import (PENDING_LIMIT, SNAPSHOT_INTERVAL_S,
                                                       KVEvictConnectorStats)
@@ -223,9 +222,11 @@ class RequestStatsTracker:
         stats["stop_reason"] = getattr(request, "stop_reason", None)
         stats = finite_or_none(stats)
         self._ended_since_snapshot = True
-        if request.status == RequestStatus.FINISHED_ABORTED:
-            # vLLM drops an aborted request's kv_transfer_params (Scheduler.finish_requests):
-            # these stats go out with the next step's scheduler stats instead.
-            self._finished.append(stats)
-            del self._finished[:-PENDING_LIMIT]
+        # Every request's stats also go out with this step's scheduler stats. vLLM drops an
+        # aborted request's kv_transfer_params (Scheduler.finish_requests), and the API server
+        # drops the output of a request it already ended on a stop string, which the engine can
+        # finish by length or EOS before the abort arrives: then this copy is the only one.
+        # The API server keeps the first copy of each request it sees.
+        self._finished.append(stats)
+        del self._finished[:-PENDING_LIMIT]
         return stats

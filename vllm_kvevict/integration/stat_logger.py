@@ -1,6 +1,6 @@
 """API-server process: a vLLM stat-logger plugin (entry-point group `vllm.stat_logger_plugins`)
 that receives what our stats connector sends with vLLM's scheduler stats after each step (pool
-snapshots for the live view, the kv_stats of aborted requests) and hands it to `server/`
+snapshots for the live view, a copy of every finished request's kv_stats) and hands it to `server/`
 through the API-server adapter, with vLLM's own running / waiting counts and KV-cache usage of
 the same step. Data flows one way: stats connector -> SchedulerStats -> here -> server/.
 

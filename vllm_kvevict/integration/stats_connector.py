@@ -20,9 +20,10 @@ transfers nothing: its worker-side methods are no-ops, and its scheduler side on
 - `get_kv_connector_stats` (vLLM calls it after every step and ships the result with its
   scheduler stats to the API server, where `integration/stat_logger.py` receives it): pool
   snapshots for the live view (blocks held per KV-cache group, every running request's bytes
-  against full attention's; at most every 0.25 s and whenever a request ended), and the kv_stats
-  of aborted requests (client cancel, stop string: vLLM drops an aborted request's
-  kv_transfer_params, so this is their only way out).
+  against full attention's; at most every 0.25 s and whenever a request ended), and a copy of
+  every finished request's kv_stats: the only way out for an aborted request (client cancel,
+  stop string: vLLM drops its kv_transfer_params) and for one the engine finished after the API
+  server had ended it on a stop string (its output is dropped there).
 
 It declares `SupportsHMA`, so vLLM keeps the hybrid KV-cache manager, and role `kv_producer`
 (`kv_consumer` would make the scheduler defer block frees under async scheduling).

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_kvevict.config import KVPolicyConfig
+from vllm_kvevict.integration import seeded_sampling
 from vllm_kvevict.integration.kv_cache_specs import (LayerHeads, declare_specs, layer_groups,
                                                      layer_heads)
 from vllm_kvevict.integration.sink_window import canonical_chunk
@@ -202,7 +203,8 @@ def declare_kv_cache_specs(runner, stock_get_kv_cache_spec):
 
 def on_execute_model(runner, stock_execute, scheduler_output, *args, **kwargs):
     """`GPUModelRunner.execute_model`: finished and preempted requests release their state
-    before the step, token evictions are booked after it."""
+    before the step, token evictions are booked after it; seeded requests' CPU generators
+    are made rewindable before the step samples (`seeded_sampling.py`)."""
     state = get_state()
     if state is not None:
         state.runner = runner
@@ -210,6 +212,7 @@ def on_execute_model(runner, stock_execute, scheduler_output, *args, **kwargs):
         state.release(scheduler_output.finished_req_ids)
         state.release(getattr(scheduler_output, "preempted_req_ids", None))
     output = stock_execute(runner, scheduler_output, *args, **kwargs)
+    seeded_sampling.prepare(runner)  # any policy: stock vLLM's CPU worker needs it too
     if state is not None:
         state.finish_step()
     return output

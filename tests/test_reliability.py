@@ -1,0 +1,375 @@
+"""No request can stop the server, and every response carries its kv_stats (issue 44):
+- 30 concurrent chats, half ending on a stop string, on a saturated engine, three times: every
+  completed response carries kv_stats (a stop-string request's stats come with the engine step
+  that handles its abort, many seconds later under load; before, a 1 s wait ran out);
+- a soak of mixed traffic per mechanism (`loadtest/soak.py`: cancels, stop strings, n = 2,
+  overrides, seeded long prompts, bad requests, shared prefixes, a small pool): no 5xx, bad
+  requests 4xx naming the field, stats for every response, each request counted once, the pool
+  empty afterwards in every KV-cache group, a probe answering as before;
+- faults: a client that disconnects during prefill frees its blocks; SIGTERM under load drains
+  (`--shutdown-timeout`) and exits 0; a killed engine process ends the server, not a hang;
+- property tests (hypothesis) over request bodies and `vllm_xargs`: 2xx or a 4xx that names
+  what is wrong, never a 5xx;
+- `cache_salt`: a prompt sent with another salt hits no block of the first, in every group.
+The seeded-sampling crash has its exact test per policy column in test_compat.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import SERVED_NAME, start_server
+from loadtest.soak import metric_sum, metrics, run_soak, wait_idle
+
+pytestmark = pytest.mark.server
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL_POOL = str(384 << 20)
+HEAD_MASK = ["--kv-policy", "prulong", "--kv-sparsity", "0.7", "--max-num-batched-tokens", "2048",
+             "--max-num-seqs", "16", "--kv-cache-memory-bytes", SMALL_POOL]
+STATS_ENV = {"VLLM_KVEVICT_STATS_CAPACITY": "5000"}
+
+
+_head_mask: list = []
+
+
+@pytest.fixture
+def head_mask_server(bundled_model_dir):
+    """prulong 0.7 in a small pool, shared by the tests below (its tests come first: a test
+    that starts another server stops this one, and a later one starts it again)."""
+    if not _head_mask or _head_mask[0].proc.poll() is not None:
+        _head_mask[:] = [start_server(bundled_model_dir, HEAD_MASK, env=STATS_ENV)]
+    return _head_mask[0]
+
+
+def kv_stats_summary(server) -> dict:
+    return httpx.get(server.base_url + "/v1/kv_stats", params={"limit": 0}, timeout=30).json()
+
+
+# -- kv_stats under load ----------------------------------------------------------------------
+
+WORDS = "river stone garden light paper window music silver morning letter harbor".split()
+NOTES = ("The river runs past the old stone mill.", "Children play in the garden every morning.",
+         "A letter arrived from the harbor town.", "The market opens at dawn with fresh bread.",
+         "Snow covered the bridge during the winter.")
+QUESTIONS = ("Describe the garden in three sentences.", "Write a short story about the river.",
+             "What is the capital of France? Answer in two sentences.")
+
+
+async def chat_burst(base_url: str, rng: random.Random, n: int = 30) -> tuple[int, list[str]]:
+    """n chats at once over ~1,300-token system prompts (notes the model answers from in
+    sentences); every other one ends on the stop string ".", every third streams. Returns
+    (completed, ids of completed responses without kv_stats)."""
+    missing: list[str] = []
+
+    async def one(client, i):
+        system = "You are a helpful assistant. Notes: " + " ".join(rng.choice(NOTES)
+                                                                    for _ in range(150))
+        body = {"model": SERVED_NAME, "max_tokens": 48, "temperature": 0,
+                "messages": [{"role": "system", "content": system},
+                             {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]}
+        if i % 2:
+            body["stop"] = ["."]
+        if i % 3 == 0:
+            body.update(stream=True, stream_options={"include_usage": i % 2 == 0})
+            last = None
+            async with client.stream("POST", base_url + "/v1/chat/completions", json=body,
+                                     timeout=900) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                        last = json.loads(line[5:])
+            if last.get("kv_stats") is None:
+                missing.append(f"stream {last.get('id')} stop={bool(i % 2)}")
+            return
+        r = await client.post(base_url + "/v1/chat/completions", json=body, timeout=900)
+        assert r.status_code == 200, r.text
+        payload = r.json()
+        if payload.get("kv_stats") is None:
+            missing.append(f"{payload['id']} stop={bool(i % 2)}")
+
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=n + 2)) as client:
+        await asyncio.gather(*(one(client, i) for i in range(n)))
+    return n, missing
+
+
+@pytest.mark.parametrize("round_", [1, 2, 3])
+def test_every_response_carries_kv_stats_on_a_saturated_engine(head_mask_server, round_):
+    server = head_mask_server
+    before = kv_stats_summary(server)["aggregates"].get("requests_per_finish_reason", {})
+    done, missing = asyncio.run(chat_burst(server.base_url, random.Random(round_)))
+    assert missing == [], f"{len(missing)} of {done} responses without kv_stats: {missing}"
+    after = kv_stats_summary(server)
+    reasons = after["aggregates"]["requests_per_finish_reason"]
+    assert reasons.get("stop", 0) - before.get("stop", 0) >= 15  # the stop strings, as stop
+    assert after["stats_owed"] == 0 and after["stats_wait_timeouts"] == 0
+
+
+# -- faults ------------------------------------------------------------------------------------
+
+def test_client_disconnect_during_prefill_frees_its_blocks(head_mask_server):
+    server = head_mask_server
+    rng = random.Random(5)
+    body = {"model": SERVED_NAME, "prompt": [rng.randint(100, 20000) for _ in range(3000)],
+            "max_tokens": 32, "stream": True, "ignore_eos": True}
+    before = kv_stats_summary(server)["aggregates"]["requests_per_finish_reason"].get("abort", 0)
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", server.base_url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            # 3000 tokens in 512-token steps: still prefilling when the client goes away
+            deadline = time.monotonic() + 30
+            while metric_sum(metrics(server.base_url), "vllm:kv_cache_usage_perc") == 0:
+                assert time.monotonic() < deadline, "the request never held a block"
+                time.sleep(0.05)
+    usage, blocks = wait_idle(server.base_url, 60)
+    assert not usage and not any(blocks), (usage, blocks)
+    deadline = time.monotonic() + 30
+    while kv_stats_summary(server)["aggregates"]["requests_per_finish_reason"].get(
+            "abort", 0) == before:
+        assert time.monotonic() < deadline, "the cancelled request's kv_stats never arrived"
+        time.sleep(0.5)
+
+
+# -- cache_salt --------------------------------------------------------------------------------
+
+def test_cache_salt_isolates_every_kv_cache_group(head_mask_server):
+    """The same prompt under two salts: hits within a salt, none across (the head mask's
+    full-head group and its sink + window groups are all keyed by vLLM's block hashes, which
+    the salt seeds)."""
+    server = head_mask_server
+    rng = random.Random(9)
+    messages = [{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(1500))}]
+
+    def cached(salt):
+        body = {"model": SERVED_NAME, "messages": messages, "max_tokens": 2, "temperature": 0,
+                "cache_salt": salt}
+        r = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()["kv_stats"]["cached_tokens"]
+
+    assert cached("alpha") == 0
+    assert cached("alpha") > 1000  # a hit within the salt
+    assert cached("beta") == 0     # none across
+    assert cached("beta") > 1000
+
+
+# -- soak --------------------------------------------------------------------------------------
+
+SOAKS = {  # mechanism -> (server flags, vllm_xargs the override requests use)
+    "head-mask": (HEAD_MASK, [{"kv_teacher_forced": 4}]),
+    # token eviction under vLLM's own admission in a pool that forces preemption (and exact
+    # recompute of the preempted)
+    "token-eviction": (["--kv-policy", "snapkv", "--kv-sparsity", "0.7", "--kv-eviction",
+                        "patched", "--kv-admission", "vllm", "--max-num-batched-tokens", "512",
+                        "--max-num-seqs", "16", "--kv-cache-memory-bytes", str(128 << 20),
+                        # (vLLM's start-up check wants full attention's worst case in the pool)
+                        "--max-model-len", "2048"],
+                       [{"kv_sparsity": 0.3}, {"kv_sparsity": 0.9, "kv_obs_window": 16},
+                        {"kv_teacher_forced": 4}]),
+    "hybrid": (["--kv-policy", "prulong", "--kv-sparsity", "0.5", "--kv-token-policy", "snapkv",
+                "--kv-token-sparsity", "0.5", "--max-num-batched-tokens", "512",
+                "--max-num-seqs", "16", "--kv-cache-memory-bytes", SMALL_POOL],
+               [{"kv_teacher_forced": 4}]),
+}
+CI_SOAK_REQUESTS, SLOW_SOAK_REQUESTS = 120, 1000
+RESULTS = REPO / "docs" / "results" / "soak"
+
+
+def soak_server(mechanism, bundled_model_dir, request):
+    if mechanism == "head-mask":
+        return request.getfixturevalue("head_mask_server")
+    return start_server(bundled_model_dir, SOAKS[mechanism][0], env=STATS_ENV)
+
+
+@pytest.mark.parametrize("mechanism", list(SOAKS))
+def test_soak(mechanism, bundled_model_dir, request):
+    server = soak_server(mechanism, bundled_model_dir, request)
+    result = run_soak(server.base_url, CI_SOAK_REQUESTS, 24, seed=1,
+                      xargs=SOAKS[mechanism][1], progress=False)
+    assert result.failures == [], result.failures
+    assert result.cancelled > 0 and result.bad > 0 and result.completed > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mechanism", list(SOAKS))
+def test_long_soak(mechanism, bundled_model_dir, request):
+    """1,000 requests per mechanism; the figures go to docs/results/soak/ (KVEVICT_WRITE_SOAK=1)."""
+    from dataclasses import asdict
+
+    server = soak_server(mechanism, bundled_model_dir, request)
+    result = run_soak(server.base_url, SLOW_SOAK_REQUESTS, 24, seed=2,
+                      xargs=SOAKS[mechanism][1], progress=False)
+    if os.environ.get("KVEVICT_WRITE_SOAK") == "1":
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        record = {"mechanism": mechanism, "flags": SOAKS[mechanism][0], **asdict(result)}
+        (RESULTS / f"{mechanism}.json").write_text(json.dumps(record, indent=1) + "\n")
+    assert result.failures == [], result.failures
+    if mechanism == "token-eviction":
+        assert result.preemptions and result.preemptions > 0  # the pool forced some
+
+
+# -- shutdown and engine death ----------------------------------------------------------------
+
+async def in_flight(base_url: str, n: int, started: asyncio.Event) -> list:
+    async def one(client, i):
+        body = {"model": SERVED_NAME, "prompt": [100 + i] * 600, "max_tokens": 48,
+                "ignore_eos": True, "temperature": 0}
+        try:
+            r = await client.post(base_url + "/v1/completions", json=body, timeout=300)
+            return r.status_code, r.json()
+        except httpx.HTTPError as exc:
+            return None, repr(exc)
+
+    async with httpx.AsyncClient() as client:
+        tasks = [asyncio.create_task(one(client, i)) for i in range(n)]
+        await asyncio.sleep(2.0)
+        started.set()
+        return await asyncio.gather(*tasks)
+
+
+def test_sigterm_under_load_drains_and_exits_zero(bundled_model_dir):
+    server = start_server(bundled_model_dir, [*HEAD_MASK, "--shutdown-timeout", "120"])
+
+    async def scenario():
+        started = asyncio.Event()
+        work = asyncio.create_task(in_flight(server.base_url, 8, started))
+        await started.wait()
+        os.kill(server.pid, signal.SIGTERM)  # the API server process, as `kill` would
+        return await work
+
+    results = asyncio.run(scenario())
+    code = server.proc.wait(180)
+    assert code == 0, server.log_tail()
+    assert all(status == 200 for status, _ in results), results
+    assert all(body["kv_stats"] is not None and body["choices"][0]["finish_reason"] == "length"
+               for _, body in results)
+
+
+@pytest.mark.parametrize("process", ["Worker", "EngineCore"])
+def test_killed_engine_process_ends_the_server_with_an_error_status(process, bundled_model_dir):
+    """vLLM notices the death and shuts down (no hang), but exits 0 as after a requested
+    stop; server/lifecycle.py makes it one log line and status 70."""
+    import psutil
+
+    from server.lifecycle import EXIT_ENGINE_DIED
+
+    server = start_server(bundled_model_dir, HEAD_MASK)
+
+    async def scenario():
+        started = asyncio.Event()
+        work = asyncio.create_task(in_flight(server.base_url, 4, started))
+        await started.wait()
+        victims = [p for p in psutil.Process(server.pid).children(recursive=True)
+                   if process in " ".join(p.cmdline()) or process in p.name()]
+        assert victims, [(p.name(), p.cmdline()) for p in
+                         psutil.Process(server.pid).children(recursive=True)]
+        for p in victims:
+            p.send_signal(signal.SIGKILL)  # mid-step: requests are running
+        return await work
+
+    results = asyncio.run(scenario())
+    code = server.proc.wait(120)  # ends, not a hang
+    log = server.log_path.read_text(errors="replace")
+    assert code == EXIT_ENGINE_DIED, (code, log[-3000:])
+    assert all(status != 200 for status, _ in results), results
+    assert log.count("vllm-kvevict: the engine died while serving") == 1, log[-3000:]
+
+
+# -- property tests: any request body gets a 2xx or a 4xx naming what is wrong -------------------
+
+def _strategies():
+    from hypothesis import strategies as st
+
+    junk = st.one_of(st.none(), st.booleans(), st.integers(-10**20, 10**20),
+                     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=6),
+                     st.lists(st.integers(-3, 60000), max_size=3),
+                     st.dictionaries(st.text(max_size=4), st.integers(), max_size=2))
+    xarg_key = st.one_of(st.sampled_from(["kv_sparsity", "kv_obs_window", "kv_teacher_forced",
+                                          "kv_sink", "kv_policy"]), st.text(max_size=6))
+    xarg_value = st.one_of(st.floats(-0.5, 1.5), st.integers(-3, 40), junk)
+    def mostly(valid):  # a valid value three times in four: most bodies reach the engine
+        return st.one_of(valid, valid, valid, junk)
+
+    fields = {
+        "max_tokens": mostly(st.integers(-2, 24)),
+        "temperature": mostly(st.floats(-1, 3)),
+        "top_p": mostly(st.floats(-0.5, 1.5)),
+        "top_k": mostly(st.integers(-2, 50)),
+        "n": mostly(st.integers(-1, 3)),
+        "seed": mostly(st.integers(-5, 2**40)),
+        "stop": mostly(st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=2))),
+        "logprobs": mostly(st.integers(-1, 25)),
+        "stream": mostly(st.booleans()),
+        "vllm_xargs": mostly(st.dictionaries(xarg_key, xarg_value, max_size=3)),
+    }
+    optional = st.fixed_dictionaries({}, optional=fields)
+    prompt = mostly(st.one_of(st.text(min_size=1, max_size=60),
+                              st.lists(st.integers(0, 49151), min_size=1, max_size=60)))
+    content = mostly(st.text(min_size=1, max_size=60))
+    message = st.fixed_dictionaries({"role": st.sampled_from(["user", "user", "system", "bogus"]),
+                                     "content": content})
+    completion = st.tuples(st.just("/v1/completions"),
+                           st.fixed_dictionaries({"prompt": prompt}), optional)
+    chat = st.tuples(st.just("/v1/chat/completions"),
+                     st.fixed_dictionaries({"messages": mostly(st.lists(message, min_size=1,
+                                                                          max_size=3))}),
+                     optional)
+    return st.one_of(completion, chat)
+
+
+def test_any_request_body_gets_2xx_or_a_4xx_that_says_why(head_mask_server, capsys):
+    """150 generated bodies (derandomized: the same in every run). Never a 5xx; a 4xx always
+    carries a message; a refused `vllm_xargs` (ours to check) is refused with a message naming
+    the key. vLLM's own messages that name no field are listed in the output."""
+    from hypothesis import HealthCheck, given, settings
+
+    from vllm_kvevict.overrides import check_vllm_xargs
+
+    base_url = head_mask_server.base_url
+    seen: dict[int, int] = {}
+    unnamed: set[str] = set()
+    messages400: dict[str, int] = {}
+
+    @settings(max_examples=150, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(_strategies())
+    def one(case):
+        path, required, optional = case
+        body = {"model": SERVED_NAME, **required, **optional}
+        if body.get("max_tokens") is None:  # else vLLM generates up to the context's end
+            body["max_tokens"] = 8
+        with httpx.Client(timeout=300) as client:
+            # (NaN and infinities as JSON's non-standard literals, as a sloppy client sends)
+            with client.stream("POST", base_url + path, content=json.dumps(body).encode(),
+                               headers={"content-type": "application/json"}) as r:
+                text = r.read().decode(errors="replace")
+        seen[r.status_code] = seen.get(r.status_code, 0) + 1
+        assert r.status_code < 500, (body, r.status_code, text[:500])
+        ours = check_vllm_xargs(body.get("vllm_xargs"), "prulong", 8192)
+        if ours is not None:
+            assert r.status_code == 400 and ours in text, (body, text[:500])
+        if r.status_code >= 400:
+            message = json.loads(text).get("error", {}).get("message", "")
+            assert message, (body, text[:500])
+            messages400[message[:70]] = messages400.get(message[:70], 0) + 1
+            keys = [k for k in body if k != "model"]
+            if not any(k.rstrip("s") in message for k in keys):
+                unnamed.add(message[:120])
+        elif body.get("stream") is True:
+            assert "data: [DONE]" in text and '"error"' not in text, (body, text[-500:])
+
+    one()
+    assert seen.get(200) and sum(v for k, v in seen.items() if 400 <= k < 500), seen
+    assert httpx.get(base_url + "/health", timeout=30).status_code == 200
+    with capsys.disabled():
+        print(f"\nstatuses {seen}; vLLM messages naming no field: {sorted(unnamed)}")
+        print(sorted(messages400.items(), key=lambda kv: -kv[1])[:12])
