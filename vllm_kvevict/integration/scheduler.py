@@ -13,7 +13,8 @@ import inspect
 import logging
 
 from vllm_kvevict.integration.admission import GrowthReserve
-from vllm_kvevict.integration.token_ledger import TokenEvictionLedger, prompt_len
+from vllm_kvevict.integration.token_ledger import TokenEvictionLedger
+from vllm_kvevict.overrides import request_prompt_len
 from vllm_kvevict.served import served_policy
 
 logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
@@ -69,7 +70,7 @@ def schedule(scheduler, stock_schedule, *args, **kwargs):
         # a teacher-forced tail is decode for the policy: a hit reaching into it would be
         # prompt K/V (and caching stops at the policy's prompt, sink_window.cached_tokens)
         for request in scheduler.waiting:
-            if prompt_len(request) < request.num_prompt_tokens:
+            if request_prompt_len(request) < request.num_prompt_tokens:
                 request.skip_reading_prefix_cache = True
     output = stock_schedule(scheduler, *args, **kwargs)
     rule.record_chunks(output)
@@ -149,7 +150,7 @@ def allocate_slots(kv_cache_manager, stock_allocate_slots, request, num_new_toke
     book = ledger()
     policy = None if book is None else book.request_policy(request)
     if policy is not None and policy.config.patched:
-        n, end = prompt_len(request), request.num_computed_tokens + num_new_tokens
+        n, end = request_prompt_len(request), request.num_computed_tokens + num_new_tokens
         if end < n and policy.config.is_eviction_point(end, n):
             extra = min(policy.config.obs_window, n)
             kwargs["num_lookahead_tokens"] = kwargs.get("num_lookahead_tokens", 0) + extra

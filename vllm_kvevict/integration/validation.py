@@ -13,7 +13,7 @@ from vllm_kvevict.features import (PARALLEL_FLAGS, connector_error, kv_cache_dty
                                      lora_error, model_error, parallel_error,
                                      prefix_caching_error, prompt_embeds_error,
                                      speculative_error)
-from vllm_kvevict.integration.cli import fail
+from vllm_kvevict.flags import fail
 from vllm_kvevict.served import policy_config_of, served_policy
 
 
