@@ -152,6 +152,6 @@ def allocate_slots(kv_cache_manager, stock_allocate_slots, request, num_new_toke
     if policy is not None and policy.config.patched:
         n, end = request_prompt_len(request), request.num_computed_tokens + num_new_tokens
         if end < n and policy.config.is_eviction_point(end, n):
-            extra = min(policy.config.obs_window, n)
+            extra = policy.config.question_rows(n)
             kwargs["num_lookahead_tokens"] = kwargs.get("num_lookahead_tokens", 0) + extra
     return stock_allocate_slots(kv_cache_manager, request, num_new_tokens, *args, **kwargs)

@@ -57,7 +57,7 @@ class TokenEvictionLedger(GrowthReserve):
                            lambda chunk_len, final: self.evictions(policy, chunk_len, final))
         if self.scheduler is None:
             return peaks
-        question = min(policy.config.obs_window, num_tokens) if policy.config.patched else 0
+        question = policy.config.question_rows(num_tokens)
         managers = self.scheduler.kv_cache_manager.coordinator.single_type_managers
         return [p if cap is None else
                 min(p, cap[0] + -(-question // m.block_size) * m.block_size)
