@@ -71,3 +71,14 @@ def validate_against_model(vllm_config, prefix_caching_requested: bool | None = 
         if _running_vllm_cli():
             fail(str(exc))
         raise
+
+
+def refusing(check, *args) -> None:
+    """Run a start-up step that raises KVPolicyError: under the `vllm` CLI its message is the
+    one line the server stops with."""
+    try:
+        check(*args)
+    except KVPolicyError as exc:
+        if _running_vllm_cli():
+            fail(str(exc))
+        raise
