@@ -81,3 +81,28 @@ def test_vllm_serve_refuses_it_with_one_line(bundled_model_dir):
     assert last.startswith(f"vllm-kvevict: error: --scheduler-cls {NOT_A_SCHEDULER} is not a "
                            "subclass of vLLM's Scheduler"), last
     assert "Loading weights" not in proc.stderr + proc.stdout
+
+
+@pytest.mark.server
+def test_served_with_a_user_scheduler_subclass(bundled_model_dir, tokenizer, hf_model):
+    """Composed in the engine core: the user's class runs under ours, token eviction's ledger
+    is attached, and the tokens are the reference's."""
+    import os
+
+    from conftest import start_server
+    from test_policies_vllm import CASES, flags, reference, served, source_prompts
+
+    policy, chunk = CASES["snapkv-patched-0.5"]
+    tests_dir = str(Path(__file__).resolve().parent)  # the engine core imports the user's class
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [tests_dir,
+                                                       os.environ.get("PYTHONPATH")]))}
+    server = start_server(bundled_model_dir, [*flags(policy, chunk), "--scheduler-cls",
+                                              "user_scheduler.StepLoggingScheduler"], env=env)
+    for prompt in source_prompts(tokenizer, (700,)):
+        text, _ = served(server.base_url, prompt)
+        assert text == tokenizer.decode(reference(hf_model, bundled_model_dir, policy, prompt,
+                                                  chunk).token_ids)
+    log = server.log_path.read_text(errors="replace")
+    assert "KVEvictScheduler_over_user_scheduler:StepLoggingScheduler" in log
+    assert "token eviction ledger over 1 KV-cache group(s)" in log
+    assert "user scheduler: first step, under KVEvictScheduler" in log
