@@ -44,6 +44,19 @@ def test_eviction_chunk_flag_and_eviction_points():
     assert not KVPolicyConfig(policy="prulong").is_eviction_point(128, 2500)
 
 
+def test_question_rows_only_under_patched_eviction():
+    """The patched question (the prompt's last k tokens, run after each non-final chunk) has
+    one rule: scheduler, ledger, worker and backend all ask the config."""
+    patched = KVPolicyConfig(policy="snapkv", obs_window=64)
+    assert (patched.question_rows(1000), patched.question_rows(10)) == (64, 10)
+    assert KVPolicyConfig(policy="prulong", token_policy="pyramidkv",
+                          obs_window=32).question_rows(1000) == 32
+    for cfg in (KVPolicyConfig(policy="snapkv", eviction="naive"),
+                KVPolicyConfig(policy="prulong"), KVPolicyConfig()):
+        assert cfg.question_rows(1000) == 0
+    assert KVPolicyConfig(policy="snapkv", eviction="naive").observation_rows(10) == 10
+
+
 def test_flags_override_additional_config_json_form():
     additional = {"kv_policy": {"policy": "streaming", "window": 128}, "other": 1}
     args = parse(["--kv-window", "512"])

@@ -49,9 +49,9 @@ SIMULATED = textwrap.dedent("""
     registration.register()
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
-    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
     print("INACTIVE", registration.inactive_reason)
-    print("SCHEDULER_WRAPPED", hasattr(Scheduler.schedule, "__wrapped__"))
+    print("KV_MANAGER_WRAPPED", hasattr(KVCacheManager.allocate_slots, "__wrapped__"))
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
     for argv in ([], ["--kv-policy", "prulong"]):
         err = io.StringIO()
@@ -79,7 +79,7 @@ def test_unsupported_vllm_is_stock_and_refuses_kv_flags(version, platform, needl
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert f"INACTIVE {needle}" in out
-    assert "SCHEDULER_WRAPPED False" in out  # nothing of ours touches vLLM
+    assert "KV_MANAGER_WRAPPED False" in out  # nothing of ours touches vLLM
     assert "ADDITIONAL [] {}" in out  # without --kv-* flags: stock
     refusal = next(line for line in out.splitlines() if line.startswith("EXIT"))
     assert refusal.startswith("EXIT ['--kv-policy', 'prulong'] 2 vllm-kvevict: error: --kv-* "
@@ -89,6 +89,6 @@ def test_unsupported_vllm_is_stock_and_refuses_kv_flags(version, platform, needl
 def test_supported_vllm_registers_everything():
     proc = simulate("0.32.0+cpu", "cpu")
     assert proc.returncode == 0, proc.stderr
-    assert "INACTIVE None" in proc.stdout and "SCHEDULER_WRAPPED True" in proc.stdout
+    assert "INACTIVE None" in proc.stdout and "KV_MANAGER_WRAPPED True" in proc.stdout
     assert "ADDITIONAL ['--kv-policy', 'prulong'] {'kv_policy': {'policy': 'prulong'" in \
         proc.stdout

@@ -78,3 +78,123 @@ def test_no_monkeypatch_outside_the_registration_table(path):
                 and node.func.id == "setattr" and node.args
                 and isinstance(node.args[0], ast.Name)):
             assert node.args[0].id not in vllm, f"{path.name}:{node.lineno} patches vLLM"
+
+
+# -- imports between the package's own modules -------------------------------------------------
+
+def own_modules() -> dict[str, Path]:
+    """Dotted name -> file, for every module of vllm_kvevict/ and server/."""
+    out = {}
+    for package in ("vllm_kvevict", "server"):
+        for path in files(package):
+            parts = list(path.relative_to(REPO).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def own_imports(module: str, path: Path, modules: dict[str, Path]
+                ) -> tuple[set[str], list[str]]:
+    """(the own modules `module` imports when it is loaded, the own modules imported inside its
+    functions, once per import statement). `from p import m` counts as m when m is a module,
+    else as p; a package's parent `__init__` running first is not an arrow (that is Python
+    loading a package, not this module reaching back)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+    def owner(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    at_load, in_functions = set(), []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                      ast.Lambda))
+            if isinstance(child, ast.Import):
+                names = [a.name for a in child.names]
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:  # relative: from the package, `level - 1` packages up
+                    up = package.split(".")[:len(package.split(".")) - (child.level - 1)]
+                    base = ".".join(up + ([base] if base else []))
+                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                         for a in child.names]
+            else:
+                visit(child, inner)
+                continue
+            targets = {owner(n) for n in names} - {None, module}
+            if inner:
+                in_functions.extend(sorted(targets))
+            else:
+                at_load.update(targets)
+    visit(ast.parse(path.read_text(), str(path)), False)
+    return at_load, in_functions
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the graph, as [a, b, ..., a], or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def walk(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := walk(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := walk(node)):
+            return found
+    return None
+
+
+def test_no_import_cycle_among_the_package_modules():
+    """The module-level imports of vllm_kvevict/ and server/ form no cycle (a cycle makes the
+    import order decide whether a name exists yet). Imports inside functions are counted, not
+    failed on: a cycle they close is reported as a warning."""
+    import warnings
+
+    modules = own_modules()
+    at_load, in_functions = {}, {}
+    for module, path in modules.items():
+        at_load[module], in_functions[module] = own_imports(module, path, modules)
+    cycle = import_cycle(at_load)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+    count = sum(len(v) for v in in_functions.values())
+    print(f"{count} imports of the package's own modules inside functions")
+    through_functions = import_cycle({m: at_load[m] | set(in_functions[m]) for m in modules})
+    if through_functions:
+        warnings.warn(f"{count} imports of the package inside functions; they close the cycle "
+                      + " -> ".join(through_functions))
+
+
+def test_import_cycle_is_found():
+    assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert import_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def plain_python_files() -> list[Path]:
+    return [REPO / "vllm_kvevict" / "launch.py", *files("loadtest"),
+            *files("vllm_kvevict/evaluation")]
+
+
+@pytest.mark.parametrize("path", plain_python_files(), ids=lambda p: str(p.relative_to(REPO)))
+def test_plain_python_imports_nothing_from_the_glue(path):
+    """launch.py, loadtest/ and evaluation/ run as plain Python: nothing of vllm_kvevict's
+    integration/ (the flag table they need is vllm_kvevict/flags.py)."""
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+        for name in names:
+            assert not name.startswith("vllm_kvevict.integration"), \
+                f"{path.name}:{node.lineno} imports {name}"

@@ -210,6 +210,22 @@ def test_replay_hook():
     assert "num_preemptions" in inspect.getsource(Request.__init__)
 
 
+def test_scheduler_class_extension_point():
+    """kvevict_scheduler.py: the engine core builds the class `scheduler_config` names, and our
+    overrides take what vLLM's methods take (they call them under super())."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
+
+    from vllm_kvevict.integration.kvevict_scheduler import KVEvictScheduler
+
+    assert "vllm_config.scheduler_config.get_scheduler_cls()" in inspect.getsource(
+        EngineCore.__init__)
+    assert list(inspect.signature(Scheduler.update_from_output).parameters) == [
+        "self", "scheduler_output", "model_runner_output"]
+    assert list(inspect.signature(KVEvictScheduler._reserve_prefill_lookahead).parameters) == \
+        list(inspect.signature(Scheduler._reserve_prefill_lookahead).parameters)
+
+
 def test_scheduler_and_runner_fields():
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.worker.block_table import BlockTable

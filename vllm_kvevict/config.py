@@ -109,6 +109,16 @@ class KVPolicyConfig:
     def patched(self) -> bool:
         return self.evicts_tokens and self.eviction == "patched"
 
+    def observation_rows(self, n: int) -> int:
+        """Observation queries k scoring a chunk of n tokens: the chunk's own last ones (naive
+        eviction, and every final chunk)."""
+        return min(self.obs_window, n)
+
+    def question_rows(self, prompt_len: int) -> int:
+        """Extra query rows a non-final chunk runs for patched eviction: the prompt's last k
+        tokens (the question), appended after the chunk; 0 for every other policy."""
+        return self.observation_rows(prompt_len) if self.patched else 0
+
     def is_eviction_point(self, end: int, prompt_len: int) -> bool:
         """Does a prefill step ending at token `end` (<= prompt_len) close an eviction chunk?"""
         if not self.evicts_tokens or end > prompt_len:

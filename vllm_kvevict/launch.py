@@ -2,8 +2,9 @@
 it for the tests, the evaluation, the load tests and the scripts.
 
 `policy_flags` and `build_server_command` derive the `--kv-*` flags from the CLI's own table
-(`integration/cli.py`), so a flag is named in one place. The server runs in its own process
-group: stopping it terminates the engine-core children too, not just the API process.
+(`flags.py`, which vLLM's parser gets too), so a flag is named in one place. The server runs in
+its own process group: stopping it terminates the engine-core children too, not just the API
+process.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 import httpx
 
 from vllm_kvevict.config import EVICTION_MODES
-from vllm_kvevict.integration.cli import FLAG_OF_FIELD as FLAG_OF
+from vllm_kvevict.flags import FLAG_OF_FIELD as FLAG_OF
 
 
 def policy_flags(policy: dict) -> list[str]:

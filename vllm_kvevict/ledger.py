@@ -116,7 +116,7 @@ def peak_slots(policy: KVPolicy, prompt_len: int, num_tokens: int, chunk_size: i
     (decode tokens are never evicted). `evictions(chunk_len, is_final)` gives the per-group
     slots a chunk gives back (`group_evictions`, memoised by the caller)."""
     n, c = prompt_len, chunk_size
-    question = min(policy.config.obs_window, n) if policy.config.patched else 0
+    question = policy.config.question_rows(n)
     done, kept, peak = 0, None, None
     while done < n:
         step = min(c, n - done)
@@ -151,7 +151,7 @@ def cap_step_in_eviction_chunk(policy: KVPolicy, prompt_len: int, num_computed: 
     if a + num_new >= end:
         return end - a
     own_queries = not config.patched or end == n
-    last_start = end - (min(config.obs_window, end - start) if own_queries else 0)
+    last_start = end - (config.observation_rows(end - start) if own_queries else 0)
     if a + num_new <= last_start:
         return num_new
     return last_start - a if a < last_start else 0

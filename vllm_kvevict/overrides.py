@@ -119,6 +119,12 @@ def policy_prompt_len(num_prompt_tokens: int, extra_args: Any) -> int:
     return max(num_prompt_tokens - teacher_forced(extra_args), min(num_prompt_tokens, 1))
 
 
+def request_prompt_len(request) -> int:
+    """`policy_prompt_len` of a vLLM request (read through its plain attributes)."""
+    params = getattr(request, "sampling_params", None)
+    return policy_prompt_len(request.num_prompt_tokens, getattr(params, "extra_args", None))
+
+
 def effective_config(cfg, extra_args: Any):
     """(KVPolicyConfig with the request's overrides applied, the overrides used)."""
     overrides = request_overrides(extra_args, cfg.policy)

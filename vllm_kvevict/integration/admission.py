@@ -23,6 +23,8 @@ they were decoded. Eviction and streaming heads then see what they saw the first
 
 from __future__ import annotations
 
+from vllm_kvevict.integration.sink_window import SinkWindowManager
+
 
 class GrowthReserve:
     """Scheduler-side admission rule; `scheduler` is vLLM's Scheduler (set by `attach`)."""
@@ -42,8 +44,6 @@ class GrowthReserve:
         window + a decode step (`sink_window.py`); other groups the whole sequence (None)."""
         caps = self.__dict__.get("_window_caps")
         if caps is None:
-            from vllm_kvevict.integration.sink_window import SinkWindowManager
-
             drafts = getattr(self.scheduler, "num_spec_tokens", 0) or 0
             caps = self._window_caps = [
                 (m.max_admission_blocks_per_request * m.block_size,

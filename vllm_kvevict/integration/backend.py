@@ -210,7 +210,7 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
                 obs_q = query[first:first + len(job.question)].transpose(0, 1)
                 obs_offset = c
             else:  # naive, and every final chunk: the chunk's own last k queries
-                num_obs = min(policy.config.obs_window, c)
+                num_obs = policy.config.observation_rows(c)
                 if num_obs > step:  # the scheduler's step_cap prevents this; never guess
                     raise RuntimeError(f"vllm-kvevict: the last step of an eviction chunk ran "
                                        f"{step} tokens, fewer than its {num_obs} observation "

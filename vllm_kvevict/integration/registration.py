@@ -1,8 +1,9 @@
 """vLLM general plugin (entry point `vllm.general_plugins`): runs in every vLLM process.
 
-Every touch of vLLM internals starts in `WRAPS`, one row per vLLM name: the name, the function
+Every patch of vLLM internals is a row of `WRAPS`, one row per vLLM name: the name, the function
 of ours that runs around it (it gets vLLM's original as an argument and decides when to call
-it), and the process it matters in. `register` applies the table once per process (workers are
+it), and the process it matters in. Where vLLM has an extension point we use it instead (the
+scheduler is a subclass, `kvevict_scheduler.py`, installed by `create_engine_config` below). `register` applies the table once per process (workers are
 spawned and load plugins again). tests/test_vllm_contract.py resolves every name in `PATCHED`
 and `RELIED_ON`, so a vLLM upgrade that moves one fails loudly instead of serving wrong
 attention. Keep this file import-light: vLLM modules are imported when the table is applied.
@@ -51,15 +52,7 @@ WRAPS: tuple[Wrap, ...] = (
     # KV-cache groups of streaming heads held in the pool (engine core; worker too)
     Wrap("vllm.v1.core.kv_cache_utils:get_kv_cache_groups", _I + "pool_groups:group_kv_cache",
          "engine core"),
-    # scheduler and KV-cache manager (engine core)
-    Wrap("vllm.v1.core.sched.scheduler:Scheduler.__init__", _I + "registration:attach_scheduler",
-         "engine core"),
-    Wrap("vllm.v1.core.sched.scheduler:Scheduler.schedule", _I + "scheduler:schedule",
-         "engine core"),
-    Wrap("vllm.v1.core.sched.scheduler:Scheduler._reserve_prefill_lookahead",
-         _I + "scheduler:cap_prefill_step", "engine core"),
-    Wrap("vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
-         _I + "registration:step_output", "engine core"),
+    # KV-cache manager (engine core; the scheduler is a subclass, kvevict_scheduler.py)
     Wrap("vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots",
          _I + "scheduler:allocate_slots", "engine core"),
     Wrap("vllm.v1.core.single_type_kv_cache_manager:"
@@ -76,6 +69,13 @@ WRAPS: tuple[Wrap, ...] = (
 
 # Not wrapped, but replaced or relied on (contract-tested all the same).
 RELIED_ON = (
+    # our scheduler class (kvevict_scheduler.py): installed through the engine config, its
+    # overrides call these under super()
+    "vllm.config.scheduler.SchedulerConfig.get_scheduler_cls",
+    "vllm.v1.core.sched.scheduler.Scheduler.__init__",
+    "vllm.v1.core.sched.scheduler.Scheduler.schedule",
+    "vllm.v1.core.sched.scheduler.Scheduler._reserve_prefill_lookahead",
+    "vllm.v1.core.sched.scheduler.Scheduler.update_from_output",
     "vllm.v1.attention.backends.registry.register_backend(CPU_ATTN)",  # backend.py replaces it
     # per-tier KV-cache groups (kv_cache_specs.py)
     "vllm.v1.kv_cache_interface.FullAttentionSpec.merge",
@@ -222,13 +222,14 @@ def _apply(wrap: Wrap) -> None:
 def create_engine_config(engine_args, stock_create, *args, **kwargs):
     """`EngineArgs.create_engine_config`: our stats connector in the engine's KV-transfer
     config (unless the user chose one), then vLLM's config, then validation against the model
-    (which builds this process's served policy)."""
-    from vllm_kvevict.integration import api_server, kv_transfer, validation
+    (which builds this process's served policy), then our scheduler class in the config."""
+    from vllm_kvevict.integration import api_server, kv_transfer, kvevict_scheduler, validation
 
     kv_transfer.inject_config(engine_args)
     requested = engine_args.enable_prefix_caching  # None unless the user set it
     vllm_config = stock_create(engine_args, *args, **kwargs)
     validation.validate_against_model(vllm_config, prefix_caching_requested=requested)
+    validation.refusing(kvevict_scheduler.install, vllm_config)
     api_server.remember_config(vllm_config)
     return vllm_config
 
@@ -238,17 +239,3 @@ def share_layer_specs(stock_share, shared, groups, *args, **kwargs):
 
     stock_share(shared, groups, *args, **kwargs)
     fill_specs(shared, groups)
-
-
-def attach_scheduler(scheduler, stock_init, *args, **kwargs):
-    from vllm_kvevict.integration.scheduler import attach
-
-    stock_init(scheduler, *args, **kwargs)
-    attach(scheduler)
-
-
-def step_output(scheduler, stock_update, scheduler_output, model_runner_output):
-    from vllm_kvevict.integration.stats_connector import on_step_output
-
-    on_step_output(scheduler, scheduler_output)
-    return stock_update(scheduler, scheduler_output, model_runner_output)

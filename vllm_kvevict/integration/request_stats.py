@@ -15,8 +15,7 @@ import torch
 from vllm_kvevict.integration.connector_stats import (PENDING_LIMIT, SNAPSHOT_INTERVAL_S,
                                                       KVEvictConnectorStats)
 from vllm_kvevict.integration.sink_window import canonical_chunk
-from vllm_kvevict.integration.token_ledger import prompt_len
-from vllm_kvevict.overrides import effective_config
+from vllm_kvevict.overrides import effective_config, request_prompt_len
 from vllm_kvevict.served import ServedPolicy
 from vllm_kvevict.stats import ByteLayout, RequestRecord, finite_or_none, footprint_function
 
@@ -127,7 +126,7 @@ class RequestStatsTracker:
         extra_args = getattr(params, "extra_args", None)
         _, overrides = effective_config(self.cfg, extra_args)
         # a teacher-forced tail is served (and counted) as decode tokens
-        policy_prompt = prompt_len(request)
+        policy_prompt = request_prompt_len(request)
         self.records[request.request_id] = RequestRecord(
             request_id=request.request_id, prompt_len=policy_prompt,
             teacher_forced=request.num_prompt_tokens - policy_prompt,

@@ -1,9 +1,10 @@
 """Scheduler side (engine-core process): the admission rule of every evicting policy and, for
-token eviction, the ledger of physical slots, attached to vLLM's `Scheduler` when it is built.
+token eviction, the ledger of physical slots, attached to our `KVEvictScheduler`
+(`kvevict_scheduler.py`) when vLLM builds it.
 
 One scheduler per engine-core process, so the attached rule is found one way, `reserve()` (the
 token-eviction ledger is a `GrowthReserve` with compressed sizes; `ledger()` is it or None).
-The functions below are the bodies of the wraps listed in `registration.py`.
+The KV-cache-manager functions below are the bodies of wraps listed in `registration.py`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import inspect
 import logging
 
 from vllm_kvevict.integration.admission import GrowthReserve
-from vllm_kvevict.integration.token_ledger import TokenEvictionLedger, prompt_len
+from vllm_kvevict.integration.token_ledger import TokenEvictionLedger
+from vllm_kvevict.overrides import request_prompt_len
 from vllm_kvevict.served import served_policy
 
 logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
@@ -30,8 +32,8 @@ def ledger() -> TokenEvictionLedger | None:
 
 
 def attach(scheduler) -> None:
-    """After vLLM's Scheduler.__init__: the growth reserve for head-mask policies, the ledger
-    for token-eviction ones (`full` stays stock vLLM)."""
+    """After vLLM's Scheduler.__init__ (in `KVEvictScheduler`): the growth reserve for head-mask
+    policies, the ledger for token-eviction ones (`full` stays stock vLLM)."""
     global _reserve
     from vllm_kvevict.integration.kv_cache_specs import layer_groups
     from vllm_kvevict.integration.sink_window import canonical_chunk
@@ -55,42 +57,6 @@ def attach(scheduler) -> None:
         _reserve = None
         return
     _reserve.scheduler = scheduler
-
-
-def schedule(scheduler, stock_schedule, *args, **kwargs):
-    """`Scheduler.schedule`: apply last step's evictions first; afterwards record prompt chunks
-    (for exact replay) and the chunks this step will compress."""
-    rule, book = _reserve, ledger()
-    if rule is None or rule.scheduler is not scheduler:
-        return stock_schedule(scheduler, *args, **kwargs)
-    if book is not None:
-        book.before_schedule()
-    if scheduler.cache_config.enable_prefix_caching:
-        # a teacher-forced tail is decode for the policy: a hit reaching into it would be
-        # prompt K/V (and caching stops at the policy's prompt, sink_window.cached_tokens)
-        for request in scheduler.waiting:
-            if prompt_len(request) < request.num_prompt_tokens:
-                request.skip_reading_prefix_cache = True
-    output = stock_schedule(scheduler, *args, **kwargs)
-    rule.record_chunks(output)
-    if book is not None:
-        book.after_schedule(output)  # forgets finished requests too
-    else:
-        rule.forget_finished(output)
-    return output
-
-
-def cap_prefill_step(scheduler, stock_lookahead, request, num_computed_tokens, num_new_tokens):
-    """`Scheduler._reserve_prefill_lookahead`: both of vLLM's scheduling branches (running and
-    waiting) end their token count with this call, right before "0 tokens: skip the request":
-    the one place to make a preempted request's recompute follow its first run's chunks
-    (`admission.replay_cap`) and to keep prefill steps inside eviction chunks
-    (`ledger.cap_step_in_eviction_chunk`)."""
-    num_new_tokens = stock_lookahead(scheduler, request, num_computed_tokens, num_new_tokens)
-    rule = _reserve
-    if rule is None or rule.scheduler is not scheduler:
-        return num_new_tokens
-    return rule.step_cap(request, num_computed_tokens, num_new_tokens)
 
 
 @functools.lru_cache(maxsize=None)
@@ -149,8 +115,8 @@ def allocate_slots(kv_cache_manager, stock_allocate_slots, request, num_new_toke
     book = ledger()
     policy = None if book is None else book.request_policy(request)
     if policy is not None and policy.config.patched:
-        n, end = prompt_len(request), request.num_computed_tokens + num_new_tokens
+        n, end = request_prompt_len(request), request.num_computed_tokens + num_new_tokens
         if end < n and policy.config.is_eviction_point(end, n):
-            extra = min(policy.config.obs_window, n)
+            extra = policy.config.question_rows(n)
             kwargs["num_lookahead_tokens"] = kwargs.get("num_lookahead_tokens", 0) + extra
     return stock_allocate_slots(kv_cache_manager, request, num_new_tokens, *args, **kwargs)

@@ -46,6 +46,8 @@ from vllm.utils.math_utils import cdiv
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, SlidingWindowManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
+from vllm_kvevict.overrides import request_prompt_len
+
 COMPANION_SUFFIX = ".kvevict_streaming"
 
 
@@ -271,9 +273,7 @@ def cached_tokens(request, num_tokens: int) -> int:
     Generated (and teacher-forced) tokens ran as decode queries, whose streaming heads see
     [q - W, q] rather than their chunk: a later prompt holding them would compute other K/V
     under the same block hash."""
-    from vllm_kvevict.integration.token_ledger import prompt_len
-
-    return min(num_tokens, prompt_len(request))
+    return min(num_tokens, request_prompt_len(request))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,7 +10,7 @@ transfers nothing: its worker-side methods are no-ops, and its scheduler side on
   request's computed-token count advances): scheduled tokens, chunk boundaries and the ids of the
   blocks each scheduled request holds in every KV-cache group (the KV manager's
   `req_to_blocks`, bound to us by the scheduler through `bind_kv_cache_manager`);
-- `on_step_output` (called from `Scheduler.update_from_output`, wrapped in `registration.py`):
+- `on_step_output` (called from our scheduler's `update_from_output`, `kvevict_scheduler.py`):
   when the step's output is back, the time of the first token of requests whose prefill ended
   in that step (under async scheduling the next step is scheduled before that, so
   build_connector_meta alone cannot time it);
@@ -138,7 +138,7 @@ def ours_in(connector) -> "KVEvictStatsConnector | None":
 
 
 def on_step_output(scheduler, scheduler_output) -> None:
-    """`Scheduler.update_from_output` (before vLLM's own): a step's output is back."""
+    """Our scheduler's `update_from_output` (before vLLM's own): a step's output is back."""
     connector = ours_in(getattr(scheduler, "connector", None))
     if connector is not None:
         connector.on_step_output(scheduler_output)

@@ -113,9 +113,8 @@ class TokenEvictionWorker:
             if self.policy.config.is_eviction_point(a + c, n):  # compress the chunk
                 policy = self.policy_for(extra_args(r) if extra_args else None)
                 is_final = a + c == n
-                question = []
-                if policy.config.patched and not is_final:
-                    question = list(prompt_ids(r)[n - min(policy.config.obs_window, n):n])
+                k = 0 if is_final else policy.config.question_rows(n)
+                question = list(prompt_ids(r)[n - k:n]) if k else []
                 jobs.append(EvictionJob(
                     req_id=req_id, row=r, computed=a, start=0, end=0, is_final=is_final,
                     phys_before=(before - (chunk_len - c)).tolist(), question=question,

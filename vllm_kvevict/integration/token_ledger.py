@@ -11,7 +11,7 @@ from typing import Any, Callable
 from vllm_kvevict.integration.admission import GrowthReserve
 from vllm_kvevict.ledger import (LayerGroups, cap_step_in_eviction_chunk, eviction_chunk_len,
                                  group_evictions, peak_slots)
-from vllm_kvevict.overrides import policy_prompt_len
+from vllm_kvevict.overrides import request_prompt_len
 from vllm_kvevict.policies import KVPolicy
 
 
@@ -53,11 +53,11 @@ class TokenEvictionLedger(GrowthReserve):
         streaming-heads group of pool storage (a head mask with a token policy) holds at most
         its window cap, plus the patched question's slots reserved after a chunk."""
         policy = self.request_policy(request)
-        peaks = peak_slots(policy, prompt_len(request), num_tokens, self.chunk_size,
+        peaks = peak_slots(policy, request_prompt_len(request), num_tokens, self.chunk_size,
                            lambda chunk_len, final: self.evictions(policy, chunk_len, final))
         if self.scheduler is None:
             return peaks
-        question = min(policy.config.obs_window, num_tokens) if policy.config.patched else 0
+        question = policy.config.question_rows(num_tokens)
         managers = self.scheduler.kv_cache_manager.coordinator.single_type_managers
         return [p if cap is None else
                 min(p, cap[0] + -(-question // m.block_size) * m.block_size)
@@ -98,7 +98,7 @@ class TokenEvictionLedger(GrowthReserve):
             request = self.scheduler.requests.get(req_id)
             if request is None:
                 continue
-            before, n = request.num_computed_tokens - c, prompt_len(request)
+            before, n = request.num_computed_tokens - c, request_prompt_len(request)
             if before == 0:
                 self.allocation_evicted.pop(req_id, None)
             policy = self.request_policy(request)
@@ -110,7 +110,7 @@ class TokenEvictionLedger(GrowthReserve):
         """`replay_cap`, then keep the step inside its eviction chunk
         (`cap_step_in_eviction_chunk`; the policy's prompt ends a chunk)."""
         num_new = self.replay_cap(request, num_computed, num_new)
-        return cap_step_in_eviction_chunk(self.request_policy(request), prompt_len(request),
+        return cap_step_in_eviction_chunk(self.request_policy(request), request_prompt_len(request),
                                           num_computed, num_new)
 
     def forget(self, req_id: str) -> None:
@@ -120,9 +120,3 @@ class TokenEvictionLedger(GrowthReserve):
     def request_policy(self, request) -> KVPolicy:
         params = getattr(request, "sampling_params", None)
         return self.policy_for(getattr(params, "extra_args", None))
-
-
-def prompt_len(request) -> int:
-    """The prompt as the policy serves it (without a teacher-forced tail, `overrides.py`)."""
-    params = getattr(request, "sampling_params", None)
-    return policy_prompt_len(request.num_prompt_tokens, getattr(params, "extra_args", None))

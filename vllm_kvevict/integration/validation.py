@@ -13,7 +13,7 @@ from vllm_kvevict.features import (PARALLEL_FLAGS, connector_error, kv_cache_dty
                                      lora_error, model_error, parallel_error,
                                      prefix_caching_error, prompt_embeds_error,
                                      speculative_error)
-from vllm_kvevict.integration.cli import fail
+from vllm_kvevict.flags import fail
 from vllm_kvevict.served import policy_config_of, served_policy
 
 
@@ -67,6 +67,17 @@ def validate_against_model(vllm_config, prefix_caching_requested: bool | None = 
             if budget < cfg.obs_window:
                 raise KVPolicyError(f"--kv-eviction-chunk needs --max-num-batched-tokens >= "
                                     f"--kv-obs-window ({cfg.obs_window}), got {budget}")
+    except KVPolicyError as exc:
+        if _running_vllm_cli():
+            fail(str(exc))
+        raise
+
+
+def refusing(check, *args) -> None:
+    """Run a start-up step that raises KVPolicyError: under the `vllm` CLI its message is the
+    one line the server stops with."""
+    try:
+        check(*args)
     except KVPolicyError as exc:
         if _running_vllm_cli():
             fail(str(exc))

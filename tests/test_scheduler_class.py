@@ -1,0 +1,108 @@
+"""Our scheduler as vLLM's scheduler class (integration/kvevict_scheduler.py): installed through
+`scheduler_config.scheduler_cls`, composed with a user's Scheduler subclass, and a scheduler
+class of any other kind refused at start-up with one line. No server."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from vllm.config import SchedulerConfig
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from vllm_kvevict.config import KVPolicyError
+from vllm_kvevict.integration.kvevict_scheduler import KVEvictScheduler, composed, install
+
+ASYNC = "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
+NOT_A_SCHEDULER = "vllm.v1.core.sched.interface.SchedulerInterface"
+
+
+def installed(**scheduler_kwargs) -> SchedulerConfig:
+    config = SimpleNamespace(scheduler_config=SchedulerConfig.default_factory(**scheduler_kwargs))
+    install(config)
+    install(config)  # idempotent
+    return pickle.loads(pickle.dumps(config.scheduler_config))  # as the engine core gets it
+
+
+def test_stock_scheduler_becomes_ours():
+    assert installed().get_scheduler_cls() is KVEvictScheduler
+    assert installed(scheduler_cls="vllm.v1.core.sched.scheduler.Scheduler"
+                     ).get_scheduler_cls() is KVEvictScheduler
+
+
+def test_our_methods_come_before_a_user_subclass_in_the_mro():
+    class Users(Scheduler):
+        def schedule(self, *args, **kwargs):
+            return super().schedule(*args, **kwargs)
+
+    mro = composed(Users).__mro__
+    assert mro[1:4] == (KVEvictScheduler, Users, Scheduler)
+    for name in ("__init__", "schedule", "_reserve_prefill_lookahead", "update_from_output"):
+        assert next(k for k in mro if name in vars(k)) is KVEvictScheduler, name
+
+
+@pytest.mark.parametrize("user", [ASYNC, AsyncScheduler])
+def test_a_user_scheduler_subclass_is_composed_by_a_name_another_process_resolves(user):
+    """The engine core is a spawned process: it gets the class as a name it imports."""
+    config = installed(scheduler_cls=user)
+    name = config.scheduler_cls
+    assert isinstance(name, str)
+    cls = config.get_scheduler_cls()
+    assert cls.__mro__[1:3] == (KVEvictScheduler, AsyncScheduler)
+    code = ("from vllm.utils.import_utils import resolve_obj_by_qualname\n"
+            f"cls = resolve_obj_by_qualname({name!r})\n"
+            "print([k.__name__ for k in cls.__mro__[1:3]])")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "['KVEvictScheduler', 'AsyncScheduler']"
+
+
+def test_a_scheduler_of_another_kind_is_refused():
+    with pytest.raises(KVPolicyError, match=r"^--scheduler-cls .*SchedulerInterface.* is not "
+                                            r"a subclass of vLLM's Scheduler"):
+        installed(scheduler_cls=NOT_A_SCHEDULER)
+    with pytest.raises(KVPolicyError, match="^--scheduler-cls nowhere.Nothing: cannot import"):
+        installed(scheduler_cls="nowhere.Nothing")
+
+
+def test_vllm_serve_refuses_it_with_one_line(bundled_model_dir):
+    vllm = Path(sys.executable).parent / "vllm"
+    proc = subprocess.run([str(vllm), "serve", str(bundled_model_dir), "--kv-policy", "prulong",
+                           "--scheduler-cls", NOT_A_SCHEDULER],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"vllm-kvevict: error: --scheduler-cls {NOT_A_SCHEDULER} is not a "
+                           "subclass of vLLM's Scheduler"), last
+    assert "Loading weights" not in proc.stderr + proc.stdout
+
+
+@pytest.mark.server
+def test_served_with_a_user_scheduler_subclass(bundled_model_dir, tokenizer, hf_model):
+    """Composed in the engine core: the user's class runs under ours, token eviction's ledger
+    is attached, and the tokens are the reference's."""
+    import os
+
+    from conftest import start_server
+    from test_policies_vllm import CASES, flags, reference, served, source_prompts
+
+    policy, chunk = CASES["snapkv-patched-0.5"]
+    tests_dir = str(Path(__file__).resolve().parent)  # the engine core imports the user's class
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [tests_dir,
+                                                       os.environ.get("PYTHONPATH")]))}
+    server = start_server(bundled_model_dir, [*flags(policy, chunk), "--scheduler-cls",
+                                              "user_scheduler.StepLoggingScheduler"], env=env)
+    for prompt in source_prompts(tokenizer, (700,)):
+        text, _ = served(server.base_url, prompt)
+        assert text == tokenizer.decode(reference(hf_model, bundled_model_dir, policy, prompt,
+                                                  chunk).token_ids)
+    log = server.log_path.read_text(errors="replace")
+    assert "KVEvictScheduler_over_user_scheduler:StepLoggingScheduler" in log
+    assert "token eviction ledger over 1 KV-cache group(s)" in log
+    assert "user scheduler: first step, under KVEvictScheduler" in log

@@ -1,0 +1,94 @@
+"""The `--kv-*` flags: one table naming each flag, its `KVPolicyConfig` field and its help, and
+the one-line start-up error. Plain Python (no vLLM import): `integration/cli.py` puts the table
+on vLLM's parser, `launch.py` (tests, evaluation, load tests, scripts) builds command lines from
+it, `integration/validation.py` stops a server with `fail`.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+from vllm_kvevict.config import (ADMISSION_MODES, DEFAULT_OBS_WINDOW, DEFAULT_POOL_KERNEL,
+                                 DEFAULT_SINK, DEFAULT_SPARSITY, DEFAULT_WINDOW, EVICTION_MODES,
+                                 POLICIES, KVPolicyError)
+
+# flag -> (KVPolicyConfig field, type, help)
+FLAGS = {
+    "--kv-policy": ("policy", str,
+                    f"KV eviction policy: {', '.join(POLICIES)} (default: full = stock vLLM). "
+                    "streaming/duo/prulong keep their streaming heads' sink + window in "
+                    "blocks of vLLM's own pool, freed as the window moves (counted by vLLM's "
+                    "admission and kv_cache_usage_perc), and keep vLLM's prefix caching on: "
+                    "the prompt is then chunked at multiples of --kv-eviction-chunk (default "
+                    "--max-num-batched-tokens); "
+                    "hits start at chunk boundaries or inside a prompt's last chunk, and a "
+                    "chunk's positions before its last window are not stored (vLLM's "
+                    "--prefix-cache-retention-interval: 0 by default; None stores every "
+                    "position, for hits at any block; with --no-enable-prefix-caching each "
+                    "step is its own chunk). snapkv/pyramidkv and "
+                    "--kv-token-policy run with prefix caching off (patched eviction scores "
+                    "each chunk with the prompt's last tokens, so no prefix is shareable; an "
+                    "explicit --enable-prefix-caching is refused)."),
+    "--kv-sparsity": ("sparsity", float,
+                      "Head sparsity (share of streaming KV heads) for duo/prulong; token "
+                      "sparsity p (share of each prefill chunk's KVs evicted) for "
+                      f"snapkv/pyramidkv. In [0, 1]; default {DEFAULT_SPARSITY}."),
+    "--kv-sink": ("sink", int, f"Sink tokens kept by streaming heads (default {DEFAULT_SINK}; "
+                               "paper: 128)."),
+    "--kv-window": ("window", int, "Local window of streaming heads, in tokens (default "
+                                   f"{DEFAULT_WINDOW}; paper: 1024)."),
+    "--kv-obs-window": ("obs_window", int, "Observation window k of snapkv/pyramidkv, in tokens "
+                                           f"(default {DEFAULT_OBS_WINDOW}, as in the paper)."),
+    "--kv-pool-kernel": ("pool_kernel", int, "Average-pool kernel smoothing snapkv/pyramidkv "
+                                             f"scores (odd; default {DEFAULT_POOL_KERNEL})."),
+    "--kv-eviction": ("eviction", str, "Chunked eviction mode of snapkv/pyramidkv: "
+                                       f"{' or '.join(EVICTION_MODES)} (default patched, as in the paper)."),
+    "--kv-tiers": ("tiers", int, "snapkv/pyramidkv: split the layers into this many tiers of "
+                                 "consecutive layers, each with its own vLLM KV-cache group "
+                                 "(block table), so a tier holds only its own largest per-layer "
+                                 "budget. Must divide the layer count. Default: one per layer "
+                                 "for pyramidkv, 1 for snapkv."),
+    "--kv-admission": ("admission", str,
+                       "Admission of evicting policies: reserve (default: admit a request only "
+                       "when its whole growth fits next to the running requests', so none is "
+                       "ever preempted) or vllm (stock: admit when the prompt fits; under "
+                       "pressure vLLM preempts, and the preempted request is recomputed with "
+                       f"its original chunk boundaries, exactly). One of "
+                       f"{', '.join(ADMISSION_MODES)}."),
+    "--kv-eviction-chunk": ("eviction_chunk", int,
+                            "snapkv/pyramidkv: evict once per this many prompt tokens (the "
+                            "paper's chunk), while vLLM prefills in steps of "
+                            "--max-num-batched-tokens (which then must be >= --kv-obs-window). "
+                            "Default: evict after every prefill chunk vLLM schedules. "
+                            "streaming/duo/prulong: the prompt's prefill chunk (default: "
+                            "--max-num-batched-tokens with prefix caching on, each step "
+                            "without); set it below --max-num-batched-tokens so a chunk runs in "
+                            "one step beside the decodes that share the budget."),
+    "--kv-token-policy": ("token_policy", str,
+                          "duo/prulong: also evict tokens of the full heads with this policy "
+                          "(snapkv or pyramidkv; --kv-eviction, --kv-obs-window, --kv-tiers "
+                          "apply), streaming heads keeping sink + window. Default: none."),
+    "--kv-token-sparsity": ("token_sparsity", float,
+                            "Token sparsity p of --kv-token-policy (share of each prefill "
+                            "chunk's KVs a full head evicts), while --kv-sparsity stays the "
+                            f"head sparsity. In [0, 1]; default {DEFAULT_SPARSITY}."),
+    "--kv-mask": ("mask_path", str, "Head-mask file for duo/prulong (our JSON format, PruLong "
+                                    "0/1 TSV or DuoAttention gate TSV). Default: the mask shipped "
+                                    "in head_masks/ for the served model."),
+}
+
+
+FLAG_OF_FIELD = {field: flag for flag, (field, _type, _help) in FLAGS.items()}
+
+
+def flag_message(exc: KVPolicyError) -> str:
+    """The error with its setting named as the flag a user typed (`--kv-sparsity must ...`)."""
+    message, flag = str(exc), FLAG_OF_FIELD.get(exc.field or "")
+    return re.sub(rf"^{re.escape(exc.field)}\b", flag, message) if flag else message
+
+
+def fail(message: str) -> "None":
+    """One line on stderr, exit code 2 (argparse's usage-error code), before any model loads."""
+    print(f"vllm-kvevict: error: {message}", file=sys.stderr)
+    raise SystemExit(2)

@@ -1,0 +1,128 @@
+"""vLLM's `Scheduler` with the plugin's engine-core side, installed as vLLM's scheduler class
+(`scheduler_config.scheduler_cls`, read by the engine core) when the engine config is created.
+
+`KVEvictScheduler` attaches the admission rule (`scheduler.attach`) once vLLM's scheduler is
+built, applies last step's evictions before vLLM schedules, caps prefill steps for exact
+replay and eviction chunks, and tells the stats connector a step's output is back. A user's own
+`--scheduler-cls` that subclasses vLLM's Scheduler is composed with it (our methods first in
+the MRO, theirs under `super()`); any other class is refused at start-up.
+
+The engine core is a spawned process that gets the config pickled, so the installed class is
+named by a string it can import: a composed class is rebuilt there from its name
+(`KVEvictScheduler_over_` + the user's class path, dots written as colons).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from vllm_kvevict.config import KVPolicyError
+from vllm_kvevict.integration.scheduler import attach, ledger, reserve
+from vllm_kvevict.integration.stats_connector import on_step_output
+from vllm_kvevict.overrides import request_prompt_len
+
+
+class KVEvictScheduler(Scheduler):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        attach(self)
+
+    def schedule(self, *args, **kwargs):
+        """Apply last step's evictions first; afterwards record prompt chunks (for exact
+        replay) and the chunks this step will compress."""
+        rule, book = reserve(), ledger()
+        if rule is None or rule.scheduler is not self:
+            return super().schedule(*args, **kwargs)
+        if book is not None:
+            book.before_schedule()
+        if self.cache_config.enable_prefix_caching:
+            # a teacher-forced tail is decode for the policy: a hit reaching into it would be
+            # prompt K/V (and caching stops at the policy's prompt, sink_window.cached_tokens)
+            for request in self.waiting:
+                if request_prompt_len(request) < request.num_prompt_tokens:
+                    request.skip_reading_prefix_cache = True
+        output = super().schedule(*args, **kwargs)
+        rule.record_chunks(output)
+        if book is not None:
+            book.after_schedule(output)  # forgets finished requests too
+        else:
+            rule.forget_finished(output)
+        return output
+
+    def _reserve_prefill_lookahead(self, request, num_computed_tokens: int,
+                                   num_new_tokens: int) -> int:
+        """Both of vLLM's scheduling branches (running and waiting) end their token count with
+        this call, right before "0 tokens: skip the request": the one place to make a
+        preempted request's recompute follow its first run's chunks (`admission.replay_cap`)
+        and to keep prefill steps inside eviction chunks
+        (`ledger.cap_step_in_eviction_chunk`)."""
+        num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens,
+                                                            num_new_tokens)
+        rule = reserve()
+        if rule is None or rule.scheduler is not self:
+            return num_new_tokens
+        return rule.step_cap(request, num_computed_tokens, num_new_tokens)
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        on_step_output(self, scheduler_output)  # the stats connector times the step
+        return super().update_from_output(scheduler_output, model_runner_output)
+
+
+_OVER = "KVEvictScheduler_over_"
+
+
+def class_path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def import_class(path: str):
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+@functools.cache
+def composed(user_cls: type) -> type:
+    """Our scheduler over a user's Scheduler subclass: ours first in the MRO."""
+    name = _OVER + class_path(user_cls).replace(".", ":")
+    return type(name, (KVEvictScheduler, user_cls), {"__module__": __name__,
+                                                     "__qualname__": name})
+
+
+def __getattr__(name: str):
+    """vLLM resolves `scheduler_cls` by name in the engine core: rebuild a composed class."""
+    if name.startswith(_OVER):
+        return composed(import_class(name[len(_OVER):].replace(":", ".")))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def install(vllm_config) -> None:
+    """Make vLLM build our scheduler: over the class it would pick (Scheduler, or
+    AsyncScheduler with async scheduling), or over the user's `--scheduler-cls`. Raises
+    KVPolicyError when the user's class is not a Scheduler subclass."""
+    sched = vllm_config.scheduler_config
+    user = sched.scheduler_cls
+    try:
+        base = sched.get_scheduler_cls()
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise KVPolicyError(f"--scheduler-cls {user}: cannot import it ({exc})") from None
+    if isinstance(base, type) and issubclass(base, KVEvictScheduler):
+        return  # installed already
+    if not (isinstance(base, type) and issubclass(base, Scheduler)):
+        raise KVPolicyError(
+            f"--scheduler-cls {user} is not a subclass of vLLM's Scheduler "
+            "(vllm.v1.core.sched.scheduler.Scheduler): vllm-kvevict's scheduler (admission, "
+            "token-eviction ledger, per-step kv_stats) can only be composed with one")
+    if base is Scheduler:
+        sched.scheduler_cls = class_path(KVEvictScheduler)
+        return
+    try:
+        importable = import_class(class_path(base)) is base
+    except (ImportError, AttributeError):
+        importable = False
+    if not importable:  # the engine core must import it by name
+        raise KVPolicyError(f"--scheduler-cls {user}: {class_path(base)} is not importable "
+                            "by that name")
+    sched.scheduler_cls = f"{__name__}.{composed(base).__name__}"
