@@ -83,7 +83,6 @@ class SoakResult:
     # after the soak
     recorded_delta: int | None = None  # aggregates.requests after - before
     finish_reasons_delta: dict[str, int] = field(default_factory=dict)
-    duplicate_records: int | None = None
     pool_usage_after: float | None = None
     blocks_used_after: list[int] | None = None
     preemptions: float | None = None

@@ -122,6 +122,9 @@ def test_client_disconnect_during_prefill_frees_its_blocks(head_mask_server):
     body = {"model": SERVED_NAME, "prompt": [rng.randint(100, 20000) for _ in range(3000)],
             "max_tokens": 32, "stream": True, "ignore_eos": True}
     before = kv_stats_summary(server)["aggregates"]["requests_per_finish_reason"].get("abort", 0)
+    aborted = lambda: sum(v for labels, v in metrics(server.base_url).get(
+        "vllm_kvevict_requests_total", ()) if labels.get("finish_reason") == "abort")
+    aborted_before = aborted()
     with httpx.Client(timeout=60) as client:
         with client.stream("POST", server.base_url + "/v1/completions", json=body) as r:
             assert r.status_code == 200
@@ -137,6 +140,7 @@ def test_client_disconnect_during_prefill_frees_its_blocks(head_mask_server):
             "abort", 0) == before:
         assert time.monotonic() < deadline, "the cancelled request's kv_stats never arrived"
         time.sleep(0.5)
+    assert aborted() == aborted_before + 1  # and in Prometheus
 
 
 # -- cache_salt --------------------------------------------------------------------------------
@@ -164,21 +168,21 @@ def test_cache_salt_isolates_every_kv_cache_group(head_mask_server):
 
 # -- soak --------------------------------------------------------------------------------------
 
-SOAKS = {  # mechanism -> (server flags, vllm_xargs the override requests use)
-    "head-mask": (HEAD_MASK, [{"kv_teacher_forced": 4}]),
+SOAKS = {  # mechanism -> (server flags, vllm_xargs the override requests use, long prompt)
+    "head-mask": (HEAD_MASK, [{"kv_teacher_forced": 4}], 1500),
     # token eviction under vLLM's own admission in a pool that forces preemption (and exact
-    # recompute of the preempted)
+    # recompute of the preempted): 64 MiB hold 1,400 tokens of full attention's KV
     "token-eviction": (["--kv-policy", "snapkv", "--kv-sparsity", "0.7", "--kv-eviction",
                         "patched", "--kv-admission", "vllm", "--max-num-batched-tokens", "512",
-                        "--max-num-seqs", "16", "--kv-cache-memory-bytes", str(128 << 20),
+                        "--max-num-seqs", "16", "--kv-cache-memory-bytes", str(64 << 20),
                         # (vLLM's start-up check wants full attention's worst case in the pool)
-                        "--max-model-len", "2048"],
+                        "--max-model-len", "1024"],
                        [{"kv_sparsity": 0.3}, {"kv_sparsity": 0.9, "kv_obs_window": 16},
-                        {"kv_teacher_forced": 4}]),
+                        {"kv_teacher_forced": 4}], 900),
     "hybrid": (["--kv-policy", "prulong", "--kv-sparsity", "0.5", "--kv-token-policy", "snapkv",
                 "--kv-token-sparsity", "0.5", "--max-num-batched-tokens", "512",
                 "--max-num-seqs", "16", "--kv-cache-memory-bytes", SMALL_POOL],
-               [{"kv_teacher_forced": 4}]),
+               [{"kv_teacher_forced": 4}], 1500),
 }
 CI_SOAK_REQUESTS, SLOW_SOAK_REQUESTS = 120, 1000
 RESULTS = REPO / "docs" / "results" / "soak"
@@ -193,8 +197,9 @@ def soak_server(mechanism, bundled_model_dir, request):
 @pytest.mark.parametrize("mechanism", list(SOAKS))
 def test_soak(mechanism, bundled_model_dir, request):
     server = soak_server(mechanism, bundled_model_dir, request)
-    result = run_soak(server.base_url, CI_SOAK_REQUESTS, 24, seed=1,
-                      xargs=SOAKS[mechanism][1], progress=False)
+    _, xargs, long_tokens = SOAKS[mechanism]
+    result = run_soak(server.base_url, CI_SOAK_REQUESTS, 24, seed=1, xargs=xargs,
+                      long_tokens=long_tokens, progress=False)
     assert result.failures == [], result.failures
     assert result.cancelled > 0 and result.bad > 0 and result.completed > 0
 
@@ -206,8 +211,9 @@ def test_long_soak(mechanism, bundled_model_dir, request):
     from dataclasses import asdict
 
     server = soak_server(mechanism, bundled_model_dir, request)
-    result = run_soak(server.base_url, SLOW_SOAK_REQUESTS, 24, seed=2,
-                      xargs=SOAKS[mechanism][1], progress=False)
+    _, xargs, long_tokens = SOAKS[mechanism]
+    result = run_soak(server.base_url, SLOW_SOAK_REQUESTS, 24, seed=2, xargs=xargs,
+                      long_tokens=long_tokens, progress=False)
     if os.environ.get("KVEVICT_WRITE_SOAK") == "1":
         RESULTS.mkdir(parents=True, exist_ok=True)
         record = {"mechanism": mechanism, "flags": SOAKS[mechanism][0], **asdict(result)}

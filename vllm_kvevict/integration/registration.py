@@ -99,6 +99,17 @@ RELIED_ON = (
     "vllm.v1.kv_cache_interface.SlidingWindowSpec.max_admission_blocks_per_request",
     "vllm.v1.kv_cache_layout.KVCacheLayout.BLHNC",
     "vllm.forward_context.ForwardContext.__dataclass_fields__",  # no_compile_layers (test)
+    # seeded sampling on the CPU worker (seeded_sampling.py, from the execute_model row): a
+    # seeded request's generator in the sampler's dict and in the request's record becomes a
+    # rewindable one, because _bookkeeping_sync rewinds it by offset
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner._bookkeeping_sync",
+    "vllm.v1.worker.gpu_input_batch.InputBatch._make_sampling_metadata",
+    "vllm.v1.worker.gpu_input_batch.CachedRequestState",  # its `generator` field
+    # the API server's exit status (server/lifecycle.py): the engine client vLLM puts on the
+    # app's state, its `errored`, and the launcher's "shutdown triggered" log line
+    "vllm.entrypoints.launchers.api_server.app_state.init_app_state",
+    "vllm.v1.engine.async_llm.AsyncLLM.errored",
+    "vllm.v1.engine.async_llm.AsyncLLM.dead_error",
 )
 
 PATCHED = tuple(w.target.replace(":", ".") for w in WRAPS)
