@@ -2,6 +2,7 @@
 
     python -m loadtest.soak --base-url http://127.0.0.1:8000 --requests 1000 --concurrency 24 \\
         --out docs/results/soak/prulong.json
+    python -m loadtest.soak --report docs/results/soak > docs/results/soak/table.md
 
 The traffic (seeded, so a rerun sends the same requests): plain and streamed completions and
 chats over three shared prefixes (prefix-cache hits), stop strings, `n = 2`, per-request
@@ -363,6 +364,26 @@ def check(r: SoakResult) -> list[str]:
     return out
 
 
+def report(results_dir: Path) -> str:
+    """docs/results/soak/table.md: one row per mechanism's JSON record."""
+    head = ("| mechanism | requests | completed (engine requests) | cancelled | bad -> 4xx | "
+            "5xx | without kv_stats | recorded (finish reasons) | preemptions | pool after | "
+            "probe same | healthy | s |\n|" + "---|" * 13)
+    rows = []
+    for path in sorted(results_dir.glob("*.json")):
+        r = json.loads(path.read_text())
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(r["finish_reasons_delta"].items()))
+        blocks = "0 in every group" if not any(r["blocks_used_after"] or ()) else \
+            str(r["blocks_used_after"])
+        rows.append(f"| {r.get('mechanism', path.stem)} | {r['requests']} | {r['completed']} "
+                    f"({r['engine_requests_completed']}) | {r['cancelled']} | {r['bad']} -> "
+                    f"{r['bad_answered_4xx']} | {len(r['server_errors'])} | "
+                    f"{len(r['without_kv_stats'])} | {r['recorded_delta']} ({reasons}) | "
+                    f"{r['preemptions']:g} | usage {r['pool_usage_after']:g}, {blocks} | "
+                    f"{r['probe_same']} | {r['healthy_after']} | {r['duration_s']:g} |")
+    return head + "\n" + "\n".join(rows) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -373,7 +394,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--xargs", default='[{"kv_teacher_forced": 4}]',
                     help="JSON list of vllm_xargs dicts the override requests choose from")
     ap.add_argument("--out", type=Path, help="write the result as JSON here")
+    ap.add_argument("--report", type=Path, metavar="DIR",
+                    help="only print the table of the JSON records in DIR")
     args = ap.parse_args(argv)
+    if args.report:
+        print(report(args.report), end="")
+        return 0
     result = run_soak(args.base_url, args.requests, args.concurrency, args.seed,
                       json.loads(args.xargs), args.long_tokens)
     text = json.dumps(asdict(result), indent=1)

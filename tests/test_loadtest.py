@@ -695,3 +695,29 @@ def test_chat_policy_labels():
     assert "--no-enable-prefix-caching" not in argv
     with pytest.raises(ValueError, match="nopc"):
         server_argv("M", "full/cache", kv_cache_bytes=1, chunk=64, port=1, max_model_len=512)
+
+
+def test_soak_checks_and_table(tmp_path):
+    """loadtest/soak.py: each failed check is named, and the table has a row per record."""
+    import json
+    from dataclasses import asdict
+
+    from loadtest.soak import SoakResult, check, report
+
+    good = SoakResult(requests=10, completed=6, engine_requests_completed=7, cancelled=2, bad=2,
+                      bad_answered_4xx=2, recorded_delta=8,
+                      finish_reasons_delta={"length": 6, "abort": 2}, pool_usage_after=0.0,
+                      blocks_used_after=[0, 0], preemptions=3.0, probe_same=True,
+                      healthy_after=True, duration_s=1.5)
+    assert check(good) == []
+    bad = SoakResult(**{**asdict(good), "recorded_delta": 10, "blocks_used_after": [0, 2],
+                        "without_kv_stats": ["stop:cmpl-1"], "server_errors": ["HTTP 500"],
+                        "probe_same": False})
+    failures = " | ".join(check(bad))
+    for needle in ("5xx", "without kv_stats", "recorded 10 requests, expected 7..9",
+                   "pool not empty", "probe", "finish reasons"):
+        assert needle in failures, (needle, failures)
+    (tmp_path / "x.json").write_text(json.dumps({"mechanism": "x", **asdict(good)}))
+    table = report(tmp_path)
+    assert table.count("\n") == 3 and "| x | 10 | 6 (7) | 2 | 2 -> 2 | 0 | 0 | 8 (abort 2, " \
+        "length 6) | 3 | usage 0, 0 in every group | True | True | 1.5 |" in table, table
