@@ -157,6 +157,17 @@ def _error_body(message: str, param: str = "vllm_xargs") -> bytes:
                                  "code": 400}}).encode()
 
 
+def shape_error(path: str, payload: dict[str, Any]) -> str | None:
+    """What vLLM 0.32 refuses without naming the field: a chat whose `messages` is not a list
+    ("'NoneType' object is not iterable"). Everything else is vLLM's to judge."""
+    messages = payload.get("messages", [])
+    if path == "/v1/chat/completions" and not isinstance(messages, list):
+        kind = "null" if messages is None else type(messages).__name__
+        return (f"`messages` must be a list of message objects ({{\"role\": ..., "
+                f"\"content\": ...}}), got {kind}")
+    return None
+
+
 class KVStatsMiddleware:
     def __init__(self, app) -> None:
         self.app = app
@@ -187,11 +198,15 @@ class KVStatsMiddleware:
             payload = json.loads(body) if body else None
         except ValueError:
             payload = None  # vLLM answers malformed JSON itself
+        param = "vllm_xargs"
         if isinstance(payload, dict):
-            if state.context is not None:
+            error = shape_error(path, payload)
+            if error:
+                param = "messages"
+            elif state.context is not None:
                 error = state.context.check_vllm_xargs(payload.get("vllm_xargs"))
         if error:
-            content = _error_body(error)
+            content = _error_body(error, param)
             await send({"type": "http.response.start", "status": 400,
                         "headers": [(b"content-type", b"application/json"),
                                     (b"content-length", str(len(content)).encode())]})

@@ -204,6 +204,14 @@ ROWS = [
     Row("async scheduling (`--async-scheduling`)",
         each("n/a", "tests/test_vllm_contract.py::test_cpu_platform_turns_async_scheduling_off",
              why="vLLM 0.32's CPU platform turns it off")),
+    Row("vLLM's V2 model runner (`VLLM_USE_V2_MODEL_RUNNER=1`)",
+        {**each("refused", "tests/test_features.py::test_v2_model_runner_refused",
+                columns=[c for c in COLUMNS if c != "full"],
+                why="the policies' worker side runs in vLLM's V1 model runner (here vLLM "
+                    "refuses first: its V2 runner needs Triton's CPU backend)"),
+         "full": Cell("n/a", ("tests/test_features.py::test_v2_model_runner_refused",),
+                      "vLLM 0.32 CPU refuses it itself here (its V2 runner needs Triton's CPU "
+                      "backend); `full` would be served by it as stock vLLM")}),
     Row("tensor parallel (`--tensor-parallel-size 2`)",
         {**{c: Cell("exact", (("" if c in TP_CI else "(s)")
                               + "tests/test_tensor_parallel.py::"

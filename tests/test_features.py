@@ -3,6 +3,7 @@ policy column of the compatibility matrix, and `vllm serve` stopping with the li
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -192,3 +193,29 @@ def test_vllm_serve_refuses_a_sliding_window_model(bundled_model_dir, tmp_path):
     assert last.startswith("vllm-kvevict: error: model MistralForCausalLM cannot be served "
                            "with --kv-policy prulong: its layers use a sliding window of 4096 "
                            "tokens"), proc.stderr[-3000:]
+
+
+def test_v2_model_runner_refused(bundled_model_dir):
+    """On vLLM 0.32 CPU, VLLM_USE_V2_MODEL_RUNNER=1 makes CPUWorker build the V2 runner, which
+    none of the worker hooks reach: refused with one line, never served without them. (Here
+    vLLM refuses first: its V2 runner needs Triton's CPU backend, which this build lacks.)"""
+    import inspect
+
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    from vllm_kvevict.features import model_runner_error
+
+    assert "if self.use_v2_model_runner:" in inspect.getsource(CPUWorker.init_device)
+    assert model_runner_error(config("full"), True) is None
+    assert model_runner_error(config("prulong-0.7"), False) is None
+    ours = model_runner_error(config("prulong-0.7"), True)
+    assert ours.startswith("VLLM_USE_V2_MODEL_RUNNER=1 (vLLM's V2 model runner) is not "
+                           "supported with --kv-policy prulong yet")
+    vllm = Path(sys.executable).parent / "vllm"
+    proc = subprocess.run([str(vllm), "serve", str(bundled_model_dir), "--dtype", "float32",
+                           "--kv-policy", "prulong"], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "1"})
+    assert proc.returncode != 0
+    assert ("Model Runner V2 requires Triton" in proc.stderr
+            or f"vllm-kvevict: error: {ours}" in proc.stderr), proc.stderr[-3000:]
+    assert "Loading weights" not in proc.stderr + proc.stdout

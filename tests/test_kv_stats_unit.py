@@ -355,6 +355,20 @@ def test_middleware_refuses_bad_xargs_and_passes_good_ones_unchanged():
     assert int(headers[b"content-length"]) == len(data)
 
 
+@pytest.mark.parametrize("messages, kind", [(None, "null"), (3, "int"), ("hi", "str"),
+                                             ({"role": "user"}, "dict")])
+def test_middleware_names_messages_that_are_not_a_list(messages, kind):
+    """vLLM 0.32 answers these with "'NoneType' object is not iterable" and the like."""
+    mw = responses.KVStatsMiddleware(_inner("json"))
+    status, _, data = _asgi_call(mw, "POST", "/v1/chat/completions",
+                                 json.dumps({"model": "m", "messages": messages}).encode())
+    error = json.loads(data)["error"]
+    assert status == 400 and error["param"] == "messages" and f"got {kind}" in error["message"]
+    status, _, _ = _asgi_call(mw, "POST", "/v1/chat/completions",
+                              json.dumps({"model": "m", "messages": []}).encode())
+    assert status == 200  # a list: vLLM's to judge
+
+
 def test_middleware_adds_stats_chunk_to_streams():
     state = stats_store.ServerStats.get()
     state.store.record({"request_id": "cmpl-s-0", "engine_request_id": "cmpl-s-0-e",

@@ -20,6 +20,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import time
 from pathlib import Path
@@ -332,10 +333,21 @@ def _strategies():
     return st.one_of(completion, chat)
 
 
+def names(key: str, message: str) -> bool:
+    """The message names the field: `messages` as "message...", a short key (`n`) as a word."""
+    stem = re.escape(key.rstrip("s") if len(key) > 2 else key)
+    return re.search(rf"\b{stem}" + (r"\b" if len(key) <= 2 else ""), message) is not None
+
+
+VLLM_NAMES_VALUE = ("is out of vocabulary",)  # "Token id 55000 is out of vocabulary"
+
+
 def test_any_request_body_gets_2xx_or_a_4xx_that_says_why(head_mask_server, capsys):
     """150 generated bodies (derandomized: the same in every run). Never a 5xx; a 4xx always
-    carries a message; a refused `vllm_xargs` (ours to check) is refused with a message naming
-    the key. vLLM's own messages that name no field are listed in the output."""
+    carries a message that names a field of the body (or, for vLLM's out-of-vocabulary check,
+    the value); a refused `vllm_xargs` (ours to check) names the key. `messages` that is not a
+    list is ours too (server/responses.py `shape_error`: vLLM 0.32 said "'NoneType' object is
+    not iterable")."""
     from hypothesis import HealthCheck, given, settings
 
     from vllm_kvevict.overrides import check_vllm_xargs
@@ -343,7 +355,6 @@ def test_any_request_body_gets_2xx_or_a_4xx_that_says_why(head_mask_server, caps
     base_url = head_mask_server.base_url
     seen: dict[int, int] = {}
     unnamed: set[str] = set()
-    messages400: dict[str, int] = {}
 
     @settings(max_examples=150, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
@@ -366,9 +377,10 @@ def test_any_request_body_gets_2xx_or_a_4xx_that_says_why(head_mask_server, caps
         if r.status_code >= 400:
             message = json.loads(text).get("error", {}).get("message", "")
             assert message, (body, text[:500])
-            messages400[message[:70]] = messages400.get(message[:70], 0) + 1
-            keys = [k for k in body if k != "model"]
-            if not any(k.rstrip("s") in message for k in keys):
+            names_field = any(names(key, message) for key in body if key != "model")
+            names_value = any(phrase in message for phrase in VLLM_NAMES_VALUE)
+            assert names_field or names_value, (body, message)
+            if not names_field:
                 unnamed.add(message[:120])
         elif body.get("stream") is True:
             assert "data: [DONE]" in text and '"error"' not in text, (body, text[-500:])
@@ -377,5 +389,4 @@ def test_any_request_body_gets_2xx_or_a_4xx_that_says_why(head_mask_server, caps
     assert seen.get(200) and sum(v for k, v in seen.items() if 400 <= k < 500), seen
     assert httpx.get(base_url + "/health", timeout=30).status_code == 200
     with capsys.disabled():
-        print(f"\nstatuses {seen}; vLLM messages naming no field: {sorted(unnamed)}")
-        print(sorted(messages400.items(), key=lambda kv: -kv[1])[:12])
+        print(f"\nstatuses {seen}; 4xx messages naming a value, not a field: {sorted(unnamed)}")

@@ -116,6 +116,18 @@ def prefix_caching_error(policy_config, requested: bool | None) -> str | None:
             "streaming/duo/prulong (not with --kv-token-policy)")
 
 
+def model_runner_error(policy_config, uses_v2: bool) -> str | None:
+    """vLLM's V2 model runner (`VLLM_USE_V2_MODEL_RUNNER=1`; on CPU 0.32 `CPUWorker` then
+    builds `vllm.v1.worker.cpu.model_runner.CPUModelRunner`) runs none of the V1 runner hooks
+    the policies' worker side lives in: it would serve without them, silently wrong. `full`
+    needs none of them (stock vLLM, kv_stats from the engine core)."""
+    if not uses_v2 or policy_config.policy == "full":
+        return None
+    return (f"VLLM_USE_V2_MODEL_RUNNER=1 (vLLM's V2 model runner) is not supported with "
+            f"--kv-policy {policy_config.policy} yet: the policy's worker side runs in vLLM's "
+            "V1 model runner; valid: VLLM_USE_V2_MODEL_RUNNER unset or 0, or --kv-policy full")
+
+
 def lora_error(policy_config, enabled: bool) -> str | None:
     """Patched eviction runs its question rows as extra tokens of the step; vLLM's LoRA layers
     index their adapters per scheduled token and do not know those rows (the worker stopped on

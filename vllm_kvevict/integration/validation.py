@@ -10,7 +10,8 @@ import sys
 
 from vllm_kvevict.config import KVPolicyError
 from vllm_kvevict.features import (PARALLEL_FLAGS, connector_error, kv_cache_dtype_error,
-                                     lora_error, model_error, parallel_error,
+                                     lora_error, model_error, model_runner_error,
+                                     parallel_error,
                                      prefix_caching_error, prompt_embeds_error,
                                      speculative_error)
 from vllm_kvevict.flags import fail
@@ -48,7 +49,9 @@ def validate_against_model(vllm_config, prefix_caching_requested: bool | None = 
                       speculative_error(cfg, method), connector_error(cfg, users),
                       prompt_embeds_error(cfg, embeds),
                       prefix_caching_error(cfg, prefix_caching_requested),
-                      lora_error(cfg, getattr(vllm_config, "lora_config", None) is not None)):
+                      lora_error(cfg, getattr(vllm_config, "lora_config", None) is not None),
+                      model_runner_error(cfg, bool(getattr(vllm_config, "use_v2_model_runner",
+                                                           False)))):
             if error:
                 raise KVPolicyError(error)
         if cfg.policy == "full":
