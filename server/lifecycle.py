@@ -2,11 +2,12 @@
 
 vLLM 0.32's API server notices a dead engine core (a killed worker or engine process, a fatal
 error in a step), fails the requests in flight and shuts down, but the process then exits with
-status 0, as after a requested shutdown: a supervisor (systemd, Kubernetes, a test) cannot tell
-a crash from a stop. `EngineWatch` polls the engine client's `errored` from the API server's
-event loop; if it turns true while no shutdown was requested (SIGTERM / SIGINT, seen as vLLM's
-own "shutdown triggered" log line), it logs one line naming the cause and makes the process
-exit with `EXIT_ENGINE_DIED` once vLLM's shutdown is done.
+status 0, as after a requested stop: a supervisor (systemd, Kubernetes, a test) cannot tell a
+crash from a stop. vLLM stops its engine client with `shutdown()` in both cases: on SIGTERM /
+SIGINT while the engine still runs, and after a death once serving has ended. So `EngineWatch`
+looks at the client when `shutdown()` is first called: already `errored` means the engine died
+first. It also polls `errored` from the event loop, to log the death the moment it happens.
+Either way: one log line, and the process exits with `EXIT_ENGINE_DIED` after vLLM's shutdown.
 """
 
 from __future__ import annotations
@@ -20,50 +21,53 @@ import sys
 logger = logging.getLogger("vllm.kvevict")
 
 EXIT_ENGINE_DIED = 70  # EX_SOFTWARE
-POLL_S = 0.5
-SHUTDOWN_LOGGER = "vllm.entrypoints.launchers.launcher"  # logs "[shutdown] ... triggered"
-SHUTDOWN_MARK = "shutdown triggered"
+POLL_S = 0.25
 
 
-class EngineWatch(logging.Filter):
+class EngineWatch:
     def __init__(self) -> None:
-        super().__init__()
-        self.shutdown_requested = False
-        self.died: str | None = None
+        self.client = None
+        self.stop_requested = False  # shutdown() was called while the engine was alive
+        self.died: str | None = None  # why, once the engine died unrequested
         self._task: asyncio.Task | None = None
-
-    # a logging filter on vLLM's launcher logger: it never drops a record
-    def filter(self, record: logging.LogRecord) -> bool:
-        if SHUTDOWN_MARK in str(record.msg):
-            self.shutdown_requested = True
-        return True
 
     @property
     def started(self) -> bool:
-        return self._task is not None
+        return self.client is not None
 
     def start(self, app) -> None:
         """From the first ASGI scope (the event loop runs; vLLM set app.state.engine_client)."""
-        if self._task is not None:
+        if self.client is not None:
             return
         client = getattr(getattr(app, "state", None), "engine_client", None)
-        if client is None or not hasattr(client, "errored"):
+        if client is None or not hasattr(client, "errored") or not hasattr(client, "shutdown"):
             return
-        logging.getLogger(SHUTDOWN_LOGGER).addFilter(self)
-        atexit.register(self._exit_status)
-        self._task = asyncio.get_running_loop().create_task(self._watch(client))
+        self.client = client
+        stock_shutdown = client.shutdown
 
-    async def _watch(self, client) -> None:
-        while not self.shutdown_requested:
-            if client.errored:
-                if not self.shutdown_requested:
-                    self._on_death(client)
+        def shutdown(*args, **kwargs):  # vLLM's launcher (SIGTERM) and its client context
+            if not self.stop_requested and self.died is None:
+                if client.errored:
+                    self._on_death()
+                else:
+                    self.stop_requested = True
+            return stock_shutdown(*args, **kwargs)
+
+        client.shutdown = shutdown  # this one object's method: registration.RELIED_ON
+        atexit.register(self._exit_status)
+        self._task = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while not self.stop_requested and self.died is None:
+            if self.client.errored:
+                if not self.stop_requested:
+                    self._on_death()
                 return
             await asyncio.sleep(POLL_S)
 
-    def _on_death(self, client) -> None:
+    def _on_death(self) -> None:
         try:
-            cause = repr(client.dead_error)
+            cause = repr(self.client.dead_error)
         except Exception as exc:  # noqa: BLE001  (the reason is only for the log line)
             cause = repr(exc)
         self.died = cause
@@ -74,6 +78,8 @@ class EngineWatch(logging.Filter):
     def _exit_status(self) -> None:
         # Registered once serving starts, so it runs after the exit handlers vLLM registers
         # later (LIFO) and before the interpreter's own: then the status is ours.
+        if self.died is None and not self.stop_requested and self.client.errored:
+            self._on_death()  # died and was never stopped by vLLM
         if self.died is not None:
             sys.stdout.flush()
             sys.stderr.flush()

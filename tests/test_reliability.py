@@ -185,7 +185,7 @@ SOAKS = {  # mechanism -> (server flags, vllm_xargs the override requests use, l
                 "--max-num-seqs", "16", "--kv-cache-memory-bytes", SMALL_POOL],
                [{"kv_teacher_forced": 4}], 1500),
 }
-CI_SOAK_REQUESTS, SLOW_SOAK_REQUESTS = 120, 1000
+CI_SOAK_REQUESTS, SLOW_SOAK_REQUESTS = 60, 1000
 RESULTS = REPO / "docs" / "results" / "soak"
 
 

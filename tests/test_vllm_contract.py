@@ -454,22 +454,21 @@ def test_one_head_slot_groups_for_the_pool_proposal():
 
 
 def test_engine_death_is_visible_to_the_api_server():
-    """server/lifecycle.py: vLLM puts the engine client on the app's state, the client says
-    `errored` (and why, `dead_error`) once its engine died, and vLLM's launcher logs "shutdown
-    triggered" on its module logger when SIGTERM / SIGINT arrive (a requested stop, not a
-    death). vLLM 0.32 exits 0 after an engine death: if it starts exiting non-zero itself,
-    this package's status 70 can go."""
+    """server/lifecycle.py: vLLM puts the engine client on the app's state; the client says
+    `errored` (and why, `dead_error`) once its engine died; vLLM stops the client with
+    `shutdown()` from its SIGTERM / SIGINT handler (engine alive) and from the client's context
+    once serving ended (after a death: engine already errored). vLLM 0.32 exits 0 after an
+    engine death: if it starts exiting non-zero itself, this package's status 70 can go."""
     import dataclasses
 
     from vllm.entrypoints.launchers import launcher
-    from vllm.entrypoints.launchers.api_server import app_state
+    from vllm.entrypoints.launchers.api_server import app_state, entry
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.worker.gpu_input_batch import CachedRequestState
 
-    from server import lifecycle
-
     assert "state.engine_client = engine_client" in inspect.getsource(app_state.init_app_state)
     assert isinstance(AsyncLLM.errored, property) and isinstance(AsyncLLM.dead_error, property)
-    source = inspect.getsource(launcher)
-    assert lifecycle.SHUTDOWN_MARK in source and launcher.logger.name == lifecycle.SHUTDOWN_LOGGER
+    assert "partial(engine_client.shutdown, timeout=timeout)" in inspect.getsource(launcher)
+    assert "async_llm.shutdown(timeout=vllm_config.shutdown_timeout)" in inspect.getsource(
+        entry.build_async_engine_client_from_engine_args)
     assert "generator" in {f.name for f in dataclasses.fields(CachedRequestState)}

@@ -106,10 +106,12 @@ RELIED_ON = (
     "vllm.v1.worker.gpu_input_batch.InputBatch._make_sampling_metadata",
     "vllm.v1.worker.gpu_input_batch.CachedRequestState",  # its `generator` field
     # the API server's exit status (server/lifecycle.py): the engine client vLLM puts on the
-    # app's state, its `errored`, and the launcher's "shutdown triggered" log line
+    # app's state, its `errored`, and its `shutdown`, which lifecycle wraps on that one object
+    # (a requested stop calls it while the engine runs; after a death it runs errored)
     "vllm.entrypoints.launchers.api_server.app_state.init_app_state",
     "vllm.v1.engine.async_llm.AsyncLLM.errored",
     "vllm.v1.engine.async_llm.AsyncLLM.dead_error",
+    "vllm.v1.engine.async_llm.AsyncLLM.shutdown",
 )
 
 PATCHED = tuple(w.target.replace(":", ".") for w in WRAPS)
