@@ -174,7 +174,7 @@ class Soak:
         if "bad" in how:
             self._bad(resp, how)
             return
-        if resp.status_code >= 500 or resp.status_code != 200:
+        if resp.status_code != 200:
             r.server_errors.append(f"{kind}: HTTP {resp.status_code}: {resp.text[:200]}")
             return
         payload = resp.json()

@@ -189,18 +189,20 @@ CI_SOAK_REQUESTS, SLOW_SOAK_REQUESTS = 60, 1000
 RESULTS = REPO / "docs" / "results" / "soak"
 
 
-def soak_server(mechanism, bundled_model_dir, request):
+def soak(mechanism, bundled_model_dir, request, num_requests: int, seed: int):
+    """The mechanism's server (the shared head-mask one, or its own), then the soak on it."""
     if mechanism == "head-mask":
-        return request.getfixturevalue("head_mask_server")
-    return start_server(bundled_model_dir, SOAKS[mechanism][0], env=STATS_ENV)
+        server = request.getfixturevalue("head_mask_server")
+    else:
+        server = start_server(bundled_model_dir, SOAKS[mechanism][0], env=STATS_ENV)
+    _, xargs, long_tokens = SOAKS[mechanism]
+    return run_soak(server.base_url, num_requests, 24, seed=seed, xargs=xargs,
+                    long_tokens=long_tokens, progress=False)
 
 
 @pytest.mark.parametrize("mechanism", list(SOAKS))
 def test_soak(mechanism, bundled_model_dir, request):
-    server = soak_server(mechanism, bundled_model_dir, request)
-    _, xargs, long_tokens = SOAKS[mechanism]
-    result = run_soak(server.base_url, CI_SOAK_REQUESTS, 24, seed=1, xargs=xargs,
-                      long_tokens=long_tokens, progress=False)
+    result = soak(mechanism, bundled_model_dir, request, CI_SOAK_REQUESTS, seed=1)
     assert result.failures == [], result.failures
     assert result.cancelled > 0 and result.bad > 0 and result.completed > 0
 
@@ -211,10 +213,7 @@ def test_long_soak(mechanism, bundled_model_dir, request):
     """1,000 requests per mechanism; the figures go to docs/results/soak/ (KVEVICT_WRITE_SOAK=1)."""
     from dataclasses import asdict
 
-    server = soak_server(mechanism, bundled_model_dir, request)
-    _, xargs, long_tokens = SOAKS[mechanism]
-    result = run_soak(server.base_url, SLOW_SOAK_REQUESTS, 24, seed=2, xargs=xargs,
-                      long_tokens=long_tokens, progress=False)
+    result = soak(mechanism, bundled_model_dir, request, SLOW_SOAK_REQUESTS, seed=2)
     if os.environ.get("KVEVICT_WRITE_SOAK") == "1":
         RESULTS.mkdir(parents=True, exist_ok=True)
         record = {"mechanism": mechanism, "flags": SOAKS[mechanism][0], **asdict(result)}
