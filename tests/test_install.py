@@ -49,9 +49,9 @@ SIMULATED = textwrap.dedent("""
     registration.register()
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager as M
     print("INACTIVE", registration.inactive_reason)
-    print("KV_MANAGER_WRAPPED", hasattr(KVCacheManager.allocate_slots, "__wrapped__"))
+    print("KV_MANAGER_WRAPPED", hasattr(M.allocate_new_blocks, "__wrapped__"))
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
     for argv in ([], ["--kv-policy", "prulong"]):
         err = io.StringIO()

@@ -198,3 +198,61 @@ def test_plain_python_imports_nothing_from_the_glue(path):
         for name in names:
             assert not name.startswith("vllm_kvevict.integration"), \
                 f"{path.name}:{node.lineno} imports {name}"
+
+
+# -- vLLM objects changed or read privately: declared in registration.TOUCHED ------------------
+
+def own_attribute_names() -> set[str]:
+    """Attributes our classes define: class-body names, methods, and `self.x = ...` targets."""
+    own = set()
+    for path in files("vllm_kvevict"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        own.add(item.name)
+                    targets = (item.targets if isinstance(item, ast.Assign) else
+                               [item.target] if isinstance(item, ast.AnnAssign) else [])
+                    own |= {t.id for t in targets if isinstance(t, ast.Name)}
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
+                    and isinstance(node.value, ast.Name) and node.value.id == "self":
+                own.add(node.attr)
+    return own
+
+
+def touched_in(path: Path, own: set[str]) -> set[tuple[str, str]]:
+    """(file, attribute) for every attribute set on something other than `self` that our
+    classes do not define, every `setattr` on a name, and every private attribute read that we
+    do not define (on any object, `self` included: a subclass reading vLLM's)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and node.attr not in own:
+            store = isinstance(node.ctx, ast.Store) and not (
+                isinstance(node.value, ast.Name) and node.value.id == "self")
+            private = node.attr.startswith("_") and not node.attr.startswith("__")
+            if store or private:
+                found.add((path.name, node.attr))
+    return found
+
+
+def test_vllm_objects_touched_only_as_declared():
+    from vllm_kvevict.integration.registration import TOUCHED
+
+    own = own_attribute_names()
+    found = set().union(*(touched_in(p, own) for p in files("vllm_kvevict/integration")))
+    declared = {(f, a) for f, a, _ in TOUCHED}
+    assert not found - declared, f"undeclared in registration.TOUCHED: {sorted(found - declared)}"
+    assert not declared - found, f"declared but not found: {sorted(declared - found)}"
+
+
+def test_touched_vllm_attributes_exist_in_vllm():
+    """Every private name we read is one vLLM's source defines (a contract, like RELIED_ON)."""
+    import vllm
+
+    from vllm_kvevict.integration.registration import TOUCHED
+
+    source = "\n".join(p.read_text(errors="replace")
+                       for p in Path(vllm.__file__).parent.rglob("*.py"))
+    for _, attribute, _ in TOUCHED:
+        if attribute.startswith("_") and attribute != "_actions":  # argparse's, not vLLM's
+            assert f".{attribute}" in source or f"def {attribute}" in source, attribute

@@ -1,9 +1,11 @@
-"""Our scheduler as vLLM's scheduler class (integration/kvevict_scheduler.py): installed through
-`scheduler_config.scheduler_cls`, composed with a user's Scheduler subclass, and a scheduler
-class of any other kind refused at start-up with one line. No server."""
+"""Our scheduler and worker as vLLM's classes (integration/kvevict_scheduler.py,
+kvevict_worker.py): installed through `scheduler_config.scheduler_cls` /
+`parallel_config.worker_cls`, composed with a user's subclass of vLLM's class, and a class of
+any other kind refused at start-up with one line."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import subprocess
 import sys
@@ -16,7 +18,10 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_kvevict.config import KVPolicyError
-from vllm_kvevict.integration.kvevict_scheduler import KVEvictScheduler, composed, install
+from vllm_kvevict.integration.composition import composed
+from vllm_kvevict.integration.kvevict_scheduler import KVEvictScheduler, install
+from vllm_kvevict.integration.kvevict_worker import KVEvictWorker
+from vllm_kvevict.integration.kvevict_worker import install as install_worker
 
 ASYNC = "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
 NOT_A_SCHEDULER = "vllm.v1.core.sched.interface.SchedulerInterface"
@@ -40,7 +45,7 @@ def test_our_methods_come_before_a_user_subclass_in_the_mro():
         def schedule(self, *args, **kwargs):
             return super().schedule(*args, **kwargs)
 
-    mro = composed(Users).__mro__
+    mro = composed(KVEvictScheduler, Users).__mro__
     assert mro[1:4] == (KVEvictScheduler, Users, Scheduler)
     for name in ("__init__", "schedule", "_reserve_prefill_lookahead", "update_from_output"):
         assert next(k for k in mro if name in vars(k)) is KVEvictScheduler, name
@@ -83,11 +88,42 @@ def test_vllm_serve_refuses_it_with_one_line(bundled_model_dir):
     assert "Loading weights" not in proc.stderr + proc.stdout
 
 
+def installed_worker(worker_cls: str) -> str:
+    config = SimpleNamespace(parallel_config=SimpleNamespace(worker_cls=worker_cls))
+    install_worker(config)
+    install_worker(config)  # idempotent
+    return config.parallel_config.worker_cls
+
+
+def test_workers_stock_and_composed_by_a_name_a_worker_process_resolves():
+    assert installed_worker("vllm.v1.worker.cpu_worker.CPUWorker") == \
+        "vllm_kvevict.integration.kvevict_worker.KVEvictWorker"
+    name = installed_worker("user_scheduler.StepLoggingWorker")
+    assert name == ("vllm_kvevict.integration.kvevict_worker."
+                    "KVEvictWorker_over_user_scheduler:StepLoggingWorker")
+    code = ("from vllm.utils.import_utils import resolve_obj_by_qualname\n"
+            f"cls = resolve_obj_by_qualname({name!r})\n"
+            "print([k.__name__ for k in cls.__mro__[1:4]])")
+    tests_dir = Path(__file__).resolve().parent
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd=tests_dir.parent,
+                          env={**os.environ, "PYTHONPATH": str(tests_dir)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "['KVEvictWorker', 'StepLoggingWorker', 'CPUWorker']"
+
+
+def test_a_worker_of_another_kind_is_refused():
+    with pytest.raises(KVPolicyError, match=r"^--worker-cls vllm.v1.worker.gpu_worker.Worker "
+                                            r"is not a subclass of vLLM's CPUWorker"):
+        installed_worker("vllm.v1.worker.gpu_worker.Worker")
+    with pytest.raises(KVPolicyError, match="^--worker-cls nowhere.Nothing: cannot import"):
+        installed_worker("nowhere.Nothing")
+
+
 @pytest.mark.server
 def test_served_with_a_user_scheduler_subclass(bundled_model_dir, tokenizer, hf_model):
-    """Composed in the engine core: the user's class runs under ours, token eviction's ledger
-    is attached, and the tokens are the reference's."""
-    import os
+    """Composed in the engine core and the worker: the user's classes run under ours, token
+    eviction's ledger is attached, and the tokens are the reference's."""
 
     from conftest import start_server
     from test_policies_vllm import CASES, flags, reference, served, source_prompts
@@ -97,7 +133,9 @@ def test_served_with_a_user_scheduler_subclass(bundled_model_dir, tokenizer, hf_
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [tests_dir,
                                                        os.environ.get("PYTHONPATH")]))}
     server = start_server(bundled_model_dir, [*flags(policy, chunk), "--scheduler-cls",
-                                              "user_scheduler.StepLoggingScheduler"], env=env)
+                                              "user_scheduler.StepLoggingScheduler",
+                                              "--worker-cls", "user_scheduler.StepLoggingWorker"],
+                          env=env)
     for prompt in source_prompts(tokenizer, (700,)):
         text, _ = served(server.base_url, prompt)
         assert text == tokenizer.decode(reference(hf_model, bundled_model_dir, policy, prompt,
@@ -106,3 +144,4 @@ def test_served_with_a_user_scheduler_subclass(bundled_model_dir, tokenizer, hf_
     assert "KVEvictScheduler_over_user_scheduler:StepLoggingScheduler" in log
     assert "token eviction ledger over 1 KV-cache group(s)" in log
     assert "user scheduler: first step, under KVEvictScheduler" in log
+    assert "user worker: first step, under KVEvictWorker" in log

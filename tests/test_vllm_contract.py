@@ -68,6 +68,11 @@ def test_kv_manager_signatures():
 
     assert {"request", "num_new_tokens", "num_lookahead_tokens"} <= params(
         KVCacheManager.allocate_slots)
+    # patched eviction's question slots (token_ledger.slots_needed) are counted as lookahead
+    # is: added to the managers' num_tokens, the step's end passed as num_tokens_main_model
+    source = inspect.getsource(KVCacheManager.allocate_slots)
+    assert "num_tokens_main_model = total_computed_tokens + num_new_tokens" in source
+    assert "num_tokens_main_model + num_lookahead_tokens" in source
     assert {"request_id", "num_tokens", "num_tokens_main_model", "apply_admission_cap"} <= params(
         SingleTypeKVCacheManager.get_num_blocks_to_allocate)
     assert list(inspect.signature(SingleTypeKVCacheManager.allocate_new_blocks).parameters)[:4] \
@@ -79,6 +84,27 @@ def test_kv_manager_signatures():
     assert "kv_cache_group_id" in inspect.getsource(SingleTypeKVCacheManager.__init__)
     assert "manager.get_num_blocks_to_allocate" in inspect.getsource(
         KVCacheCoordinator.get_num_blocks_to_allocate)
+
+
+def test_worker_class_contract():
+    """kvevict_worker.KVEvictWorker overrides three of vLLM's Worker methods: they delegate to
+    the model runner (so the runner hooks they replace saw the same calls), and a layer that
+    shares another's cache is added to its group inside initialize_from_config."""
+    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu_worker import Worker
+
+    assert "return self.model_runner.get_kv_cache_spec()" in inspect.getsource(
+        Worker.get_kv_cache_spec)
+    assert "self.model_runner.execute_model(" in inspect.getsource(Worker.execute_model)
+    assert "self.model_runner.initialize_kv_cache(" in inspect.getsource(
+        Worker.initialize_from_config)
+    assert "self.maybe_add_kv_sharing_layers_to_kv_cache_groups(kv_cache_config)" in \
+        inspect.getsource(GPUModelRunner.initialize_kv_cache)
+    assert "self.shared_kv_cache_layers[layer_name]" in inspect.getsource(
+        GPUModelRunner.get_kv_cache_spec)
+    for name in ("get_kv_cache_spec", "execute_model", "initialize_from_config"):
+        assert name not in vars(CPUWorker), name  # CPUWorker inherits them
 
 
 def test_tier_specs_make_one_kv_cache_group_per_tier():

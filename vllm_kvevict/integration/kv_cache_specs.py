@@ -197,10 +197,10 @@ def layer_groups(kv_cache_config, num_layers: int) -> LayerGroups:
     return LayerGroups(tuple(of_layer), total=len(groups) if streaming else 0)
 
 
-# -- the runner hooks (registration.py wraps vLLM's functions with these) ------------------------
+# -- the worker's specs (kvevict_worker.KVEvictWorker) ------------------------------------------
 
-def declare_specs(runner, stock_get_kv_cache_spec, state) -> dict:
-    """`GPUModelRunner.get_kv_cache_spec` with a policy: a head mask's streaming heads in their
+def declare_specs(runner, stock_specs, state) -> dict:
+    """vLLM's specs (`stock_specs()`) with a policy: a head mask's streaming heads in their
     companions' groups, its full heads only in each layer's paged spec (below); for token
     eviction alone one KV-cache group per tier of layers."""
     from vllm.config import get_layers_from_vllm_config
@@ -210,8 +210,8 @@ def declare_specs(runner, stock_get_kv_cache_spec, state) -> dict:
     layers = get_layers_from_vllm_config(runner.vllm_config, Attention)
     index = {name: extract_layer_index(name) for name in layers}
     if state.in_pool:
-        return _declare_pool_specs(runner, stock_get_kv_cache_spec, state, layers, index)
-    specs = stock_get_kv_cache_spec(runner)  # (token eviction alone: every head is full)
+        return _declare_pool_specs(runner, stock_specs, state, layers, index)
+    specs = stock_specs()  # (token eviction alone: every head is full)
     num_layers = state.served.shape.num_layers
     return tier_specs(specs, index, num_layers, state.config.num_tiers(num_layers))
 
@@ -238,7 +238,7 @@ class StreamingCacheLayer(torch.nn.Module, AttentionLayerBase):
         return self._spec
 
 
-def _declare_pool_specs(runner, stock_get_kv_cache_spec, state, layers, index) -> dict:
+def _declare_pool_specs(runner, stock_specs, state, layers, index) -> dict:
     """A head mask: each layer's full heads in its own spec (a layer without any shares its
     companion's cache, which gives it attention metadata), its streaming heads in a companion
     `StreamingCacheLayer` with a `SinkWindowSpec` (`sink_window.py`)."""
@@ -256,7 +256,7 @@ def _declare_pool_specs(runner, stock_get_kv_cache_spec, state, layers, index) -
         if not heads.paged_heads:
             layer.kv_sharing_target_layer_name = companion
         companions[name] = companion
-    specs = stock_get_kv_cache_spec(runner)
+    specs = stock_specs()
     for name, companion in companions.items():
         heads, base = state.heads[index[name]], layers[name]
         spec = SinkWindowSpec(block_size=state.block_size, num_kv_heads=heads.companion_heads,
@@ -276,9 +276,9 @@ def _declare_pool_specs(runner, stock_get_kv_cache_spec, state, layers, index) -
 
 
 def share_layer_specs(shared: dict, groups) -> None:
-    """After vLLM's `add_kv_sharing_layers_to_kv_cache_groups`: it adds the sharing layers'
-    names to the groups but not their per-layer spec entry; a layer sharing another's cache
-    shares its spec too."""
+    """Before vLLM's `add_kv_sharing_layers_to_kv_cache_groups` (KVEvictWorker): it adds the
+    sharing layers' names to the groups but not their per-layer spec entry; a layer sharing
+    another's cache shares its spec too."""
     from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
 
     for group in groups:

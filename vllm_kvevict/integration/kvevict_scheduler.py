@@ -8,18 +8,15 @@ replay and eviction chunks, and tells the stats connector a step's output is bac
 the MRO, theirs under `super()`); any other class is refused at start-up.
 
 The engine core is a spawned process that gets the config pickled, so the installed class is
-named by a string it can import: a composed class is rebuilt there from its name
-(`KVEvictScheduler_over_` + the user's class path, dots written as colons).
+named by a string it can import (`composition.py`).
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_kvevict.config import KVPolicyError
+from vllm_kvevict.integration.composition import install_over, resolve
 from vllm_kvevict.integration.scheduler import attach, ledger, reserve
 from vllm_kvevict.integration.stats_connector import on_step_output
 from vllm_kvevict.overrides import request_prompt_len
@@ -71,31 +68,9 @@ class KVEvictScheduler(Scheduler):
         return super().update_from_output(scheduler_output, model_runner_output)
 
 
-_OVER = "KVEvictScheduler_over_"
-
-
-def class_path(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def import_class(path: str):
-    module, _, name = path.rpartition(".")
-    return getattr(importlib.import_module(module), name)
-
-
-@functools.cache
-def composed(user_cls: type) -> type:
-    """Our scheduler over a user's Scheduler subclass: ours first in the MRO."""
-    name = _OVER + class_path(user_cls).replace(".", ":")
-    return type(name, (KVEvictScheduler, user_cls), {"__module__": __name__,
-                                                     "__qualname__": name})
-
-
 def __getattr__(name: str):
     """vLLM resolves `scheduler_cls` by name in the engine core: rebuild a composed class."""
-    if name.startswith(_OVER):
-        return composed(import_class(name[len(_OVER):].replace(":", ".")))
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return resolve(KVEvictScheduler, name)
 
 
 def install(vllm_config) -> None:
@@ -103,26 +78,10 @@ def install(vllm_config) -> None:
     AsyncScheduler with async scheduling), or over the user's `--scheduler-cls`. Raises
     KVPolicyError when the user's class is not a Scheduler subclass."""
     sched = vllm_config.scheduler_config
-    user = sched.scheduler_cls
     try:
-        base = sched.get_scheduler_cls()
+        chosen = sched.get_scheduler_cls()
     except (ImportError, AttributeError, ValueError) as exc:
-        raise KVPolicyError(f"--scheduler-cls {user}: cannot import it ({exc})") from None
-    if isinstance(base, type) and issubclass(base, KVEvictScheduler):
-        return  # installed already
-    if not (isinstance(base, type) and issubclass(base, Scheduler)):
-        raise KVPolicyError(
-            f"--scheduler-cls {user} is not a subclass of vLLM's Scheduler "
-            "(vllm.v1.core.sched.scheduler.Scheduler): vllm-kvevict's scheduler (admission, "
-            "token-eviction ledger, per-step kv_stats) can only be composed with one")
-    if base is Scheduler:
-        sched.scheduler_cls = class_path(KVEvictScheduler)
-        return
-    try:
-        importable = import_class(class_path(base)) is base
-    except (ImportError, AttributeError):
-        importable = False
-    if not importable:  # the engine core must import it by name
-        raise KVPolicyError(f"--scheduler-cls {user}: {class_path(base)} is not importable "
-                            "by that name")
-    sched.scheduler_cls = f"{__name__}.{composed(base).__name__}"
+        raise KVPolicyError(f"--scheduler-cls {sched.scheduler_cls}: cannot import it "
+                            f"({exc})") from None
+    sched.scheduler_cls = install_over(KVEvictScheduler, Scheduler, chosen,
+                                       f"--scheduler-cls {sched.scheduler_cls}")

@@ -38,23 +38,13 @@ WRAPS: tuple[Wrap, ...] = (
          "api server"),
     Wrap("vllm.engine.arg_utils:EngineArgs.create_engine_config",
          _I + "registration:create_engine_config", "api server"),
-    # KV-cache specs and the model runner (worker)
-    Wrap("vllm.v1.worker.gpu_model_runner:GPUModelRunner.get_kv_cache_spec",
-         _I + "worker:declare_kv_cache_specs", "worker"),
-    Wrap("vllm.v1.worker.gpu_model_runner:add_kv_sharing_layers_to_kv_cache_groups",
-         _I + "registration:share_layer_specs", "worker"),
-    Wrap("vllm.v1.worker.gpu_model_runner:GPUModelRunner.execute_model",
-         _I + "worker:on_execute_model", "worker"),
+    # the model runner (worker; the worker itself is a subclass, kvevict_worker.py)
     Wrap("vllm.v1.worker.gpu_model_runner:GPUModelRunner._model_forward",
          _I + "worker:forward_with_questions", "worker"),
-    Wrap("vllm.v1.worker.block_table:MultiGroupBlockTable.compute_slot_mapping",
-         _I + "worker:slot_mappings", "worker"),
     # KV-cache groups of streaming heads held in the pool (engine core; worker too)
     Wrap("vllm.v1.core.kv_cache_utils:get_kv_cache_groups", _I + "pool_groups:group_kv_cache",
          "engine core"),
-    # KV-cache manager (engine core; the scheduler is a subclass, kvevict_scheduler.py)
-    Wrap("vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots",
-         _I + "scheduler:allocate_slots", "engine core"),
+    # KV-cache managers, every group's (engine core; the scheduler is a subclass)
     Wrap("vllm.v1.core.single_type_kv_cache_manager:"
          "SingleTypeKVCacheManager.get_num_blocks_to_allocate",
          _I + "scheduler:blocks_to_allocate", "engine core"),
@@ -76,6 +66,17 @@ RELIED_ON = (
     "vllm.v1.core.sched.scheduler.Scheduler.schedule",
     "vllm.v1.core.sched.scheduler.Scheduler._reserve_prefill_lookahead",
     "vllm.v1.core.sched.scheduler.Scheduler.update_from_output",
+    # our worker class (kvevict_worker.py): installed through the engine config over vLLM's CPU
+    # worker; vLLM adds a cache-sharing layer to its target's group after
+    # initialize_from_config, reading the runner's shared_kv_cache_layers
+    "vllm.config.parallel.ParallelConfig.worker_cls",
+    "vllm.v1.worker.cpu_worker.CPUWorker",
+    "vllm.v1.worker.gpu_worker.Worker.get_kv_cache_spec",
+    "vllm.v1.worker.gpu_worker.Worker.initialize_from_config",
+    "vllm.v1.worker.gpu_worker.Worker.execute_model",
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner.maybe_add_kv_sharing_layers_to_kv_cache_groups",
+    # patched eviction's question slots, counted where vLLM counts speculative lookahead
+    "vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots",
     "vllm.v1.attention.backends.registry.register_backend(CPU_ATTN)",  # backend.py replaces it
     # per-tier KV-cache groups (kv_cache_specs.py)
     "vllm.v1.kv_cache_interface.FullAttentionSpec.merge",
@@ -112,6 +113,39 @@ RELIED_ON = (
     "vllm.v1.engine.async_llm.AsyncLLM.errored",
     "vllm.v1.engine.async_llm.AsyncLLM.dead_error",
     "vllm.v1.engine.async_llm.AsyncLLM.shutdown",
+)
+
+# vLLM objects changed, or read by a private name, outside WRAPS: (file, attribute, why).
+# tests/test_layout.py finds every attribute set on an object that is not ours and every read
+# of a private attribute we do not define, in integration/, and fails on one missing here (or
+# listed here and gone).
+TOUCHED = (
+    ("backend.py", "common", "the step's common metadata on vLLM's metadata object, for the "
+                             "per-step plan (streaming heads, token eviction)"),
+    ("backend.py", "_k_scale_float", "the layer's fp8 K scale, as vLLM's CPU kernel reads it"),
+    ("backend.py", "_v_scale_float", "the layer's fp8 V scale"),
+    ("paged_layout.py", "_k_scale_float", "the same scale, reading fp8 K back from the cache"),
+    ("paged_layout.py", "_v_scale_float", "the same, V"),
+    ("cli.py", "_actions", "argparse's: add the --kv-* group once"),
+    ("cli.py", "additional_config", "the --kv-* flags folded into EngineArgs' JSON form"),
+    ("kv_transfer.py", "kv_transfer_config", "our stats connector, alone or beside the "
+                                             "user's, before vLLM builds the config"),
+    ("kvevict_scheduler.py", "scheduler_cls", "our Scheduler subclass, vLLM's extension point"),
+    ("kvevict_scheduler.py", "skip_reading_prefix_cache",
+     "a teacher-forced tail must not be served from the prefix cache"),
+    ("kvevict_worker.py", "worker_cls", "our CPUWorker subclass, vLLM's extension point"),
+    ("kv_cache_specs.py", "kv_sharing_target_layer_name",
+     "a layer without full heads shares its companion's cache"),
+    ("registration.py", "_registry", "KVConnectorFactory's: register our connector once"),
+    ("seeded_sampling.py", "generator", "a seeded request's generator made rewindable"),
+    ("sink_window.py", "_null_block", "vLLM's null block, for dropped window positions"),
+    ("sink_window.py", "_ensure_registered", "vLLM's built-in specs registered before ours"),
+    ("sink_window.py", "_partial_hit_reqs", "SlidingWindowManager's partial prefix hits, as "
+                                            "its own get_num_blocks_to_allocate reads them"),
+    ("sink_window.py", "_record_new_block_ids", "the manager's block-zeroing switch, as its "
+                                                "own allocate_new_blocks reads it"),
+    ("stats_connector.py", "_kv_cache_manager", "the connector's KV-cache manager, for pool "
+                                                "snapshots"),
 )
 
 PATCHED = tuple(w.target.replace(":", ".") for w in WRAPS)
@@ -235,20 +269,16 @@ def _apply(wrap: Wrap) -> None:
 def create_engine_config(engine_args, stock_create, *args, **kwargs):
     """`EngineArgs.create_engine_config`: our stats connector in the engine's KV-transfer
     config (unless the user chose one), then vLLM's config, then validation against the model
-    (which builds this process's served policy), then our scheduler class in the config."""
-    from vllm_kvevict.integration import api_server, kv_transfer, kvevict_scheduler, validation
+    (which builds this process's served policy), then our scheduler and worker classes in
+    the config."""
+    from vllm_kvevict.integration import (api_server, kv_transfer, kvevict_scheduler,
+                                          kvevict_worker, validation)
 
     kv_transfer.inject_config(engine_args)
     requested = engine_args.enable_prefix_caching  # None unless the user set it
     vllm_config = stock_create(engine_args, *args, **kwargs)
     validation.validate_against_model(vllm_config, prefix_caching_requested=requested)
     validation.refusing(kvevict_scheduler.install, vllm_config)
+    validation.refusing(kvevict_worker.install, vllm_config)
     api_server.remember_config(vllm_config)
     return vllm_config
-
-
-def share_layer_specs(stock_share, shared, groups, *args, **kwargs):
-    from vllm_kvevict.integration.kv_cache_specs import share_layer_specs as fill_specs
-
-    stock_share(shared, groups, *args, **kwargs)
-    fill_specs(shared, groups)

@@ -15,7 +15,6 @@ import logging
 
 from vllm_kvevict.integration.admission import GrowthReserve
 from vllm_kvevict.integration.token_ledger import TokenEvictionLedger
-from vllm_kvevict.overrides import request_prompt_len
 from vllm_kvevict.served import served_policy
 
 logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
@@ -86,7 +85,8 @@ def blocks_to_allocate(manager, stock_count, *args, **kwargs):
         # and it reserves the running requests' growth too, which that cap would cut off
         arguments["apply_admission_cap"] = False
     elif book is not None:
-        num_tokens = book.physical(request_id, num_tokens, group)
+        num_tokens = book.slots_needed(request_id, num_tokens,
+                                       arguments.get("num_tokens_main_model", num_tokens), group)
     else:
         return stock_count(manager, *args, **kwargs)
     arguments["num_tokens"] = num_tokens
@@ -101,22 +101,7 @@ def allocate_new_blocks(manager, stock_allocate, request_id, num_tokens, num_tok
     book = ledger()
     if book is not None:
         group = manager.kv_cache_group_id
-        num_tokens = book.physical(request_id, num_tokens, group)
+        num_tokens = book.slots_needed(request_id, num_tokens, num_tokens_main_model, group)
         num_tokens_main_model = book.physical(request_id, num_tokens_main_model, group)
     return stock_allocate(manager, request_id, num_tokens, num_tokens_main_model, *args,
                           **kwargs)
-
-
-def allocate_slots(kv_cache_manager, stock_allocate_slots, request, num_new_tokens, *args,
-                   **kwargs):
-    """`KVCacheManager.allocate_slots`. Patched eviction: a non-final prefill chunk also writes
-    its question's k KVs right after the chunk; reserve those slots (the mechanism speculative
-    decoding uses)."""
-    book = ledger()
-    policy = None if book is None else book.request_policy(request)
-    if policy is not None and policy.config.patched:
-        n, end = request_prompt_len(request), request.num_computed_tokens + num_new_tokens
-        if end < n and policy.config.is_eviction_point(end, n):
-            extra = policy.config.question_rows(n)
-            kwargs["num_lookahead_tokens"] = kwargs.get("num_lookahead_tokens", 0) + extra
-    return stock_allocate_slots(kv_cache_manager, request, num_new_tokens, *args, **kwargs)

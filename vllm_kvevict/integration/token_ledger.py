@@ -48,6 +48,21 @@ class TokenEvictionLedger(GrowthReserve):
         evicted = self.allocation_evicted.get(req_id)
         return num_tokens - (evicted[group] if evicted else 0)
 
+    def slots_needed(self, req_id: str, num_tokens: int, step_end: int, group: int) -> int:
+        """A group's physical slots for an allocation of `num_tokens` logical ones (vLLM's
+        count: the step's tokens up to `step_end`, plus speculative lookahead). Patched
+        eviction: a non-final prefill chunk also writes its question's KVs right after the
+        chunk (what speculative decoding's lookahead slots are for, so counted the same way)."""
+        request = None if self.scheduler is None else self.scheduler.requests.get(req_id)
+        if request is not None:
+            policy = self.request_policy(request)
+            n = request_prompt_len(request)
+            if (policy.config.patched and step_end < n
+                    and policy.config.is_eviction_point(step_end, n)):
+                num_tokens = min(num_tokens + policy.config.question_rows(n),
+                                 self.scheduler.max_model_len)
+        return self.physical(req_id, num_tokens, group)
+
     def peak_tokens(self, request, num_tokens: int) -> list[int]:
         """Per group, the peak slots a request of `num_tokens` tokens needs (`peak_slots`); a
         streaming-heads group of pool storage (a head mask with a token policy) holds at most

@@ -1,7 +1,7 @@
 """Worker side (GPUModelRunner): the policy's per-process state (the served policy, per-layer
 head splits, the token-eviction ledgers, the current step's plan) and the
-model-runner hooks that keep it in step with vLLM (registration.py wraps vLLM's methods with
-`on_execute_model`, `forward_with_questions` and `slot_mappings`)."""
+model-runner hook `forward_with_questions` (a row of registration.py); our worker class,
+`kvevict_worker.py`, builds the state and keeps it in step with vLLM."""
 
 from __future__ import annotations
 
@@ -11,9 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_kvevict.config import KVPolicyConfig
-from vllm_kvevict.integration import seeded_sampling
-from vllm_kvevict.integration.kv_cache_specs import (LayerHeads, declare_specs, layer_groups,
-                                                     layer_heads)
+from vllm_kvevict.integration.kv_cache_specs import LayerHeads, layer_groups, layer_heads
 from vllm_kvevict.integration.sink_window import canonical_chunk
 from vllm_kvevict.integration.step_plan import StepPlan, build_step_plan
 from vllm_kvevict.integration.token_eviction_worker import TokenEvictionWorker, TokenStepPlan
@@ -55,6 +53,14 @@ class WorkerState:
         return self.config.uses_head_mask
 
     # -- requests ------------------------------------------------------------------------
+    def begin_step(self, runner, scheduler_output) -> None:
+        """Before vLLM's step (`KVEvictWorker.execute_model`): finished and preempted requests
+        release their state."""
+        self.runner = runner
+        self.step += 1
+        self.release(scheduler_output.finished_req_ids)
+        self.release(getattr(scheduler_output, "preempted_req_ids", None))
+
     def release(self, req_ids) -> None:
         if self.token is not None:
             self.token.release(req_ids)
@@ -190,33 +196,7 @@ def init_state(vllm_config) -> WorkerState | None:
     return _state
 
 
-# -- model-runner hooks ------------------------------------------------------------------------
-
-def declare_kv_cache_specs(runner, stock_get_kv_cache_spec):
-    """`GPUModelRunner.get_kv_cache_spec` (see `kv_cache_specs.declare_specs`)."""
-    state = init_state(runner.vllm_config)
-    if state is None:
-        return stock_get_kv_cache_spec(runner)
-    state.runner = runner
-    return declare_specs(runner, stock_get_kv_cache_spec, state)
-
-
-def on_execute_model(runner, stock_execute, scheduler_output, *args, **kwargs):
-    """`GPUModelRunner.execute_model`: finished and preempted requests release their state
-    before the step, token evictions are booked after it; seeded requests' CPU generators
-    are made rewindable before the step samples (`seeded_sampling.py`)."""
-    state = get_state()
-    if state is not None:
-        state.runner = runner
-        state.step += 1
-        state.release(scheduler_output.finished_req_ids)
-        state.release(getattr(scheduler_output, "preempted_req_ids", None))
-    output = stock_execute(runner, scheduler_output, *args, **kwargs)
-    seeded_sampling.prepare(runner)  # any policy: stock vLLM's CPU worker needs it too
-    if state is not None:
-        state.finish_step()
-    return output
-
+# -- model-runner hook (registration.py: vLLM's CPU worker builds its runner inline) ---------
 
 def forward_with_questions(runner, stock_forward, input_ids=None, positions=None, *args,
                            **kwargs):
@@ -232,16 +212,3 @@ def forward_with_questions(runner, stock_forward, input_ids=None, positions=None
     positions = torch.cat([positions, plan.question_positions.to(positions.dtype)])
     out = stock_forward(runner, input_ids, positions, *args, **kwargs)
     return out[: plan.question_offset] if isinstance(out, torch.Tensor) else out
-
-
-def slot_mappings(block_tables, stock_compute, num_reqs, query_start_loc, positions):
-    """`MultiGroupBlockTable.compute_slot_mapping`. Token eviction writes each layer's KV at its
-    own physical slots (the step plan) and never reads vLLM's logical slot mappings; with one
-    KV-cache group per tier, computing them costs one OpenMP kernel call per group and step.
-    Group 0's is kept; with the streaming heads in the pool every group's (their companions
-    write through theirs)."""
-    state = get_state()
-    if state is None or state.token is None or state.in_pool \
-            or len(block_tables.block_tables) == 1:
-        return stock_compute(block_tables, num_reqs, query_start_loc, positions)
-    block_tables.block_tables[0].compute_slot_mapping(num_reqs, query_start_loc, positions)

@@ -1,0 +1,71 @@
+"""vLLM's CPU worker with the plugin's worker side, installed as vLLM's worker class
+(`parallel_config.worker_cls`) when the engine config is created; a user's `--worker-cls`
+that subclasses vLLM's CPUWorker is composed with it, any other class refused at start-up
+(`composition.py`).
+
+`KVEvictWorker` builds this process's policy state once, from the config vLLM hands it
+(`worker.init_state`), and keeps it in step with vLLM: the KV-cache specs it declares, the
+shared-cache layers' specs, and, around every step, releasing finished requests, making seeded
+requests' generators rewindable and booking token evictions.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+from vllm_kvevict.integration import seeded_sampling
+from vllm_kvevict.integration.composition import install_over, resolve
+from vllm_kvevict.integration.kv_cache_specs import declare_specs, share_layer_specs
+from vllm_kvevict.integration.worker import init_state
+
+
+class KVEvictWorker(CPUWorker):
+    kv_state = None  # this process's WorkerState; None for `full` (stock vLLM runs)
+
+    def get_kv_cache_spec(self):
+        """Our specs (`kv_cache_specs.declare_specs`): a head mask's streaming heads in their
+        companions' groups, token eviction's tiers. The state is built here, the first thing
+        vLLM asks after the distributed set-up (a tensor-parallel rank's heads need it)."""
+        self.kv_state = init_state(self.vllm_config)
+        if self.kv_state is None:
+            return super().get_kv_cache_spec()
+        self.kv_state.runner = self.model_runner
+        return declare_specs(self.model_runner, super().get_kv_cache_spec, self.kv_state)
+
+    def initialize_from_config(self, kv_cache_config) -> None:
+        """vLLM adds a layer that shares another's cache to that layer's group but gives it no
+        per-layer spec (a head-mask layer without full heads shares its companion's cache):
+        give it its target's."""
+        shared = getattr(self.model_runner, "shared_kv_cache_layers", None)
+        if self.kv_state is not None and shared:
+            kv_cache_config = copy.deepcopy(kv_cache_config)  # the engine core's is not ours
+            share_layer_specs(shared, kv_cache_config.kv_cache_groups)
+        super().initialize_from_config(kv_cache_config)
+
+    def execute_model(self, scheduler_output):
+        """Finished and preempted requests release their state before the step, token
+        evictions are booked after it; seeded requests' CPU generators are made rewindable
+        before the step samples (`seeded_sampling.py`)."""
+        state = self.kv_state
+        if state is not None:
+            state.begin_step(self.model_runner, scheduler_output)
+        output = super().execute_model(scheduler_output)
+        seeded_sampling.prepare(self.model_runner)  # any policy: stock vLLM's CPU worker too
+        if state is not None:
+            state.finish_step()
+        return output
+
+
+def __getattr__(name: str):
+    """vLLM resolves `worker_cls` by name in each worker process: rebuild a composed class."""
+    return resolve(KVEvictWorker, name)
+
+
+def install(vllm_config) -> None:
+    """Make vLLM build our worker: over CPUWorker, or over the user's `--worker-cls`. Raises
+    KVPolicyError when the user's class is not a CPUWorker subclass."""
+    parallel = vllm_config.parallel_config
+    parallel.worker_cls = install_over(KVEvictWorker, CPUWorker, parallel.worker_cls,
+                                       f"--worker-cls {parallel.worker_cls}")
