@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from vllm_kvevict.config import KVPolicyConfig
-from vllm_kvevict.integration.step_plan import build_step_plan, lay_out_rows
-from vllm_kvevict.integration.token_eviction_worker import TokenEvictionWorker
-from vllm_kvevict.integration.token_ledger import TokenEvictionLedger
+from vllm_kvevict.integration.streaming.step_plan import build_step_plan, lay_out_rows
+from vllm_kvevict.integration.token_eviction.token_eviction_worker import TokenEvictionWorker
+from vllm_kvevict.integration.token_eviction.token_ledger import TokenEvictionLedger
 from vllm_kvevict.ledger import (LayerGroups, allocation_eviction, chunk_kept_per_layer,
                                  eviction_chunk_len, group_evictions)
 from vllm_kvevict.policies import build_policy

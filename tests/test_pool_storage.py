@@ -1,4 +1,4 @@
-"""Streaming heads in vLLM's own block pool (`integration/sink_window.py`) against the independent reference oracle, on the bundled model.
+"""Streaming heads in vLLM's own block pool (`integration/streaming/sink_window.py`) against the independent reference oracle, on the bundled model.
 
 One server, 32-token blocks so the sink + window manager frees many blocks mid-prompt: prompts
 alone and four at once (vLLM splits the token budget between them, so its steps are irregular,

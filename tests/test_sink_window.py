@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from vllm_kvevict.config import KVPolicyConfig, KVPolicyError
-from vllm_kvevict.integration.pool_groups import _first_fit, _pack, plan_widths
-from vllm_kvevict.integration.sink_window import SinkWindowManager, SinkWindowSpec, register_manager
+from vllm_kvevict.integration.streaming.pool_groups import _first_fit, _pack, plan_widths
+from vllm_kvevict.integration.streaming.sink_window import SinkWindowManager, SinkWindowSpec, register_manager
 
 
 def _manager(sink: int, window: int, block: int = 16, blocks: int = 64, chunk: int = 0,
@@ -320,7 +320,7 @@ def test_canonical_chunks_split_a_step_that_crosses_one():
     its queries in [20, 32) belong to chunk [16, 32) and see the sink, [8, 16) and the chunk so
     far ([16, 20) from the pool, the rest from the step); those in [32, 40) see the sink and
     [24, 32), all from the step. A decode step keeps its own window."""
-    from vllm_kvevict.integration.step_plan import build_step_plan
+    from vllm_kvevict.integration.streaming.step_plan import build_step_plan
 
     plan = build_step_plan([20, 100], [20, 1], sink=4, window=8, block_size=32,
                            prompt_lens=[100, 100], chunk=16)
@@ -431,7 +431,7 @@ def test_token_ledger_sees_streaming_groups_as_evicting_nothing():
     from types import SimpleNamespace
 
     from vllm_kvevict.integration.kv_cache_specs import layer_groups
-    from vllm_kvevict.integration.sink_window import COMPANION_SUFFIX
+    from vllm_kvevict.integration.streaming.sink_window import COMPANION_SUFFIX
     from vllm_kvevict.ledger import LayerGroups, group_evictions_of
 
     name = lambda i: f"model.layers.{i}.self_attn.attn"  # noqa: E731

@@ -86,7 +86,7 @@ class KVPolicyConfig:
     @property
     def caches_prefixes(self) -> bool:
         """Prefix caching served exactly: head masks without token eviction (the streaming
-        heads' sink + window state is in cached pool blocks, integration/sink_window.py;
+        heads' sink + window state is in cached pool blocks, integration/streaming/sink_window.py;
         chunks are canonical)."""
         return self.uses_head_mask and not self.evicts_tokens
 

@@ -23,8 +23,8 @@ Logical positions (RoPE of new tokens) are vLLM's own and never change. Within a
 layers share the block row sized for the group's largest layer, each using its own physical
 length.
 
-No vLLM import: the maths both sides share (`integration/token_ledger.py` on the scheduler side,
-`integration/token_eviction_worker.py` on the worker side), unit-tested in
+No vLLM import: the maths both sides share (`integration/token_eviction/token_ledger.py` on the scheduler side,
+`integration/token_eviction/token_eviction_worker.py` on the worker side), unit-tested in
 tests/test_eviction_bookkeeping.py.
 """
 

@@ -1,6 +1,6 @@
 """Per-request KV accounting behind `kv_stats` (no vLLM import: unit-testable without a server).
 
-The scheduler-side stats connector (`integration/stats_connector.py`) calls
+The scheduler-side stats connector (`integration/kv_stats/stats_connector.py`) calls
 `RequestRecord.on_step` once per engine step in which the request is scheduled, with what vLLM
 really did that step: tokens already computed, tokens scheduled, and the ids of the KV blocks
 the request holds in every KV-cache group (read from the KV manager after this step's

@@ -23,7 +23,7 @@ they were decoded. Eviction and streaming heads then see what they saw the first
 
 from __future__ import annotations
 
-from vllm_kvevict.integration.sink_window import SinkWindowManager
+from vllm_kvevict.integration.streaming.sink_window import SinkWindowManager
 
 
 class GrowthReserve:

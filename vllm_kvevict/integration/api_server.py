@@ -66,7 +66,7 @@ def remember_config(vllm_config) -> None:
 
 
 def server_context(model_config=None) -> ServerContext:
-    from vllm_kvevict.integration.kv_transfer import stats_status
+    from vllm_kvevict.integration.kv_stats.kv_transfer import stats_status
     from vllm_kvevict.served import served_policy, serving
 
     if _vllm_config is None:

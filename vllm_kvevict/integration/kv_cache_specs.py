@@ -177,7 +177,7 @@ def layer_groups(kv_cache_config, num_layers: int) -> LayerGroups:
     heads' group only, a layer without full heads (sharing its companion's cache) in none."""
     from vllm.model_executor.models.utils import extract_layer_index
 
-    from vllm_kvevict.integration.sink_window import COMPANION_SUFFIX
+    from vllm_kvevict.integration.streaming.sink_window import COMPANION_SUFFIX
 
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     streaming = {g for g, group in enumerate(groups)
@@ -242,7 +242,7 @@ def _declare_pool_specs(runner, stock_specs, state, layers, index) -> dict:
     """A head mask: each layer's full heads in its own spec (a layer without any shares its
     companion's cache, which gives it attention metadata), its streaming heads in a companion
     `StreamingCacheLayer` with a `SinkWindowSpec` (`sink_window.py`)."""
-    from vllm_kvevict.integration.sink_window import (COMPANION_SUFFIX, PromptFullSpec,
+    from vllm_kvevict.integration.streaming.sink_window import (COMPANION_SUFFIX, PromptFullSpec,
                                                       SinkWindowSpec, prefix_retention)
 
     context = runner.vllm_config.compilation_config.static_forward_context

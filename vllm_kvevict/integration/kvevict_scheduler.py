@@ -18,7 +18,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm_kvevict.config import KVPolicyError
 from vllm_kvevict.integration.composition import install_over, resolve
 from vllm_kvevict.integration.scheduler import attach, ledger, reserve
-from vllm_kvevict.integration.stats_connector import on_step_output
+from vllm_kvevict.integration.kv_stats.stats_connector import on_step_output
 from vllm_kvevict.overrides import request_prompt_len
 
 

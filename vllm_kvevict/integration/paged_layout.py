@@ -21,8 +21,8 @@ from vllm import _custom_ops as ops
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from vllm_kvevict.integration.fp8 import grid_values, is_fp8
-from vllm_kvevict.integration.sink_window import COMPANION_SUFFIX
-from vllm_kvevict.integration.step_plan import lay_out_visible
+from vllm_kvevict.integration.streaming.sink_window import COMPANION_SUFFIX
+from vllm_kvevict.integration.streaming.step_plan import lay_out_visible
 
 
 # Index digits written per probe pass: small integers, exact in the model's float dtypes (base

@@ -42,7 +42,7 @@ WRAPS: tuple[Wrap, ...] = (
     Wrap("vllm.v1.worker.gpu_model_runner:GPUModelRunner._model_forward",
          _I + "worker:forward_with_questions", "worker"),
     # KV-cache groups of streaming heads held in the pool (engine core; worker too)
-    Wrap("vllm.v1.core.kv_cache_utils:get_kv_cache_groups", _I + "pool_groups:group_kv_cache",
+    Wrap("vllm.v1.core.kv_cache_utils:get_kv_cache_groups", _I + "streaming.pool_groups:group_kv_cache",
          "engine core"),
     # KV-cache managers, every group's (engine core; the scheduler is a subclass)
     Wrap("vllm.v1.core.single_type_kv_cache_manager:"
@@ -210,9 +210,9 @@ def register() -> None:
     # server's stat loggers (MultiConnector.build_kv_connector_stats looks children up by name).
     if "KVEvictStatsConnector" not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(
-            "KVEvictStatsConnector", "vllm_kvevict.integration.stats_connector",
+            "KVEvictStatsConnector", "vllm_kvevict.integration.kv_stats.stats_connector",
             "KVEvictStatsConnector")
-    from vllm_kvevict.integration.sink_window import register_manager
+    from vllm_kvevict.integration.streaming.sink_window import register_manager
 
     register_manager()  # our sink + window spec -> manager (vLLM's spec registry)
     import sys
@@ -271,8 +271,8 @@ def create_engine_config(engine_args, stock_create, *args, **kwargs):
     config (unless the user chose one), then vLLM's config, then validation against the model
     (which builds this process's served policy), then our scheduler and worker classes in
     the config."""
-    from vllm_kvevict.integration import (api_server, kv_transfer, kvevict_scheduler,
-                                          kvevict_worker, validation)
+    from vllm_kvevict.integration import api_server, kvevict_scheduler, kvevict_worker, validation
+    from vllm_kvevict.integration.kv_stats import kv_transfer
 
     kv_transfer.inject_config(engine_args)
     requested = engine_args.enable_prefix_caching  # None unless the user set it

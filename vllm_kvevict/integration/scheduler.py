@@ -14,7 +14,7 @@ import inspect
 import logging
 
 from vllm_kvevict.integration.admission import GrowthReserve
-from vllm_kvevict.integration.token_ledger import TokenEvictionLedger
+from vllm_kvevict.integration.token_eviction.token_ledger import TokenEvictionLedger
 from vllm_kvevict.served import served_policy
 
 logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
@@ -35,7 +35,7 @@ def attach(scheduler) -> None:
     policies, the ledger for token-eviction ones (`full` stays stock vLLM)."""
     global _reserve
     from vllm_kvevict.integration.kv_cache_specs import layer_groups
-    from vllm_kvevict.integration.sink_window import canonical_chunk
+    from vllm_kvevict.integration.streaming.sink_window import canonical_chunk
 
     served = served_policy(scheduler.vllm_config)
     cfg = served.config

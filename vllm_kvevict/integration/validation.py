@@ -37,7 +37,7 @@ def validate_against_model(vllm_config, prefix_caching_requested: bool | None = 
         parallel = getattr(vllm_config, "parallel_config", None)
         sizes = {field: getattr(parallel, field, 1) for field, _ in PARALLEL_FLAGS}
         cache_dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto")
-        from vllm_kvevict.integration.kv_transfer import user_connectors
+        from vllm_kvevict.integration.kv_stats.kv_transfer import user_connectors
 
         users = user_connectors(getattr(vllm_config, "kv_transfer_config", None))
         method = getattr(getattr(vllm_config, "speculative_config", None), "method", None)

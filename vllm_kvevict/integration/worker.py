@@ -12,9 +12,9 @@ import torch
 
 from vllm_kvevict.config import KVPolicyConfig
 from vllm_kvevict.integration.kv_cache_specs import LayerHeads, layer_groups, layer_heads
-from vllm_kvevict.integration.sink_window import canonical_chunk
-from vllm_kvevict.integration.step_plan import StepPlan, build_step_plan
-from vllm_kvevict.integration.token_eviction_worker import TokenEvictionWorker, TokenStepPlan
+from vllm_kvevict.integration.streaming.sink_window import canonical_chunk
+from vllm_kvevict.integration.streaming.step_plan import StepPlan, build_step_plan
+from vllm_kvevict.integration.token_eviction.token_eviction_worker import TokenEvictionWorker, TokenStepPlan
 from vllm_kvevict.overrides import policy_prompt_len
 from vllm_kvevict.policies import KVPolicy
 from vllm_kvevict.served import ServedPolicy, served_policy

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from vllm_kvevict.integration.sink_window import COMPANION_SUFFIX, register_manager
+from vllm_kvevict.integration.streaming.sink_window import COMPANION_SUFFIX, register_manager
 
 logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
 

@@ -11,7 +11,7 @@ import os
 logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
 
 CONNECTOR_CLASS = "KVEvictStatsConnector"
-CONNECTOR_MODULE = "vllm_kvevict.integration.stats_connector"
+CONNECTOR_MODULE = "vllm_kvevict.integration.kv_stats.stats_connector"
 ENV_DISABLE = "VLLM_KVEVICT_STATS"  # "0" turns the stats connector off
 
 

@@ -18,7 +18,7 @@ transfers nothing: its worker-side methods are no-ops, and its scheduler side on
   with the engine's finish reason;
   (the accounting itself: `RequestStatsTracker` in `request_stats.py`)
 - `get_kv_connector_stats` (vLLM calls it after every step and ships the result with its
-  scheduler stats to the API server, where `integration/stat_logger.py` receives it): pool
+  scheduler stats to the API server, where `integration/kv_stats/stat_logger.py` receives it): pool
   snapshots for the live view (blocks held per KV-cache group, every running request's bytes
   against full attention's; at most every 0.25 s and whenever a request ended), and a copy of
   every finished request's kv_stats: the only way out for an aborted request (client cancel,
@@ -41,8 +41,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole, SupportsHMA)
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from vllm_kvevict.integration.connector_stats import KVEvictConnectorStats, NoPromMetrics
-from vllm_kvevict.integration.request_stats import RequestStatsTracker
+from vllm_kvevict.integration.kv_stats.connector_stats import KVEvictConnectorStats, NoPromMetrics
+from vllm_kvevict.integration.kv_stats.request_stats import RequestStatsTracker
 from vllm_kvevict.served import served_policy
 from vllm_kvevict.stats import STATS_KEY
 

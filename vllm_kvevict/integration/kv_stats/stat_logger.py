@@ -15,7 +15,7 @@ import logging
 
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-from vllm_kvevict.integration.connector_stats import our_payload
+from vllm_kvevict.integration.kv_stats.connector_stats import our_payload
 
 logger = logging.getLogger("vllm.kvevict")
 
