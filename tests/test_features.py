@@ -115,6 +115,7 @@ def test_lora_refused_with_patched_eviction(name):
     assert "--kv-token-policy" in lora_error(naive_hybrid, True)
 
 
+@pytest.mark.served_release
 @pytest.mark.parametrize("argv, line", [
     (["--kv-policy", "snapkv", "--kv-eviction-chunk", "256", "--kv-cache-dtype", "fp8"],
      "--kv-cache-dtype fp8 is not supported with --kv-eviction-chunk; valid with "
@@ -170,6 +171,7 @@ def test_model_error(config, needle):
         assert "supported: LlamaForCausalLM" in error
 
 
+@pytest.mark.served_release
 def test_vllm_serve_refuses_a_sliding_window_model(bundled_model_dir, tmp_path):
     """A Mistral whose layers use a 4096-token window: refused before any weight loads (the
     directory has a config and a tokenizer only)."""
@@ -195,6 +197,7 @@ def test_vllm_serve_refuses_a_sliding_window_model(bundled_model_dir, tmp_path):
                            "tokens"), proc.stderr[-3000:]
 
 
+@pytest.mark.served_release
 def test_v2_model_runner_refused(bundled_model_dir):
     """On vLLM 0.32 CPU, VLLM_USE_V2_MODEL_RUNNER=1 makes CPUWorker build the V2 runner, which
     none of the worker hooks reach: refused with one line, never served without them. (Here

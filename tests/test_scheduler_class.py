@@ -76,6 +76,7 @@ def test_a_scheduler_of_another_kind_is_refused():
         installed(scheduler_cls="nowhere.Nothing")
 
 
+@pytest.mark.served_release
 def test_vllm_serve_refuses_it_with_one_line(bundled_model_dir):
     vllm = Path(sys.executable).parent / "vllm"
     proc = subprocess.run([str(vllm), "serve", str(bundled_model_dir), "--kv-policy", "prulong",

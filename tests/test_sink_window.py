@@ -269,6 +269,7 @@ def test_pack_is_optimal_on_small_cases_where_first_fit_is_not():
     assert first_fit_worse > 0  # the cases exercise the exact search
 
 
+@pytest.mark.served_release
 def test_gather_reads_any_slots_back_exactly():
     """The read-back behind pool storage: K/V written through vLLM's own reshape-and-cache at
     scattered slots of a block-outer (strided) cache come back exactly."""
@@ -337,6 +338,7 @@ def test_canonical_chunks_split_a_step_that_crosses_one():
     assert pos[20:] == [0, 1, 2, 3, *range(92, 100)] and lens[2] == 4 + 8 + 1
 
 
+@pytest.mark.served_release
 def test_vllm_cpu_kernel_reads_a_block_outer_cache_exactly():
     """Pool storage declares vLLM's block-outer layout (BLHNC): a layer's blocks are strided by
     the whole block (every layer's pages), not by its own page. vLLM's CPU reshape-and-cache

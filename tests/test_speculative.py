@@ -181,6 +181,7 @@ def test_speculative_methods_refused_or_served():
                                                                           method)
 
 
+@pytest.mark.served_release
 def test_vllm_serve_refuses_draft_model_before_loading(bundled_model_dir):
     """The bundled model drafting for itself: its layers would run through our attention
     backend with the target's head mask, so the server stops with one line."""

