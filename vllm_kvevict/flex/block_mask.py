@@ -96,10 +96,15 @@ def _pages_per_query_block(pages: torch.Tensor, live: torch.Tensor, q_block: int
 
 
 def head_mask_block_mask(q: PagedQueries, streaming: torch.Tensor, sink: int, window: int,
-                         q_block: int = 16) -> BlockMask:
+                         q_block: int = 16, token_capacity: int = 0,
+                         row_capacity: int = 0) -> BlockMask:
     """The BlockMask of one layer: `streaming` bool [Hq] per query head (a GQA group's query
     heads follow their KV head; all False: full causal attention), blocks of `q_block` queries
-    by `page_size` keys. Block lists per head class (full, streaming); the mask_mod is exact."""
+    by `page_size` keys. Block lists per head class (full, streaming); the mask_mod is exact.
+    The tables the mask_mod reads are padded to `token_capacity` tokens and `row_capacity`
+    rows (a step's largest), so that their shapes do not change from step to step: compiled
+    flex_attention then compiles once (torch 2.13's CPU template fails to build kernels with
+    dynamic shapes)."""
     device = q.doc.device
     page = q.page_size
     num_logical = int(-(-int(q.seq_lens.max()) // page)) if q.seq_lens.numel() else 1
@@ -126,17 +131,19 @@ def head_mask_block_mask(q: PagedQueries, streaming: torch.Tensor, sink: int, wi
     kv_indices = ids[head_class][None]                                            # [1, H, G, K]
 
     # physical page -> logical page of each row (-1: not the row's)
-    to_logical = torch.full((table.shape[0], q.num_pages), -1, dtype=torch.long, device=device)
+    num_rows = max(table.shape[0], row_capacity)
+    to_logical = torch.full((num_rows, q.num_pages), -1, dtype=torch.long, device=device)
     logical = torch.arange(num_logical, device=device).expand_as(table)
     owned = logical < row_pages[:, None]
     rows = torch.arange(table.shape[0], device=device)[:, None].expand_as(table)
     to_logical[rows[owned], table[owned]] = logical[owned]
     t = q.num_tokens
-    pad = -t % q_block  # the kernel evaluates whole query blocks: pad the per-token tables
+    # the kernel evaluates whole query blocks: pad the per-token tables
+    pad = max(t + (-t % q_block), token_capacity) - t
     doc = torch.nn.functional.pad(q.doc, (0, pad))
     position = torch.nn.functional.pad(q.position, (0, pad), value=-1)
     start = torch.nn.functional.pad(q.chunk_start, (0, pad))
-    seq_lens = q.seq_lens.long()
+    seq_lens = torch.nn.functional.pad(q.seq_lens.long(), (0, num_rows - table.shape[0]))
     lo = start - window
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -150,7 +157,11 @@ def head_mask_block_mask(q: PagedQueries, streaming: torch.Tensor, sink: int, wi
     kwargs = {}
     if "compute_q_blocks" in BlockMask.from_kv_blocks.__code__.co_varnames:
         kwargs["compute_q_blocks"] = False  # inference only: no backward pass
-    return BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=(q_block, page),
+    # no block is marked fully visible (every one runs the mask_mod), but the lists are given:
+    # torch 2.13's CPU template refers to them in its short-query (decode) kernel even when
+    # absent, and fails to compile
+    return BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, torch.zeros_like(kv_num_blocks),
+                                    torch.zeros_like(kv_indices), BLOCK_SIZE=(q_block, page),
                                     mask_mod=mask_mod,
                                     seq_lengths=(t, q.num_pages * page), **kwargs)
 

@@ -30,6 +30,11 @@ PAGE = 16
 NUM_KV_HEADS, QUERIES_PER_KV, HEAD_DIM, NUM_LAYERS = 3, 3, 64, 4
 # (computed before the step, tokens in the step, prompt length)
 MIXED_ROWS = ((512, 188, 700), (900, 1, 600), (0, 256, 1000), (0, 330, 300))
+# (rows, canonical chunk): decodes alone (torch's short-query kernel), the mixed batch, and a
+# step [100, 300) split by canonical chunks of 128 beside a one-token prompt
+SCENARIOS = ((((900, 1, 1000), (40, 1, 30)), None), (MIXED_ROWS, None),
+             (((100, 200, 700), (0, 1, 1)), 128))
+TOKEN_CAPACITY, ROW_CAPACITY = 2048, 8  # the mask tables' fixed shapes (block_mask.py)
 POLICIES = {  # name -> (policy config, head sparsity)
     "full": {"policy": "full"},
     "streaming": {"policy": "streaming"},
@@ -45,7 +50,7 @@ def attention_fn(eager: bool):
     if eager:
         return flex_attention
     if _compiled is None:
-        _compiled = torch.compile(flex_attention, fullgraph=True, dynamic=False)
+        _compiled = torch.compile(flex_attention, fullgraph=True)  # as vLLM compiles it
     return _compiled
 
 
@@ -101,7 +106,8 @@ def run_case(streaming_kv: torch.Tensor, rows, sink: int, window: int, chunk: in
     to = lambda x: x.to(device)  # noqa: E731
     batch_dev = type(batch)(**{k: to(v) if isinstance(v, torch.Tensor) else v
                                for k, v in vars(batch).items()})
-    mask = head_mask_block_mask(batch_dev, to(streaming_q), sink, window)
+    mask = head_mask_block_mask(batch_dev, to(streaming_q), sink, window,
+                                token_capacity=TOKEN_CAPACITY, row_capacity=ROW_CAPACITY)
     out = attention_fn(eager)(to(queries)[None], to(cache_k).transpose(0, 1)[None],
                               to(cache_v).transpose(0, 1)[None], block_mask=mask, scale=scale,
                               enable_gqa=True)[0].cpu()
@@ -134,8 +140,7 @@ def check_policies(device: str = "cpu", eager: bool = False, sink: int = 16, win
         heads = streaming_heads(name, sink, window)
         worst = 0.0
         for layer in range(NUM_LAYERS):
-            for chunk in (None, 128):
-                rows = MIXED_ROWS if chunk is None else ((100, 200, 700), (0, 1, 1))
+            for rows, chunk in SCENARIOS:
                 worst = max(worst, run_case(heads[layer], rows, sink, window, chunk, device,
                                             eager, seed=layer))
         results[name] = worst
@@ -174,7 +179,8 @@ def time_heads(n: int = 8192, chunk: int = 256, sink: int = DEFAULT_SINK,
     fn = attention_fn(False)
     times = []
     for streaming in (False, True):
-        mask = head_mask_block_mask(batch, torch.full((hq,), streaming), sink, window)
+        mask = head_mask_block_mask(batch, torch.full((hq,), streaming), sink, window,
+                                    token_capacity=TOKEN_CAPACITY, row_capacity=ROW_CAPACITY)
         fn(q, k, k, block_mask=mask, enable_gqa=True)  # compile
         t0 = time.perf_counter()
         for _ in range(repeats):

@@ -49,6 +49,12 @@ WRAPS: tuple[Wrap, ...] = (
          _I + "worker:forward_with_questions", "worker"),
     Wrap("vllm.v1.worker.block_table:MultiGroupBlockTable.compute_slot_mapping",
          _I + "worker:slot_mappings", "worker"),
+    # --kv-attention-backend flex (flex_attention.py): the backend vLLM's CPU platform picks,
+    # and the model runner its metadata builder reads prompt lengths from (worker)
+    Wrap("vllm.platforms.cpu:CpuPlatform.get_attn_backend_cls",
+         _I + "flex_attention:attn_backend_cls", "worker"),
+    Wrap("vllm.v1.worker.gpu_model_runner:GPUModelRunner.initialize_kv_cache",
+         _I + "flex_attention:initialize_kv_cache", "worker"),
     # KV-cache groups of streaming heads held in the pool (engine core; worker too)
     Wrap("vllm.v1.core.kv_cache_utils:get_kv_cache_groups", _I + "pool_groups:group_kv_cache",
          "engine core"),
