@@ -13,8 +13,9 @@ by token, so the chunk start travels per token (`PagedQueries.chunk_start`), not
 The cache is vLLM's paged layout flattened to one token axis: physical page b holds tokens
 [b * page_size, (b + 1) * page_size). The mask is block-sparse: for each block of `q_block`
 queries and each head, `kv_indices` lists only the physical pages some query of the block can
-see, so a streaming head computes sink + window + chunk pages whatever the prompt length; the
-per-element `mask_mod` then cuts the partial pages exactly.
+see, so a streaming head computes sink + window + chunk pages whatever the prompt length. Pages
+every query of the block sees whole go in the full-block lists (no mask_mod); on the others the
+per-element `mask_mod` cuts exactly.
 """
 
 from __future__ import annotations
@@ -74,25 +75,31 @@ def paged_queries(computed: list[int], query_lens: list[int], block_table: torch
                         num_pages=num_pages)
 
 
-def _pages_per_query_block(pages: torch.Tensor, live: torch.Tensor, q_block: int,
-                           num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(kv_num_blocks [G], kv_indices [G, K]): the distinct physical pages that the queries of
-    each block of `q_block` queries need (`pages` [T, P], `live` [T, P]: needed)."""
+def _page_lists(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kv_num_blocks [G], kv_indices [G, N]) of a bool [G, N] page set per query block. (The
+    rows span every page: torch's CPU template wants index rows as wide as the cache.)"""
+    counts = mask.sum(dim=1, dtype=torch.int32)
+    order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)
+    return counts, order.to(torch.int32)
+
+
+def _page_sets(pages: torch.Tensor, seen: torch.Tensor, whole: torch.Tensor, q_block: int,
+               num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bool [G, N] twice, per block of `q_block` queries: the physical pages some query sees
+    part of (`seen` [T, P] over the rows' logical pages `pages`), and those every query of
+    the block sees whole (`whole`): the kernel skips the mask_mod on those."""
     t, p = pages.shape
-    pad = -t % q_block
-    if pad:
-        pages = torch.cat([pages, pages.new_zeros(pad, p)])
-        live = torch.cat([live, live.new_zeros(pad, p)])
-    absent = num_pages  # sorts after every real page
-    ids = torch.where(live, pages, absent).reshape(-1, q_block * p)
-    ids = ids.sort(dim=1).values
-    repeat = torch.zeros_like(ids, dtype=torch.bool)
-    repeat[:, 1:] = ids[:, 1:] == ids[:, :-1]
-    ids = ids.masked_fill(repeat, absent).sort(dim=1).values
-    counts = (ids < absent).sum(dim=1)
-    width = max(int(counts.max()) if counts.numel() else 0, 1)
-    ids = ids[:, :width]
-    return counts.to(torch.int32), ids.masked_fill(ids == absent, 0).to(torch.int32)
+    groups = -(-t // q_block)
+    group = (torch.arange(t, device=pages.device) // q_block)[:, None].expand(t, p)
+    absent = num_pages  # an extra column that collects the pages not seen
+    any_seen = torch.zeros(groups, num_pages + 1, dtype=torch.bool, device=pages.device)
+    any_seen[group, torch.where(seen, pages, absent)] = True
+    times_whole = torch.zeros(groups, num_pages + 1, dtype=torch.int32, device=pages.device)
+    times_whole.index_put_((group, torch.where(whole, pages, absent)),
+                           torch.ones_like(pages, dtype=torch.int32), accumulate=True)
+    queries = torch.bincount(group[:, 0], minlength=groups).to(torch.int32)
+    full = times_whole[:, :num_pages] == queries[:, None]
+    return any_seen[:, :num_pages] & ~full, full
 
 
 def head_mask_block_mask(q: PagedQueries, streaming: torch.Tensor, sink: int, window: int,
@@ -116,19 +123,20 @@ def head_mask_block_mask(q: PagedQueries, streaming: torch.Tensor, sink: int, wi
     needed = (first_key[None, :] <= q.position[:, None]) & \
         (torch.arange(num_logical, device=device)[None, :] < row_pages[q.doc][:, None])
     pages = table[q.doc]                                          # [T, P] physical
-    in_sight = (first_key[None, :] < sink) | \
-        (first_key[None, :] + page > (q.chunk_start - window)[:, None])
-    classes = [needed, needed & in_sight]  # full heads, streaming heads
-    lists = [_pages_per_query_block(pages, live, q_block, q.num_pages) for live in classes]
-    # (torch's CPU template wants the index rows to span the whole cache: pad them to it)
-    width = max(max(ids.shape[1] for _, ids in lists), q.num_pages)
-    counts = torch.stack([c for c, _ in lists])                                   # [2, G]
-    ids = torch.stack([torch.nn.functional.pad(i, (0, width - i.shape[1])) for _, i in lists])
+    lo_key = (q.chunk_start - window)[:, None]
+    in_sight = (first_key[None, :] < sink) | (first_key[None, :] + page > lo_key)
+    # a page seen whole: before the query (causal) and, on a streaming head, wholly in the
+    # sink or wholly at or after chunk start - window
+    before = needed & (first_key[None, :] + page - 1 <= q.position[:, None])
+    in_full_sight = (first_key[None, :] + page <= sink) | (first_key[None, :] >= lo_key)
+    classes = [(needed, before), (needed & in_sight, before & in_full_sight)]  # full, streaming
+    sets = [_page_sets(pages, seen, whole, q_block, q.num_pages) for seen, whole in classes]
+    partial = [_page_lists(part) for part, _ in sets]
+    full = [_page_lists(whole) for _, whole in sets]
     streaming = streaming.to(device=device, dtype=torch.bool)
     head_class = streaming.long() if bool(streaming.any()) else torch.zeros(1, dtype=torch.long,
                                                                             device=device)
-    kv_num_blocks = counts[head_class][None]                                      # [1, H, G]
-    kv_indices = ids[head_class][None]                                            # [1, H, G, K]
+    pick = lambda lists, i: torch.stack([x[i] for x in lists])[head_class][None]  # noqa: E731
 
     # physical page -> logical page of each row (-1: not the row's)
     num_rows = max(table.shape[0], row_capacity)
@@ -157,15 +165,17 @@ def head_mask_block_mask(q: PagedQueries, streaming: torch.Tensor, sink: int, wi
     kwargs = {}
     if "compute_q_blocks" in BlockMask.from_kv_blocks.__code__.co_varnames:
         kwargs["compute_q_blocks"] = False  # inference only: no backward pass
-    # no block is marked fully visible (every one runs the mask_mod), but the lists are given:
-    # torch 2.13's CPU template refers to them in its short-query (decode) kernel even when
-    # absent, and fails to compile
-    return BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, torch.zeros_like(kv_num_blocks),
-                                    torch.zeros_like(kv_indices), BLOCK_SIZE=(q_block, page),
+    # (the full-block lists are always given: torch 2.13's CPU template refers to them in its
+    # short-query (decode) kernel even when absent, and fails to compile)
+    return BlockMask.from_kv_blocks(pick(partial, 0), pick(partial, 1), pick(full, 0),
+                                    pick(full, 1), BLOCK_SIZE=(q_block, page),
                                     mask_mod=mask_mod,
                                     seq_lengths=(t, q.num_pages * page), **kwargs)
 
 
 def blocks_computed(block_mask: BlockMask) -> torch.Tensor:
-    """Long [H]: (query block, key page) pairs the kernel computes per head."""
-    return block_mask.kv_num_blocks[0].long().sum(dim=-1)
+    """Long [H]: (query block, key page) pairs the kernel computes per head (masked or whole)."""
+    out = block_mask.kv_num_blocks[0].long().sum(dim=-1)
+    if block_mask.full_kv_num_blocks is not None:
+        out = out + block_mask.full_kv_num_blocks[0].long().sum(dim=-1)
+    return out
