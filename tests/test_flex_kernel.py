@@ -47,3 +47,17 @@ def test_streaming_blocks_do_not_grow_with_prompt(chunk):
     assert decode.pop() <= (64 + 256) // 16 + 1
     full = [r["prefill_full"] for r in rows]
     assert full[0] < full[1] < full[2] and full[2] > 15 * rows[2]["prefill_streaming"]
+
+
+def test_whole_pages_are_a_subset_and_exact():
+    """The full-block lists (optional) hold pages every query of the block sees whole; the
+    union of both lists is the same set of pages as without them."""
+    from vllm_kvevict.flex.block_mask import head_mask_block_mask, paged_queries
+
+    table, num_pages = kernel_check.scattered_block_table([4096], torch.Generator().manual_seed(1))
+    batch = paged_queries([4096 - 256], [256], table, 16, num_pages, [4096])
+    streaming = torch.tensor([False, True])
+    plain = head_mask_block_mask(batch, streaming, 64, 256)
+    whole = head_mask_block_mask(batch, streaming, 64, 256, whole_pages=True)
+    assert int(whole.full_kv_num_blocks.sum()) > 0
+    assert torch.equal(plain.kv_num_blocks, whole.kv_num_blocks + whole.full_kv_num_blocks)
