@@ -122,10 +122,12 @@ def append_jsonl(path: Path, row: dict) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-def server_flags(cell: Cell, mask: str | None = None) -> list[str]:
+def server_flags(cell: Cell, mask: str | None = None, attention_backend: str = "cpu") -> list[str]:
     from vllm_kvevict.launch import policy_flags
 
     policy = {"policy": cell.policy}
+    if attention_backend != "cpu":
+        policy["attention_backend"] = attention_backend
     if mask and cell.policy in ("duo", "prulong"):
         policy["mask_path"] = mask
     if cell.sparsity is not None and cell.policy not in ("snapkv", "pyramidkv"):
@@ -155,7 +157,8 @@ def run_served(args, model_dir: str, jobs, prompts, out: Path) -> None:
                 "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
                 *([] if args.compiled else ["--enforce-eager"]), "--dtype", "float32",
                 "--max-model-len", "8192", "--seed", "0",
-                "--kv-cache-memory-bytes", str(512 << 20), *server_flags(group[0][0], args.mask)]
+                "--kv-cache-memory-bytes", str(512 << 20), *server_flags(group[0][0], args.mask,
+                                                                      args.attention_backend)]
         log = Path(args.out_dir) / "logs" / f"server_{'_'.join(map(str, key))}.log"
         with ServerProcess(argv, log, env={"VLLM_CPU_NUM_OF_RESERVED_CPU":
                                            str(args.reserved_cpus)}) as server:
@@ -300,6 +303,8 @@ def main(argv=None) -> int:
                    help="VLLM_CPU_NUM_OF_RESERVED_CPU for the servers (1: one worker thread on "
                         "2 cores, leaving the other for --part reference)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the reference")
+    p.add_argument("--attention-backend", choices=("cpu", "flex"), default="cpu",
+                   help="the servers' --kv-attention-backend")
     p.add_argument("--model", default=None, help="model directory (default: the bundled model)")
     p.add_argument("--mask", default=None, help="head-mask file for duo / prulong (default: the "
                    "one shipped for the model)")

@@ -26,6 +26,9 @@ EVICTION_MODES = ("patched", "naive")
 # preemption); vllm: stock admission (the prompt must fit), preempting under pressure, the
 # preempted request then replayed exactly (integration/admission.py).
 ADMISSION_MODES = ("reserve", "vllm")
+# the attention path: vLLM's CPU kernel (integration/backend.py) or vLLM's FlexAttention
+# backend with block-sparse head masks (vllm_kvevict/flex/)
+ATTENTION_BACKENDS = ("cpu", "flex")
 
 DEFAULT_SINK = 64
 DEFAULT_WINDOW = 256
@@ -75,6 +78,7 @@ class KVPolicyConfig:
     # work: head-level and token-level eviction composed). Streaming heads keep sink + window.
     token_policy: str | None = None
     token_sparsity: float = DEFAULT_SPARSITY
+    attention_backend: str = "cpu"  # one of ATTENTION_BACKENDS
 
     def __post_init__(self) -> None:
         validate(self)
@@ -88,7 +92,7 @@ class KVPolicyConfig:
         """Prefix caching served exactly: head masks without token eviction (the streaming
         heads' sink + window state is in cached pool blocks, integration/streaming/sink_window.py;
         chunks are canonical)."""
-        return self.uses_head_mask and not self.evicts_tokens
+        return self.uses_head_mask and not self.evicts_tokens and self.attention_backend == "cpu"
 
     @property
     def evicts_tokens(self) -> bool:
@@ -186,6 +190,9 @@ def validate(cfg: KVPolicyConfig) -> None:
     if cfg.eviction not in EVICTION_MODES:
         raise KVPolicyError(f"eviction {cfg.eviction!r} is unknown; valid modes: "
                             f"{', '.join(EVICTION_MODES)}", "eviction")
+    if cfg.attention_backend not in ATTENTION_BACKENDS:
+        raise KVPolicyError(f"attention_backend {cfg.attention_backend!r} is unknown; valid: "
+                            f"{', '.join(ATTENTION_BACKENDS)}", "attention_backend")
     if cfg.admission not in ADMISSION_MODES:
         raise KVPolicyError(f"admission {cfg.admission!r} is unknown; valid modes: "
                             f"{', '.join(ADMISSION_MODES)}", "admission")

@@ -9,8 +9,8 @@ from __future__ import annotations
 import re
 import sys
 
-from vllm_kvevict.config import (ADMISSION_MODES, DEFAULT_OBS_WINDOW, DEFAULT_POOL_KERNEL,
-                                 DEFAULT_SINK, DEFAULT_SPARSITY, DEFAULT_WINDOW, EVICTION_MODES,
+from vllm_kvevict.config import (ADMISSION_MODES, ATTENTION_BACKENDS, DEFAULT_OBS_WINDOW,
+                                 DEFAULT_POOL_KERNEL, DEFAULT_SINK, DEFAULT_SPARSITY, DEFAULT_WINDOW, EVICTION_MODES,
                                  POLICIES, KVPolicyError)
 
 # flag -> (KVPolicyConfig field, type, help)
@@ -76,6 +76,12 @@ FLAGS = {
     "--kv-mask": ("mask_path", str, "Head-mask file for duo/prulong (our JSON format, PruLong "
                                     "0/1 TSV or DuoAttention gate TSV). Default: the mask shipped "
                                     "in head_masks/ for the served model."),
+    "--kv-attention-backend": ("attention_backend", str,
+                               "Attention path: cpu (default: vLLM's CPU attention kernel) or "
+                               "flex (vLLM's FlexAttention backend, streaming heads as "
+                               "block-sparse masks; so far full, streaming, duo, prulong; its "
+                               "streaming heads keep every KV in the pool). One of "
+                               f"{', '.join(ATTENTION_BACKENDS)}."),
 }
 
 

@@ -15,7 +15,7 @@ import copy
 
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from vllm_kvevict.integration import seeded_sampling
+from vllm_kvevict.integration import flex_attention, seeded_sampling
 from vllm_kvevict.integration.composition import install_over, resolve
 from vllm_kvevict.integration.kv_cache_specs import declare_specs, share_layer_specs
 from vllm_kvevict.integration.worker import init_state
@@ -23,6 +23,11 @@ from vllm_kvevict.integration.worker import init_state
 
 class KVEvictWorker(CPUWorker):
     kv_state = None  # this process's WorkerState; None for `full` (stock vLLM runs)
+    flex = False  # --kv-attention-backend flex (flex_attention.py)
+
+    def __init__(self, vllm_config, *args, **kwargs) -> None:
+        super().__init__(vllm_config, *args, **kwargs)
+        self.flex = flex_attention.use_flex_backend(vllm_config)  # before the model is built
 
     def get_kv_cache_spec(self):
         """Our specs (`kv_cache_specs.declare_specs`): a head mask's streaming heads in their
@@ -38,6 +43,8 @@ class KVEvictWorker(CPUWorker):
         """vLLM adds a layer that shares another's cache to that layer's group but gives it no
         per-layer spec (a head-mask layer without full heads shares its companion's cache):
         give it its target's."""
+        if self.flex:
+            flex_attention.remember_runner(self.model_runner)
         shared = getattr(self.model_runner, "shared_kv_cache_layers", None)
         if self.kv_state is not None and shared:
             kv_cache_config = copy.deepcopy(kv_cache_config)  # the engine core's is not ours

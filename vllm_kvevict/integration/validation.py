@@ -15,6 +15,7 @@ from vllm_kvevict.features import (PARALLEL_FLAGS, connector_error, kv_cache_dty
                                      prefix_caching_error, prompt_embeds_error,
                                      speculative_error)
 from vllm_kvevict.flags import fail
+from vllm_kvevict.flex.support import flex_error
 from vllm_kvevict.served import policy_config_of, served_policy
 
 
@@ -44,7 +45,8 @@ def validate_against_model(vllm_config, prefix_caching_requested: bool | None = 
         # features.py: which vLLM features each policy is served exactly with
         embeds = bool(getattr(getattr(vllm_config, "model_config", None),
                               "enable_prompt_embeds", False))
-        for error in (parallel_error(cfg, sizes, served.shape.num_kv_heads),
+        for error in (flex_error(cfg, vllm_config, prefix_caching_requested),
+                      parallel_error(cfg, sizes, served.shape.num_kv_heads),
                       kv_cache_dtype_error(cfg, str(cache_dtype)),
                       speculative_error(cfg, method), connector_error(cfg, users),
                       prompt_embeds_error(cfg, embeds),

@@ -181,8 +181,8 @@ def init_state(vllm_config) -> WorkerState | None:
     if _state is not None:
         return _state
     served = served_policy(vllm_config)
-    if served.config.policy == "full":
-        return None
+    if served.config.policy == "full" or served.config.attention_backend == "flex":
+        return None  # (flex: vllm_kvevict/flex/ serves the policy over stock KV-cache specs)
     block_size = vllm_config.cache_config.block_size
     rank, world = _tensor_parallel_rank(vllm_config)
     _state = WorkerState(

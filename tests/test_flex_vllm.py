@@ -1,0 +1,120 @@
+"""`--kv-attention-backend flex` served by `vllm serve` (bundled model) against the reference:
+greedy tokens identical, first-token log-prob close (the CPU path's tolerance), for `full` and
+the head-mask policies; a mixed batch equal to its requests alone; and the start-up refusal of
+what the flex path does not serve yet."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import start_server
+from test_policies_vllm import LOGPROB_TOL, flags, reference, served, source_prompts
+
+FLEX = {"attention_backend": "flex"}
+CASES = {  # name: (policy dict, chunk)
+    "full": ({"policy": "full"}, 256),
+    "streaming": ({"policy": "streaming", "sink": 16, "window": 64}, 256),
+    "prulong-0.7": ({"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64}, 256),
+    "duo-0.3": ({"policy": "duo", "sparsity": 0.3, "sink": 16, "window": 64}, 256),
+}
+PROMPT_LENGTHS = (700, 1600)
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("case", list(CASES))
+def test_flex_matches_reference(case, bundled_model_dir, tokenizer, hf_model):
+    policy, chunk = CASES[case]
+    server = start_server(bundled_model_dir, flags({**policy, **FLEX}, chunk))
+    log = server.log_path.read_text(errors="replace")
+    assert "attention_backend=flex" in log
+    for prompt in source_prompts(tokenizer, PROMPT_LENGTHS):
+        text, logprob = served(server.base_url, prompt)
+        ref = reference(hf_model, bundled_model_dir, policy, prompt, chunk)
+        assert text == tokenizer.decode(ref.token_ids), f"{case}, {len(prompt)} tokens"
+        assert abs(logprob - float(ref.first_token_logprobs.max())) < LOGPROB_TOL
+
+
+@pytest.mark.server
+def test_flex_mixed_batch_equals_each_alone(bundled_model_dir, tokenizer, hf_model):
+    """Prefill rows beside other requests' decode rows in one step: each token's chunk start
+    travels in the metadata (a per-request one would give decodes their row's prefill start)."""
+    policy, _ = CASES["prulong-0.7"]
+    server = start_server(bundled_model_dir, flags({**policy, **FLEX}, 8192))
+    prompts = source_prompts(tokenizer, (300, 900, 1700, 2600))
+    alone = [served(server.base_url, p)[0] for p in prompts]
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        together = [t for t, _ in pool.map(lambda p: served(server.base_url, p), prompts)]
+    assert together == alone
+    for prompt, text in zip(prompts[:2], alone[:2]):
+        ref = reference(hf_model, bundled_model_dir, policy, prompt, 8192)
+        assert text == tokenizer.decode(ref.token_ids)
+
+
+# -- what is refused (one line at start-up, naming the flag and what is supported) ------------
+
+class _Stand:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _vllm_config(cache_dtype="auto", tp=1, spec=None):
+    return _Stand(cache_config=_Stand(cache_dtype=cache_dtype),
+                  parallel_config=_Stand(tensor_parallel_size=tp), speculative_config=spec)
+
+
+@pytest.mark.parametrize("policy,vllm_kwargs,requested,named", [
+    ({"policy": "snapkv"}, {}, None, "--kv-policy snapkv"),
+    ({"policy": "pyramidkv"}, {}, None, "--kv-policy pyramidkv"),
+    ({"policy": "prulong", "token_policy": "snapkv"}, {}, None, "--kv-token-policy"),
+    ({"policy": "streaming", "eviction_chunk": 512}, {}, None, "--kv-eviction-chunk"),
+    ({"policy": "full"}, {"cache_dtype": "fp8"}, None, "--kv-cache-dtype fp8"),
+    ({"policy": "duo"}, {"tp": 2}, None, "--tensor-parallel-size 2"),
+    ({"policy": "duo"}, {"spec": object()}, None, "speculative decoding"),
+    ({"policy": "streaming"}, {}, True, "--enable-prefix-caching"),
+])
+def test_flex_refusals_name_the_flag(policy, vllm_kwargs, requested, named):
+    from vllm_kvevict.config import KVPolicyConfig
+    from vllm_kvevict.flex.support import flex_error
+
+    cfg = KVPolicyConfig.from_dict({**policy, **FLEX})
+    error = flex_error(cfg, _vllm_config(**vllm_kwargs), requested)
+    assert error and error.startswith("--kv-attention-backend flex does not serve")
+    assert named in error and "supported:" in error and "\n" not in error
+    # the CPU path is not concerned
+    assert flex_error(KVPolicyConfig.from_dict(policy), _vllm_config(**vllm_kwargs),
+                      requested) is None
+
+
+@pytest.mark.parametrize("policy", ["full", "streaming", "duo", "prulong"])
+def test_flex_serves(policy):
+    from vllm_kvevict.config import KVPolicyConfig
+    from vllm_kvevict.flex.support import flex_error
+
+    assert flex_error(KVPolicyConfig.from_dict({"policy": policy, **FLEX}), _vllm_config()) is None
+
+
+def test_unknown_attention_backend_is_refused():
+    from vllm_kvevict.config import KVPolicyConfig, KVPolicyError
+    from vllm_kvevict.flags import flag_message
+
+    with pytest.raises(KVPolicyError) as exc:
+        KVPolicyConfig.from_dict({"attention_backend": "triton"})
+    assert flag_message(exc.value).startswith("--kv-attention-backend 'triton' is unknown")
+
+
+@pytest.mark.server
+def test_vllm_serve_refuses_token_eviction_on_flex(bundled_model_dir):
+    """The real CLI: exit 2 with one line before any model loads."""
+    vllm = Path(sys.executable).parent / "vllm"
+    proc = subprocess.run([str(vllm), "serve", str(bundled_model_dir), "--port", "8799",
+                           "--kv-policy", "snapkv", "--kv-attention-backend", "flex"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("vllm-kvevict: error:")]
+    assert len(lines) == 1 and "--kv-attention-backend flex does not serve --kv-policy snapkv" \
+        in lines[0], proc.stderr[-2000:]

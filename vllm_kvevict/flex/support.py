@@ -1,0 +1,48 @@
+"""What `--kv-attention-backend flex` serves so far, and the one-line refusal of the rest
+(plain Python; `integration/validation.py` calls `flex_error` with the other start-up checks).
+
+Served: `full`, and the head masks `streaming`, `duo`, `prulong` with every KV head in vLLM's
+paged cache (the streaming heads' masks are block-sparse: skipped blocks are not computed, but
+their blocks are not freed either) and each prefill step its own chunk.
+"""
+
+from __future__ import annotations
+
+SERVED_POLICIES = ("full", "streaming", "duo", "prulong")
+SUPPORTED = ("--kv-attention-backend flex serves --kv-policy full, streaming, duo, prulong "
+             "(no --kv-token-policy), unquantized KV, one GPU/CPU rank, no speculative "
+             "decoding, each prefill step its own chunk")
+
+
+def _refusal(what: str) -> str:
+    return f"--kv-attention-backend flex does not serve {what} yet; supported: {SUPPORTED}"
+
+
+def flex_error(cfg, vllm_config, prefix_caching_requested: bool | None = None) -> str | None:
+    """Why this configuration cannot be served on the FlexAttention path (None: it can).
+    `prefix_caching_requested`: the user's --enable-prefix-caching (None: not given)."""
+    if getattr(cfg, "attention_backend", "cpu") != "flex":
+        return None
+    if cfg.policy not in SERVED_POLICIES:
+        return _refusal(f"--kv-policy {cfg.policy} (token eviction)")
+    if cfg.token_policy is not None:
+        return _refusal(f"--kv-token-policy {cfg.token_policy}")
+    if cfg.eviction_chunk is not None:
+        return _refusal("--kv-eviction-chunk (canonical prefill chunks)")
+    cache = getattr(vllm_config, "cache_config", None)
+    dtype = str(getattr(cache, "cache_dtype", "auto"))
+    if dtype not in ("auto", "float16", "bfloat16", "float32"):
+        return _refusal(f"--kv-cache-dtype {dtype}")
+    parallel = getattr(vllm_config, "parallel_config", None)
+    for field, flag in (("tensor_parallel_size", "--tensor-parallel-size"),
+                        ("pipeline_parallel_size", "--pipeline-parallel-size"),
+                        ("data_parallel_size", "--data-parallel-size")):
+        size = int(getattr(parallel, field, 1) or 1)
+        if size != 1:
+            return _refusal(f"{flag} {size}")
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        return _refusal("speculative decoding")
+    if cfg.policy != "full" and prefix_caching_requested:
+        # a cached block's K/V depend on the chunks before it (canonical chunks: CPU path)
+        return _refusal("--enable-prefix-caching with a head mask")
+    return None

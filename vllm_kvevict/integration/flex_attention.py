@@ -1,0 +1,168 @@
+"""The FlexAttention path: vLLM's FlexAttention backend, subclassed, with the head-mask
+policies' streaming heads as block-sparse masks (`vllm_kvevict/flex/block_mask.py`).
+
+Chosen with `--kv-attention-backend flex`: vLLM's CPU platform answers CPU_ATTN whatever
+backend is asked for, so our worker class registers ours under that name before the model is
+built (`use_flex_backend`), and remembers the model runner before it initialises its KV cache
+(`remember_runner`), since the metadata builder reads the rows' prompt lengths from it. Every KV head stays in vLLM's
+paged cache (stock KV-cache specs, no companion groups): a streaming head's mask skips the
+blocks it cannot see, so its work follows sink + window + chunk, but its blocks are not freed.
+Per step the metadata builder adds the per-token chunk starts (`PagedQueries`); each layer
+gets the block mask of its split of full and streaming heads, built once per step per split.
+`full` runs vLLM's FlexAttention with our KV write and our (all-causal) block mask.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.v1.attention.backends.flex_attention import (FlexAttentionBackend, FlexAttentionImpl,
+                                                       FlexAttentionMetadataBuilder)
+
+from vllm_kvevict.flex.block_mask import PagedQueries, chunk_starts, head_mask_block_mask
+from vllm_kvevict.overrides import policy_prompt_len
+from vllm_kvevict.served import policy_config_of, served_policy
+
+FLEX_BACKEND = "vllm_kvevict.integration.flex_attention.KVEvictFlexBackend"
+_runner = None  # this worker's model runner (`remember_runner`): prompt lengths
+
+
+def flex_selected(vllm_config) -> bool:
+    return policy_config_of(vllm_config).attention_backend == "flex"
+
+
+# -- from our worker class (kvevict_worker.KVEvictWorker) -------------------------------------
+
+def use_flex_backend(vllm_config) -> bool:
+    """Before the worker builds its model: our backend is what vLLM's CPU_ATTN resolves to
+    (vLLM's CPU platform answers CPU_ATTN whatever backend is asked for, and `register_backend`
+    is vLLM's way to override a name). MLA models get vLLM's CPU MLA backends, as before."""
+    if not flex_selected(vllm_config):
+        return False
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CPU_ATTN, FLEX_BACKEND)
+    return True
+
+
+def remember_runner(runner) -> None:
+    """Before vLLM initialises the KV cache (its metadata builders are made in there): the
+    builder reads the rows' prompt lengths from the runner."""
+    global _runner
+    _runner = runner
+
+
+class FlexHeads:
+    """The served head mask, per layer: bool [Hq] streaming per query head."""
+
+    def __init__(self, vllm_config) -> None:
+        served = served_policy(vllm_config)
+        self.config = served.config
+        per_kv = served.policy.streaming_heads().bool()  # [L, Hkv]
+        self.streaming_q = per_kv.repeat_interleave(served.shape.queries_per_kv, dim=1)
+        self.any_streaming = bool(per_kv.any())
+
+
+_heads: FlexHeads | None = None
+
+
+def flex_heads(vllm_config) -> FlexHeads:
+    """The head mask to apply (`full`: no streaming head; its mask is still ours, see
+    `KVEvictFlexImpl.forward`)."""
+    global _heads
+    if _heads is None:
+        _heads = FlexHeads(vllm_config)
+    return _heads
+
+
+def _prompt_lens(num_reqs: int) -> list[int] | None:
+    """Each row's prompt as the policy serves it (None: unknown, as in warm-up runs; every
+    query is then a prompt query of its step)."""
+    batch = getattr(_runner, "input_batch", None)
+    req_ids = list(getattr(batch, "req_ids", []) or [])[:num_reqs]
+    if len(req_ids) < num_reqs or any(r is None for r in req_ids):
+        return None
+    requests = getattr(_runner, "requests", {})
+    out = []
+    for r, n in zip(req_ids, batch.num_prompt_tokens[:num_reqs]):
+        params = getattr(requests.get(r), "sampling_params", None)
+        out.append(policy_prompt_len(int(n), getattr(params, "extra_args", None)))
+    return out
+
+
+class KVEvictFlexMetadataBuilder(FlexAttentionMetadataBuilder):
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        common = common_attn_metadata
+        n = common.num_reqs
+        q_start = common.query_start_loc_cpu[: n + 1].long()
+        q_lens = (q_start[1:] - q_start[:-1]).tolist()
+        seq_lens = common.seq_lens[:n].cpu().long()
+        computed = (seq_lens - torch.tensor(q_lens, dtype=torch.long)).tolist()
+        doc = torch.repeat_interleave(torch.arange(n), torch.tensor(q_lens))
+        position = torch.tensor(computed, dtype=torch.long)[doc] + \
+            torch.arange(len(doc)) - q_start[:-1][doc]
+        device = common.seq_lens.device
+        metadata.kvevict_queries = PagedQueries(
+            doc=doc.to(device), position=position.to(device),
+            chunk_start=chunk_starts(computed, q_lens, _prompt_lens(n)).to(device),
+            block_table=common.block_table_tensor[:n], seq_lens=seq_lens.to(device),
+            page_size=self.block_size, num_pages=self.cache_config.num_gpu_blocks)
+        metadata.kvevict_masks = {}  # per head split: this step's block mask
+        # the mask tables' fixed shapes (one compilation for every step, block_mask.py)
+        scheduler = self.vllm_config.scheduler_config
+        metadata.kvevict_capacity = (scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
+        return metadata
+
+
+class KVEvictFlexImpl(FlexAttentionImpl):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.heads = flex_heads(get_current_vllm_config())
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        """The step's K/V at their slots (vLLM's CPU build has no `reshape_and_cache_flash`):
+        the cache is [blocks, heads, block_size, 2 * head_size] over LBNHC storage, so
+        (block, token) flattens to one slot axis."""
+        n = slot_mapping.shape[0]
+        slots = slot_mapping.long()
+        keep = slots >= 0  # (padding tokens have slot -1)
+        # (view, not reshape: a copy would take the writes silently; LBNHC makes it a view)
+        cache = kv_cache.transpose(1, 2).view(-1, kv_cache.shape[1], 2 * self.head_size)
+        hs = self.head_size
+        cache[slots[keep], :, :hs] = key[:n][keep].to(cache.dtype)
+        cache[slots[keep], :, hs:] = value[:n][keep].to(cache.dtype)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        # Our block mask for every layer, `full` too: vLLM's direct one lists at most a
+        # sequence's pages per query block, and torch's CPU template refuses a mask narrower
+        # than the whole paged cache ("KV seqlen must be smaller than the block_mask size").
+        if attn_metadata is not None:
+            from vllm.model_executor.models.utils import extract_layer_index
+
+            streaming = self.heads.streaming_q[extract_layer_index(layer.layer_name)]
+            key_ = tuple(streaming.tolist())
+            masks = attn_metadata.kvevict_masks
+            if key_ not in masks:
+                cfg = self.heads.config
+                masks[key_] = head_mask_block_mask(
+                    attn_metadata.kvevict_queries, streaming.to(query.device), cfg.sink,
+                    cfg.window, q_block=attn_metadata.q_block_size,
+                    token_capacity=attn_metadata.kvevict_capacity[0],
+                    row_capacity=attn_metadata.kvevict_capacity[1])
+            attn_metadata.block_mask = masks[key_]
+        return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                               output_scale, output_block_scale)
+
+
+class KVEvictFlexBackend(FlexAttentionBackend):
+    """vLLM's FlexAttention backend with the plugin's KV write and head masks."""
+
+    @staticmethod
+    def get_impl_cls():
+        return KVEvictFlexImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return KVEvictFlexMetadataBuilder
