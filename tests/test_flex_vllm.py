@@ -5,7 +5,6 @@ what the flex path does not serve yet."""
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from conftest import start_server
-from test_policies_vllm import LOGPROB_TOL, flags, reference, served, source_prompts
+from test_policies_vllm import (LOGPROB_TOL, check_mixed_batch, flags, reference, served,
+                                source_prompts)
 
 FLEX = {"attention_backend": "flex"}
 CASES = {  # name: (policy dict, chunk)
@@ -46,15 +46,8 @@ def test_flex_mixed_batch_equals_each_alone(bundled_model_dir, tokenizer, hf_mod
     """Prefill rows beside other requests' decode rows in one step: each token's chunk start
     travels in the metadata (a per-request one would give decodes their row's prefill start)."""
     policy, _ = CASES["prulong-0.7"]
-    server = start_server(bundled_model_dir, flags({**policy, **FLEX}, 8192))
-    prompts = source_prompts(tokenizer, (300, 900, 1700, 2600))
-    alone = [served(server.base_url, p)[0] for p in prompts]
-    with cf.ThreadPoolExecutor(len(prompts)) as pool:
-        together = [t for t, _ in pool.map(lambda p: served(server.base_url, p), prompts)]
-    assert together == alone
-    for prompt, text in zip(prompts[:2], alone[:2]):
-        ref = reference(hf_model, bundled_model_dir, policy, prompt, 8192)
-        assert text == tokenizer.decode(ref.token_ids)
+    check_mixed_batch(start_server(bundled_model_dir, flags({**policy, **FLEX}, 8192)), policy,
+                      bundled_model_dir, tokenizer, hf_model)
 
 
 # -- what is refused (one line at start-up, naming the flag and what is supported) ------------

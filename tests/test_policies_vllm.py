@@ -130,7 +130,13 @@ def test_chunked_mixed_batch_matches_reference_at_served_boundaries(case, bundle
     "pyramidkv-patched-0.7", marks=pytest.mark.slow)])
 def test_mixed_batch_equals_each_alone(case, bundled_model_dir, tokenizer, hf_model):
     policy, _ = CASES[case]
-    server = start_server(bundled_model_dir, flags(policy, 8192))
+    check_mixed_batch(start_server(bundled_model_dir, flags(policy, 8192)), policy,
+                      bundled_model_dir, tokenizer, hf_model)
+
+
+def check_mixed_batch(server, policy, bundled_model_dir, tokenizer, hf_model) -> None:
+    """Four prompts at once give the tokens each gives alone, and those are the reference's
+    (one chunk per prompt with the server's 8192-token budget)."""
     prompts = source_prompts(tokenizer, (300, 900, 1700, 2600))
     alone = [served(server.base_url, p)[0] for p in prompts]
     with cf.ThreadPoolExecutor(len(prompts)) as pool:

@@ -129,13 +129,13 @@ TOUCHED = (
     ("paged_layout.py", "_k_scale_float", "the same scale, reading fp8 K back from the cache"),
     ("paged_layout.py", "_v_scale_float", "the same, V"),
     ("cli.py", "_actions", "argparse's: add the --kv-* group once"),
+    ("cli.py", "additional_config", "the --kv-* flags folded into EngineArgs' JSON form"),
     ("flex_attention.py", "kvevict_queries", "the step's per-token chunk starts, on vLLM's "
                                              "FlexAttention metadata"),
     ("flex_attention.py", "kvevict_masks", "the step's block masks, one per head split"),
     ("flex_attention.py", "kvevict_capacity", "the padded mask-table sizes (one compile)"),
     ("flex_attention.py", "block_mask", "the layer's block mask for vLLM's FlexAttention "
                                         "forward to use"),
-    ("cli.py", "additional_config", "the --kv-* flags folded into EngineArgs' JSON form"),
     ("kv_transfer.py", "kv_transfer_config", "our stats connector, alone or beside the "
                                              "user's, before vLLM builds the config"),
     ("kvevict_scheduler.py", "scheduler_cls", "our Scheduler subclass, vLLM's extension point"),

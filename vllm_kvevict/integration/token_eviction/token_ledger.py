@@ -53,7 +53,9 @@ class TokenEvictionLedger(GrowthReserve):
         count: the step's tokens up to `step_end`, plus speculative lookahead). Patched
         eviction: a non-final prefill chunk also writes its question's KVs right after the
         chunk (what speculative decoding's lookahead slots are for, so counted the same way)."""
-        request = None if self.scheduler is None else self.scheduler.requests.get(req_id)
+        # (eviction is a server setting: no request of an unpatched policy has questions)
+        request = (None if self.scheduler is None or not self.policy.config.patched
+                   else self.scheduler.requests.get(req_id))
         if request is not None:
             policy = self.request_policy(request)
             n = request_prompt_len(request)
