@@ -293,6 +293,12 @@ def test_scheduler_and_runner_fields():
     assert "num_blocks_per_row" in inspect.getsource(BlockTable.__init__)
     assert "num_prompt_tokens" in inspect.getsource(InputBatch.__init__)
     assert {"input_ids", "positions"} <= params(GPUModelRunner._model_forward)
+    # KVEvictWorker.init_device gives the runner CPUWorker builds (last, inline) our subclass
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    source = inspect.getsource(CPUWorker.init_device)
+    assert "self.model_runner = CPUModelRunner(" in source
+    assert source.rstrip().endswith('CPUModelRunner(self.vllm_config, torch.device("cpu"))')
 
 
 def test_attention_internals():

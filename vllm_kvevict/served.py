@@ -5,8 +5,10 @@
 it came from), the policy object, and the per-request variants (`vllm_xargs` overrides, one
 bounded cache). Every consumer in a process (start-up validation in the API server; scheduler
 side, stats connector, worker side and attention backend in the engine core) gets the same
-object, so the mask file is read once per process. The first build pins the resolved mask path
-into `additional_config`, so every later process serves the same file.
+object, so the mask file is read once per process. `settle_config`, run once where the engine
+config is created, pins the resolved mask path into `additional_config` (every later process
+serves the same file) and turns prefix caching off where the policy cannot serve it; the getter
+itself never changes the config.
 
 No vLLM import: a VllmConfig is read through its plain attributes.
 """
@@ -160,8 +162,28 @@ def serving(served: ServedPolicy, vllm_config) -> dict[str, Any]:
     return out
 
 
+def settle_config(vllm_config) -> ServedPolicy:
+    """Once, where the engine config is created (`registration.create_engine_config`, through
+    start-up validation): the served policy's decisions written into vLLM's config, which every
+    later process (engine core, workers) receives, so each builds the same policy from it."""
+    global _served_key
+    config = policy_config_of(vllm_config)
+    cache = getattr(vllm_config, "cache_config", None)
+    if config.policy != "full" and cache is not None and not config.caches_prefixes:
+        # Per-request eviction state starts at token 0: a prefix-cache hit would skip it
+        # (streaming heads in the pool keep their state in cached blocks: sink_window.py).
+        cache.enable_prefix_caching = False
+    served = served_policy(vllm_config)
+    if served.mask_source and config.mask_path != served.mask_source:
+        # pin the resolved file: every later process serves exactly this mask
+        vllm_config.additional_config[ADDITIONAL_CONFIG_KEY]["mask_path"] = served.mask_source
+        _served_key = _key(vllm_config)  # the same policy: no second build
+    return served
+
+
 def served_policy(vllm_config) -> ServedPolicy:
-    """This process's ServedPolicy (built on first use; raises KVPolicyError)."""
+    """This process's ServedPolicy (built on first use; raises KVPolicyError). Reads the
+    config only: `settle_config` is what writes the policy's decisions into it."""
     global _served, _served_key, builds
     key = _key(vllm_config)
     if _served is not None and key == _served_key:
@@ -170,17 +192,9 @@ def served_policy(vllm_config) -> ServedPolicy:
     model = str(vllm_config.model_config.model)
     served = ServedPolicy.build(config, model, ModelShape.of(vllm_config.model_config.hf_config))
     if served.mask_source and config.mask_path != served.mask_source:
-        # pin the resolved file: every later process serves exactly this mask
-        vllm_config.additional_config[ADDITIONAL_CONFIG_KEY]["mask_path"] = served.mask_source
         served.config = served.config.replace(mask_path=served.mask_source)
-        key = _key(vllm_config)
     builds += 1
     _served, _served_key = served, key
-    cache = getattr(vllm_config, "cache_config", None)
-    if config.policy != "full" and cache is not None and not config.caches_prefixes:
-        # Per-request eviction state starts at token 0: a prefix-cache hit would skip it
-        # (streaming heads in the pool keep their state in cached blocks: sink_window.py).
-        cache.enable_prefix_caching = False
     logger.info("vllm-kvevict: serving %s (process %d, build %d)",
                 " ".join(f"{k}={v}" for k, v in serving(served, vllm_config).items()),
                 os.getpid(), builds)

@@ -43,26 +43,28 @@ def _with_questions(plan, x: torch.Tensor) -> torch.Tensor:
 class KVEvictMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        state = get_state()
-        if state is not None:
-            # This group's paged cache holds only the full heads of its layers: the kernel's
-            # work split must be sized for their query heads, not the layer's.
-            self.num_heads = self.num_kv_heads * state.heads[0].queries_per_kv
+        self.kv_state = init_state(vllm_config)  # (only chosen when there is one)
+        # This group's paged cache holds only the full heads of its layers: the kernel's
+        # work split must be sized for their query heads, not the layer's.
+        self.num_heads = self.num_kv_heads * self.kv_state.heads[0].queries_per_kv
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        state = get_state()
-        if state is not None:
-            metadata.plan = state.step_plan(common_attn_metadata)
-            metadata.common = common_attn_metadata
+        metadata.plan = self.kv_state.step_plan(common_attn_metadata)
+        metadata.common = common_attn_metadata
         return metadata
 
 
 class KVEvictAttentionImpl(CPUAttentionBackendImpl):
     _scratch: dict[tuple, torch.Tensor] = {}  # per (streaming heads, dtype), shared by layers
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # built before the model (KVEvictWorker.init_device), which builds these per layer
+        self.kv_state = init_state(get_current_vllm_config())
+
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        state = get_state()
+        state = self.kv_state
         heads = state.heads[_layer_index(layer)]
         if state.token is not None:
             # New tokens go to their physical slots in this layer (after earlier evictions);
@@ -86,7 +88,7 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
                 output_scale=None, output_block_scale=None):
         if attn_metadata is None:
             return output
-        state = get_state()
+        state = self.kv_state
         if state.token is not None:
             return self._forward_token_eviction(state, layer, query, key, value, kv_cache,
                                                 attn_metadata, output)
@@ -201,7 +203,7 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
             chunk_k = key[job.start:job.end]
             chunk_v = value[job.start:job.end]
             if c > step:  # the chunk's earlier steps: read back from the paged cache
-                past_k, past_v = paged_layout(key_cache.dtype, get_state().block_size,
+                past_k, past_v = paged_layout(key_cache.dtype, state.block_size,
                                               self.head_size, layer.isa).read(
                     key_cache, value_cache, plan.table(l)[job.row], job.phys_before[l], c - step)
                 chunk_k, chunk_v = torch.cat([past_k, chunk_k]), torch.cat([past_v, chunk_v])

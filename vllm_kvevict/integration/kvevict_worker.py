@@ -18,7 +18,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm_kvevict.integration import flex_attention, seeded_sampling
 from vllm_kvevict.integration.composition import install_over, resolve
 from vllm_kvevict.integration.kv_cache_specs import declare_specs, share_layer_specs
-from vllm_kvevict.integration.worker import init_state
+from vllm_kvevict.integration.worker import init_state, question_rows_runner
 
 
 class KVEvictWorker(CPUWorker):
@@ -29,14 +29,26 @@ class KVEvictWorker(CPUWorker):
         super().__init__(vllm_config, *args, **kwargs)
         self.flex = flex_attention.use_flex_backend(vllm_config)  # before the model is built
 
-    def get_kv_cache_spec(self):
-        """Our specs (`kv_cache_specs.declare_specs`): a head mask's streaming heads in their
-        companions' groups, token eviction's tiers. The state is built here, the first thing
-        vLLM asks after the distributed set-up (a tensor-parallel rank's heads need it)."""
+    def init_device(self) -> None:
+        """The state is built once vLLM's distributed set-up is done (a tensor-parallel rank's
+        heads need it). vLLM's CPU worker builds its model runner inline, with no runner-class
+        hook: for token eviction the runner becomes an instance of our subclass of its own
+        class (`worker.QuestionRowsRunner`, patched eviction's question rows), handed the
+        state."""
+        super().init_device()
         self.kv_state = init_state(self.vllm_config)
         if self.kv_state is None:
-            return super().get_kv_cache_spec()
+            return
         self.kv_state.runner = self.model_runner
+        if self.kv_state.token is not None:
+            self.model_runner.__class__ = question_rows_runner(type(self.model_runner))
+            self.model_runner.kv_state = self.kv_state
+
+    def get_kv_cache_spec(self):
+        """Our specs (`kv_cache_specs.declare_specs`): a head mask's streaming heads in their
+        companions' groups, token eviction's tiers."""
+        if self.kv_state is None:
+            return super().get_kv_cache_spec()
         return declare_specs(self.model_runner, super().get_kv_cache_spec, self.kv_state)
 
     def initialize_from_config(self, kv_cache_config) -> None:

@@ -40,9 +40,6 @@ WRAPS: tuple[Wrap, ...] = (
          "api server"),
     Wrap("vllm.engine.arg_utils:EngineArgs.create_engine_config",
          _I + "registration:create_engine_config", "api server"),
-    # the model runner (worker; the worker itself is a subclass, kvevict_worker.py)
-    Wrap("vllm.v1.worker.gpu_model_runner:GPUModelRunner._model_forward",
-         _I + "worker:forward_with_questions", "worker"),
     # KV-cache groups of streaming heads held in the pool (engine core; worker too)
     Wrap(f"{KV_CACHE_PLANNING}:get_kv_cache_groups", _I + "streaming.pool_groups:group_kv_cache",
          "engine core"),
@@ -77,6 +74,10 @@ RELIED_ON = (
     "vllm.v1.worker.gpu_worker.Worker.initialize_from_config",
     "vllm.v1.worker.gpu_worker.Worker.execute_model",
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner.maybe_add_kv_sharing_layers_to_kv_cache_groups",
+    # vLLM's documented override point for a runner subclass (worker.QuestionRowsRunner); the
+    # CPU worker builds its runner at the end of init_device
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner._model_forward",
+    "vllm.v1.worker.cpu_worker.CPUWorker.init_device",
     # patched eviction's question slots, counted where vLLM counts speculative lookahead
     "vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots",
     "vllm.v1.attention.backends.registry.register_backend(CPU_ATTN)",  # backend.py replaces it
@@ -142,6 +143,8 @@ TOUCHED = (
     ("kvevict_scheduler.py", "skip_reading_prefix_cache",
      "a teacher-forced tail must not be served from the prefix cache"),
     ("kvevict_worker.py", "worker_cls", "our CPUWorker subclass, vLLM's extension point"),
+    ("kvevict_worker.py", "__class__", "the runner CPUWorker built inline, as our subclass of "
+                                       "its class (question rows; no runner-class hook)"),
     ("kv_cache_specs.py", "kv_sharing_target_layer_name",
      "a layer without full heads shares its companion's cache"),
     ("registration.py", "_registry", "KVConnectorFactory's: register our connector once"),

@@ -16,7 +16,7 @@ from vllm_kvevict.features import (PARALLEL_FLAGS, connector_error, kv_cache_dty
                                      speculative_error)
 from vllm_kvevict.flags import fail
 from vllm_kvevict.flex.support import flex_error
-from vllm_kvevict.served import policy_config_of, served_policy
+from vllm_kvevict.served import policy_config_of, settle_config
 
 
 def _running_vllm_cli() -> bool:
@@ -32,7 +32,8 @@ def validate_against_model(vllm_config, prefix_caching_requested: bool | None = 
         error = model_error(policy_config_of(vllm_config), getattr(model, "hf_config", None))
         if error:
             raise KVPolicyError(error)
-        served = served_policy(vllm_config)  # raises on a missing or mismatched mask
+        # raises on a missing or mismatched mask; writes the policy's decisions into the config
+        served = settle_config(vllm_config)
         cfg = served.config
         # (getattr: a VllmConfig has them all; the unit tests pass partial stand-ins)
         parallel = getattr(vllm_config, "parallel_config", None)

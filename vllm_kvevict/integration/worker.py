@@ -1,10 +1,11 @@
-"""Worker side (GPUModelRunner): the policy's per-process state (the served policy, per-layer
-head splits, the token-eviction ledgers, the current step's plan) and the
-model-runner hook `forward_with_questions` (a row of registration.py); our worker class,
-`kvevict_worker.py`, builds the state and keeps it in step with vLLM."""
+"""Worker side: the policy's per-process state (the served policy, per-layer head splits, the
+token-eviction ledgers, the current step's plan) and the model runner's question rows; our
+worker class, `kvevict_worker.py`, builds the state, hands it down and keeps it in step with
+vLLM."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -196,19 +197,29 @@ def init_state(vllm_config) -> WorkerState | None:
     return _state
 
 
-# -- model-runner hook (registration.py: vLLM's CPU worker builds its runner inline) ---------
+# -- the model runner (vLLM's CPU worker builds its runner inline: KVEvictWorker.init_device
+# makes it an instance of the class below, over the runner's own class) ----------------------
 
-def forward_with_questions(runner, stock_forward, input_ids=None, positions=None, *args,
-                           **kwargs):
-    """`GPUModelRunner._model_forward`. Patched chunked eviction: the question tokens ride
-    along as extra rows after the (padded) batch; the attention backend knows where they are
-    from the step plan."""
-    state = get_state()
-    plan = None if state is None or state.token is None else state.plan
-    if plan is None or not plan.valid or not plan.num_questions or input_ids is None:
-        return stock_forward(runner, input_ids, positions, *args, **kwargs)
-    plan.question_offset = input_ids.shape[0]
-    input_ids = torch.cat([input_ids, plan.question_ids.to(input_ids.dtype)])
-    positions = torch.cat([positions, plan.question_positions.to(positions.dtype)])
-    out = stock_forward(runner, input_ids, positions, *args, **kwargs)
-    return out[: plan.question_offset] if isinstance(out, torch.Tensor) else out
+class QuestionRowsRunner:
+    """Mixed into vLLM's model runner for token eviction. Patched chunked eviction: the question
+    tokens ride along as extra rows after the (padded) batch; the attention backend knows where
+    they are from the step plan. `_model_forward` is the override point vLLM documents for
+    subclasses."""
+
+    kv_state: WorkerState
+
+    def _model_forward(self, input_ids=None, positions=None, *args, **kwargs):
+        plan = self.kv_state.plan
+        if plan is None or not plan.valid or not plan.num_questions or input_ids is None:
+            return super()._model_forward(input_ids, positions, *args, **kwargs)
+        plan.question_offset = input_ids.shape[0]
+        input_ids = torch.cat([input_ids, plan.question_ids.to(input_ids.dtype)])
+        positions = torch.cat([positions, plan.question_positions.to(positions.dtype)])
+        out = super()._model_forward(input_ids, positions, *args, **kwargs)
+        return out[: plan.question_offset] if isinstance(out, torch.Tensor) else out
+
+
+@functools.cache
+def question_rows_runner(runner_cls: type) -> type:
+    """vLLM's runner class with question rows (one class per runner class)."""
+    return type(f"QuestionRows{runner_cls.__name__}", (QuestionRowsRunner, runner_cls), {})
