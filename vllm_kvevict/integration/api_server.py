@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, Protocol
 
+from vllm_kvevict.integration.kv_stats.kv_transfer import stats_status
 from vllm_kvevict.overrides import check_vllm_xargs
+from vllm_kvevict.served import served_policy, serving
 from vllm_kvevict.stats import STATS_KEY
 
 logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
@@ -66,9 +68,6 @@ def remember_config(vllm_config) -> None:
 
 
 def server_context(model_config=None) -> ServerContext:
-    from vllm_kvevict.integration.kv_stats.kv_transfer import stats_status
-    from vllm_kvevict.served import served_policy, serving
-
     if _vllm_config is None:
         return ServerContext()
     served = served_policy(_vllm_config)

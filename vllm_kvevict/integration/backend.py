@@ -17,6 +17,7 @@ import torch
 from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.config import get_current_vllm_config
+from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
                                                  CPUAttentionMetadataBuilder)
 
@@ -26,8 +27,6 @@ from vllm_kvevict.integration.worker import get_state, init_state
 
 
 def _layer_index(layer) -> int:
-    from vllm.model_executor.models.utils import extract_layer_index
-
     return extract_layer_index(layer.layer_name)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 from vllm.config import get_current_vllm_config
+from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backends.flex_attention import (FlexAttentionBackend, FlexAttentionImpl,
                                                        FlexAttentionMetadataBuilder)
 
@@ -139,8 +140,6 @@ class KVEvictFlexImpl(FlexAttentionImpl):
         # sequence's pages per query block, and torch's CPU template refuses a mask narrower
         # than the whole paged cache ("KV seqlen must be smaller than the block_mask size").
         if attn_metadata is not None:
-            from vllm.model_executor.models.utils import extract_layer_index
-
             streaming = self.heads.streaming_q[extract_layer_index(layer.layer_name)]
             key_ = tuple(streaming.tolist())
             masks = attn_metadata.kvevict_masks

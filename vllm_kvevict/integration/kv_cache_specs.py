@@ -33,8 +33,11 @@ from dataclasses import dataclass
 
 import torch
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+from vllm_kvevict.integration.streaming.sink_window import (COMPANION_SUFFIX, PromptFullSpec,
+                                                            SinkWindowSpec, prefix_retention)
 from vllm_kvevict.ledger import LayerGroups
 
 logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
@@ -175,10 +178,6 @@ def layer_groups(kv_cache_config, num_layers: int) -> LayerGroups:
     scheduler and the worker, from the same KVCacheConfig). One group when unknown. Streaming
     heads' groups in the pool (`sink_window.py`) evict nothing: a layer counts in its full
     heads' group only, a layer without full heads (sharing its companion's cache) in none."""
-    from vllm.model_executor.models.utils import extract_layer_index
-
-    from vllm_kvevict.integration.streaming.sink_window import COMPANION_SUFFIX
-
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     streaming = {g for g, group in enumerate(groups)
                  if any(n.endswith(COMPANION_SUFFIX) for n in group.layer_names)}
@@ -205,8 +204,6 @@ def declare_specs(runner, stock_specs, state) -> dict:
     eviction alone one KV-cache group per tier of layers."""
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention import Attention
-    from vllm.model_executor.models.utils import extract_layer_index
-
     layers = get_layers_from_vllm_config(runner.vllm_config, Attention)
     index = {name: extract_layer_index(name) for name in layers}
     if state.in_pool:
@@ -242,9 +239,6 @@ def _declare_pool_specs(runner, stock_specs, state, layers, index) -> dict:
     """A head mask: each layer's full heads in its own spec (a layer without any shares its
     companion's cache, which gives it attention metadata), its streaming heads in a companion
     `StreamingCacheLayer` with a `SinkWindowSpec` (`sink_window.py`)."""
-    from vllm_kvevict.integration.streaming.sink_window import (COMPANION_SUFFIX, PromptFullSpec,
-                                                      SinkWindowSpec, prefix_retention)
-
     context = runner.vllm_config.compilation_config.static_forward_context
     cfg = state.config
     companions = {}

@@ -11,8 +11,10 @@ attention. Keep this file import-light: vLLM modules are imported when the table
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
+import sys
 from dataclasses import dataclass
 
 from vllm_kvevict.integration.versions import KV_CACHE_PLANNING, MERGE_WORKER_SPECS
@@ -223,10 +225,10 @@ def register() -> None:
         KVConnectorFactory.register_connector(
             "KVEvictStatsConnector", "vllm_kvevict.integration.kv_stats.stats_connector",
             "KVEvictStatsConnector")
+    # (in here: sink_window imports vLLM's managers; this module stays import-light)
     from vllm_kvevict.integration.streaming.sink_window import register_manager
 
     register_manager()  # our sink + window spec -> manager (vLLM's spec registry)
-    import sys
 
     api_server = "vllm.entrypoints.launchers.api_server.entry" in sys.modules
     for wrap in WRAPS:
@@ -245,8 +247,6 @@ def _resolve(spec: str):
 
 
 def _apply(wrap: Wrap) -> None:
-    import functools
-
     owner, attr = _resolve(wrap.target)
     hook_owner, hook_attr = _resolve(wrap.hook)
     hook = getattr(hook_owner, hook_attr)
@@ -282,6 +282,7 @@ def create_engine_config(engine_args, stock_create, *args, **kwargs):
     config (unless the user chose one), then vLLM's config, then validation against the model
     (which builds this process's served policy), then our scheduler and worker classes in
     the config."""
+    # (in here: these import vLLM, which the plugin entry point must not do at load)
     from vllm_kvevict.integration import api_server, kvevict_scheduler, kvevict_worker, validation
     from vllm_kvevict.integration.kv_stats import kv_transfer
 

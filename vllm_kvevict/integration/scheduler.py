@@ -14,6 +14,8 @@ import inspect
 import logging
 
 from vllm_kvevict.integration.admission import GrowthReserve
+from vllm_kvevict.integration.kv_cache_specs import layer_groups
+from vllm_kvevict.integration.streaming.sink_window import canonical_chunk
 from vllm_kvevict.integration.token_eviction.token_ledger import TokenEvictionLedger
 from vllm_kvevict.served import served_policy
 
@@ -34,9 +36,6 @@ def attach(scheduler) -> None:
     """After vLLM's Scheduler.__init__ (in `KVEvictScheduler`): the growth reserve for head-mask
     policies, the ledger for token-eviction ones (`full` stays stock vLLM)."""
     global _reserve
-    from vllm_kvevict.integration.kv_cache_specs import layer_groups
-    from vllm_kvevict.integration.streaming.sink_window import canonical_chunk
-
     served = served_policy(scheduler.vllm_config)
     cfg = served.config
     reserve_growth = cfg.admission == "reserve"

@@ -16,6 +16,7 @@ from vllm_kvevict.features import (PARALLEL_FLAGS, connector_error, kv_cache_dty
                                      speculative_error)
 from vllm_kvevict.flags import fail
 from vllm_kvevict.flex.support import flex_error
+from vllm_kvevict.integration.kv_stats.kv_transfer import user_connectors
 from vllm_kvevict.served import policy_config_of, settle_config
 
 
@@ -39,8 +40,6 @@ def validate_against_model(vllm_config, prefix_caching_requested: bool | None = 
         parallel = getattr(vllm_config, "parallel_config", None)
         sizes = {field: getattr(parallel, field, 1) for field, _ in PARALLEL_FLAGS}
         cache_dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto")
-        from vllm_kvevict.integration.kv_stats.kv_transfer import user_connectors
-
         users = user_connectors(getattr(vllm_config, "kv_transfer_config", None))
         method = getattr(getattr(vllm_config, "speculative_config", None), "method", None)
         # features.py: which vLLM features each policy is served exactly with

@@ -5,6 +5,7 @@ vLLM's `MultiConnector`. `validation.py` refuses an evicting policy next to a us
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -75,8 +76,6 @@ def inject_config(engine_args) -> None:
     if ktc.kv_connector == MULTI:
         extra["connectors"] = [*_children(ktc), dict(OURS, kv_role=ktc.kv_role)]
     else:
-        import dataclasses
-
         user = {f.name: getattr(ktc, f.name) for f in dataclasses.fields(ktc)
                 if f.init and f.name != "engine_id"}
         extra = {"connectors": [user, dict(OURS, kv_role=ktc.kv_role)]}

@@ -15,6 +15,7 @@ import logging
 
 from vllm.v1.metrics.loggers import StatLoggerBase
 
+from vllm_kvevict.integration.api_server import engine_stats
 from vllm_kvevict.integration.kv_stats.connector_stats import our_payload
 
 logger = logging.getLogger("vllm.kvevict")
@@ -28,7 +29,6 @@ class KVEvictStatLogger(StatLoggerBase):
         payload = our_payload(getattr(scheduler_stats, "kv_connector_stats", None))
         if payload is None:
             return
-        from vllm_kvevict.integration.api_server import engine_stats
 
         try:
             engine_stats(payload, running=scheduler_stats.num_running_reqs,

@@ -47,6 +47,7 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, Slid
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
 from vllm_kvevict.overrides import request_prompt_len
+from vllm_kvevict.served import served_policy
 
 COMPANION_SUFFIX = ".kvevict_streaming"
 
@@ -57,8 +58,6 @@ def canonical_chunk(vllm_config) -> int:
     steps), 0 otherwise (each step is its own chunk). One value for the scheduler, the specs,
     the worker and the stats. An E below the budget lets a chunk run in one step beside the
     decodes sharing that budget, which is what lets a chunk's end drop its positions."""
-    from vllm_kvevict.served import served_policy
-
     cfg = served_policy(vllm_config).config
     if not cfg.uses_head_mask or cfg.evicts_tokens:
         return 0
