@@ -9,13 +9,18 @@ SERVE_FLAGS ?= --served-model-name smollm2 --dtype float32 \
 	--host 127.0.0.1 --port $(PORT) --max-num-batched-tokens $(CHUNK) \
 	--kv-cache-memory-bytes $(KV_POOL_BYTES)
 
-.PHONY: install install-vllm033 model serve test test-fast test-vllm033 test-all
+.PHONY: install install-vllm033 install-torch-only model serve test test-fast test-vllm033 \
+	test-kernels test-all
 install:
 	@bash scripts/install.sh
 
 # the second test environment: vLLM 0.33.0's engine side (scripts/install_vllm033.sh)
 install-vllm033:
 	@bash scripts/install_vllm033.sh
+
+# the third: torch and transformers only (scripts/install_torch_only.sh)
+install-torch-only:
+	@bash scripts/install_torch_only.sh
 
 model: install
 	@$(PY) -m vllm_kvevict.model >/dev/null
@@ -30,24 +35,31 @@ serve: model
 WORKERS ?= 2
 PARALLEL := -n $(WORKERS) --dist loadfile --no-loadscope-reorder
 
-# Then the tests that need no served model again, in the vLLM 0.33 environment (test-vllm033).
-test: model install-vllm033
+# Then the tests that need no served model again, in the vLLM 0.33 environment (test-vllm033),
+# and the kernel check in an environment without vLLM (test-kernels).
+test: model install-vllm033 install-torch-only
 	$(PY) -m pytest -q $(PARALLEL) -m "not slow and not serial" --durations=40; a=$$?; \
 	$(PY) -m pytest -q -m "serial and not slow" --durations=10; b=$$?; \
 	$(MAKE) --no-print-directory test-vllm033; c=$$?; \
-	echo "[test] parallel part exited $$a, serial part $$b, vLLM 0.33 part $$c"; \
-	[ $$a -eq 0 ] && [ $$b -eq 0 ] && [ $$c -eq 0 ]
+	$(MAKE) --no-print-directory test-kernels; d=$$?; \
+	echo "[test] parallel part exited $$a, serial part $$b, vLLM 0.33 part $$c, no-vLLM kernel part $$d"; \
+	[ $$a -eq 0 ] && [ $$b -eq 0 ] && [ $$c -eq 0 ] && [ $$d -eq 0 ]
 
 # vLLM 0.33: KV-cache specs and managers, scheduler side, ledger, stats, contract tests
 # (tests marked served_release or server need 0.32's CPU ops or a served model: skipped there)
 # (the files that import vLLM; the rest is plain Python, the same under either release)
 PY033 := .venv-vllm033/bin/python
-VLLM033_TESTS := $(addprefix tests/test_,vllm_contract.py sink_window.py \
+VLLM033_TESTS := $(addprefix tests/test_,vllm_contract.py sink_window.py selfcheck.py \
 	eviction_bookkeeping.py kv_stats_unit.py scheduler_class.py config_cli.py features.py \
 	fp8.py hybrid.py install.py layout.py speculative.py tensor_parallel.py)
 test-vllm033: model install-vllm033
 	VLLM_TARGET_DEVICE=cpu $(PY033) -m pytest -q $(PARALLEL) \
 		-m "not slow and not serial and not server and not served_release" $(VLLM033_TESTS)
+
+# The self-check's kernel part where vLLM is not installed (eager: the compiled kernels are
+# checked in .venv by tests/test_flex_kernel.py)
+test-kernels: install-torch-only
+	.venv-torch/bin/python -m vllm_kvevict.flex.kernel_check --eager
 
 # the developers' tier: no server, ~3.5 minutes here on two workers (the full suite starts vllm serve ~34x)
 test-fast: model

@@ -7,21 +7,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="$(pwd)/.venv-vllm033"
-PY=${PYTHON:-python3.11}
-command -v "$PY" >/dev/null 2>&1 || PY=python3
-STAMP="$VENV/.kvevict-install-stamp"
-want=$(cat pyproject.toml scripts/install_vllm033.sh | sha256sum | cut -d' ' -f1)
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
-  exit 0
-fi
-quiet_pip() {  # pip without the noise of this machine's empty local indexes
-  "$VENV/bin/pip" "$@" 2>&1 | grep -v -E "is ignored: it is neither a file nor a directory|^$" || true
-  return "${PIPESTATUS[0]}"
-}
+source scripts/pip_env.sh
+env_is_current pyproject.toml scripts/install_vllm033.sh scripts/pip_env.sh && exit 0
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 echo "[install] vLLM 0.33.0 (second test environment) into .venv-vllm033 ..."
 quiet_pip install -q "vllm==0.33.0"
 quiet_pip install -q -e ".[dev]"  # the project's dependencies beside vLLM's, without the cpu extra
 VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -c "import vllm; assert vllm.__version__.startswith('0.33.0'), vllm.__version__"
-echo "$want" > "$STAMP"
+mark_current
 echo "[install] vLLM 0.33.0 done"

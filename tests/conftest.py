@@ -22,7 +22,7 @@ from vllm_kvevict.launch import ServerProcess, free_port
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 SERVED_NAME = "smollm2"
-SERVED_RELEASE = (0, 32)  # registration.SUPPORTED_VLLM
+SERVED_RELEASE = (0, 32)  # integration/support.py: SUPPORTED_VLLM
 
 
 class VLLMServer(ServerProcess):

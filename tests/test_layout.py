@@ -38,11 +38,30 @@ def test_server_imports_neither_vllm_nor_the_package(path):
     assert not imports_of(path) & {"vllm", "vllm_kvevict"}
 
 
-@pytest.mark.parametrize("path", [p for p in files("vllm_kvevict") if "integration" not in p.parts],
+@pytest.mark.parametrize("path", [p for p in files("vllm_kvevict")
+                                  if not {"integration", "selfcheck"} & set(p.parts)
+                                  or p.name == "records.py"],
                          ids=lambda p: str(p.relative_to(REPO)))
 def test_only_integration_imports_vllm(path):
-    """Policies, ledger maths, stats, masks, reference, training, evaluation: plain Python."""
+    """Policies, ledger maths, stats, masks, reference, training, evaluation: plain Python
+    (and the self-check's pass records, which the plugin's entry point reads)."""
     assert "vllm" not in imports_of(path)
+
+
+SELFCHECK_VLLM_API = {("vllm", None), ("vllm", "LLM"), ("vllm", "SamplingParams"),
+                      ("vllm.platforms", "current_platform")}
+
+
+@pytest.mark.parametrize("path", files("vllm_kvevict/selfcheck"), ids=lambda p: p.name)
+def test_the_selfcheck_uses_vllms_public_api_only(path):
+    """The self-check drives vLLM as a user does (the offline LLM class), nothing internal."""
+    used = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            used |= {(a.name, None) for a in node.names if a.name.split(".")[0] == "vllm"}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "vllm":
+            used |= {(node.module, a.name) for a in node.names}
+    assert used <= SELFCHECK_VLLM_API, used - SELFCHECK_VLLM_API
 
 
 @pytest.mark.parametrize("path", files("vllm_kvevict/integration"),

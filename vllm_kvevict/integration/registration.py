@@ -17,6 +17,7 @@ import logging
 import sys
 from dataclasses import dataclass
 
+from vllm_kvevict.integration.support import activation, platform_name, vllm_version
 from vllm_kvevict.integration.versions import KV_CACHE_PLANNING, MERGE_WORKER_SPECS
 
 logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
@@ -163,50 +164,28 @@ TOUCHED = (
 
 PATCHED = tuple(w.target.replace(":", ".") for w in WRAPS)
 
-# What this release is built and tested for. Anywhere else the plugin stays inert: `vllm serve`
-# without --kv-* flags is stock vLLM (one log line says why), and a --kv-* flag (or
-# `additional_config["kv_policy"]`) stops the server at start-up with that reason.
-SUPPORTED_VLLM = ("0.32.0",)
-SUPPORTED_PLATFORMS = ("cpu",)
+# Where the plugin is inactive (`support.py`), only these rows apply: a --kv-* flag or a policy
+# in the config gets our error, not argparse's or silence.
 INERT_WRAPS = ("vllm.engine.arg_utils:EngineArgs.add_cli_args",
-               "vllm.engine.arg_utils:EngineArgs.from_cli_args")
+               "vllm.engine.arg_utils:EngineArgs.from_cli_args",
+               "vllm.engine.arg_utils:EngineArgs.create_engine_config")
 
 _registered = False
 inactive_reason: str | None = None
+unlocked_by: dict[str, str] = {}  # on an unsupported platform: dtype -> the pass that unlocks it
 applied: dict[str, object] = {}  # target -> vLLM's original (tests check every row applied)
 
 
-def vllm_version() -> str:
-    import vllm
-
-    return str(getattr(vllm, "__version__", "unknown"))
-
-
-def platform_name() -> str:
-    from vllm.platforms import current_platform
-
-    return str(current_platform.device_type)
-
-
-def support_problem(version: str, platform: str) -> str | None:
-    """Why this vLLM cannot be served by this release (None: it can)."""
-    base = version.split("+")[0]
-    if base not in SUPPORTED_VLLM:
-        return (f"vLLM {version} is not supported (supported: {', '.join(SUPPORTED_VLLM)}): "
-                "the plugin patches vLLM internals checked only for those versions")
-    if platform not in SUPPORTED_PLATFORMS:
-        return (f"platform {platform!r} is not supported (supported: "
-                f"{', '.join(SUPPORTED_PLATFORMS)}); docs/design.md, 'The CUDA path', says "
-                "how the policies would map onto vLLM's GPU backends")
-    return None
-
-
 def register() -> None:
-    global _registered, inactive_reason
+    global _registered, inactive_reason, unlocked_by
     if _registered:
         return
     _registered = True
-    inactive_reason = support_problem(vllm_version(), platform_name())
+    inactive_reason, unlocked_by = activation(vllm_version(), platform_name())
+    if unlocked_by:
+        logger.warning("vllm-kvevict: vLLM %s on %s is outside the supported list; active by "
+                       "the self-check: %s", vllm_version(), platform_name(),
+                       ", ".join(f"{k}: {v}" for k, v in sorted(unlocked_by.items())))
     if inactive_reason is not None:
         logger.info("vllm-kvevict: plugin inactive: %s", inactive_reason)
         for wrap in WRAPS:
@@ -283,12 +262,18 @@ def create_engine_config(engine_args, stock_create, *args, **kwargs):
     (which builds this process's served policy), then our scheduler and worker classes in
     the config."""
     # (in here: these import vLLM, which the plugin entry point must not do at load)
-    from vllm_kvevict.integration import api_server, kvevict_scheduler, kvevict_worker, validation
+    from vllm_kvevict.integration import validation
+
+    if inactive_reason is not None:  # a policy asked for through the config (the offline LLM)
+        validation.refusing(validation.check_inactive, engine_args, inactive_reason)
+        return stock_create(engine_args, *args, **kwargs)
+    from vllm_kvevict.integration import api_server, kvevict_scheduler, kvevict_worker
     from vllm_kvevict.integration.kv_stats import kv_transfer
 
     kv_transfer.inject_config(engine_args)
     requested = engine_args.enable_prefix_caching  # None unless the user set it
     vllm_config = stock_create(engine_args, *args, **kwargs)
+    validation.refusing(validation.check_unlocked, vllm_config, unlocked_by)
     validation.validate_against_model(vllm_config, prefix_caching_requested=requested)
     validation.refusing(kvevict_scheduler.install, vllm_config)
     validation.refusing(kvevict_worker.install, vllm_config)

@@ -17,7 +17,8 @@ from vllm_kvevict.features import (PARALLEL_FLAGS, connector_error, kv_cache_dty
 from vllm_kvevict.flags import fail
 from vllm_kvevict.flex.support import flex_error
 from vllm_kvevict.integration.kv_stats.kv_transfer import user_connectors
-from vllm_kvevict.served import policy_config_of, settle_config
+from vllm_kvevict.integration.support import unlocked_dtype_error
+from vllm_kvevict.served import ADDITIONAL_CONFIG_KEY, policy_config_of, settle_config
 
 
 def _running_vllm_cli() -> bool:
@@ -76,6 +77,25 @@ def validate_against_model(vllm_config, prefix_caching_requested: bool | None = 
         if _running_vllm_cli():
             fail(str(exc))
         raise
+
+
+def check_inactive(engine_args, inactive_reason: str) -> None:
+    """The plugin is inactive here: a policy in `additional_config` would be silently ignored."""
+    policy = ((engine_args.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+              if isinstance(engine_args.additional_config, dict) else None)
+    if isinstance(policy, dict) and policy.get("policy", "full") != "full":
+        raise KVPolicyError(f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] needs an active "
+                            f"plugin, and it is inactive here: {inactive_reason}")
+
+
+def check_unlocked(vllm_config, unlocked_by: dict[str, str]) -> None:
+    """A policy on a platform unlocked by the self-check: only in a dtype it passed in."""
+    if policy_config_of(vllm_config).policy == "full":
+        return
+    dtype = str(getattr(vllm_config.model_config, "dtype", "")).removeprefix("torch.")
+    error = unlocked_dtype_error(dtype, unlocked_by)
+    if error:
+        raise KVPolicyError(error)
 
 
 def refusing(check, *args) -> None:

@@ -20,6 +20,7 @@ from vllm_kvevict.integration.kv_stats.connector_stats import our_payload
 
 logger = logging.getLogger("vllm.kvevict")
 
+
 class KVEvictStatLogger(StatLoggerBase):
     def __init__(self, vllm_config, engine_index: int = 0) -> None:
         self.engine_index = engine_index
@@ -29,7 +30,6 @@ class KVEvictStatLogger(StatLoggerBase):
         payload = our_payload(getattr(scheduler_stats, "kv_connector_stats", None))
         if payload is None:
             return
-
         try:
             engine_stats(payload, running=scheduler_stats.num_running_reqs,
                          waiting=scheduler_stats.num_waiting_reqs,
