@@ -522,3 +522,39 @@ def test_engine_death_is_visible_to_the_api_server():
     assert "async_llm.shutdown(timeout=vllm_config.shutdown_timeout)" in inspect.getsource(
         entry.build_async_engine_client_from_engine_args)
     assert "generator" in {f.name for f in dataclasses.fields(CachedRequestState)}
+
+
+def test_the_scheduler_reaches_every_kv_cache_manager():
+    """KVEvictScheduler hands its admission rule to each manager vLLM built, through
+    `kv_cache_manager.coordinator.single_type_managers` (one manager per KV-cache group)."""
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    assert "self.kv_cache_manager = KVCacheManager(" in inspect.getsource(Scheduler.__init__)
+    assert "self.coordinator = get_kv_cache_coordinator(" in inspect.getsource(
+        KVCacheManager.__init__)
+    assert "self.single_type_managers = tuple(" in inspect.getsource(KVCacheCoordinator.__init__)
+
+
+def test_the_v2_runner_keeps_the_sink_readable():
+    """vLLM 0.33's V2 model runner reads `SlidingWindowSpec.num_retained_tokens` per group and
+    nulls block-table entries below it (0 turns that off): our sink + window spec answers 0, so
+    its sink blocks stay in the table. On 0.32 the property does not exist upstream (nothing
+    reads it) and ours is inert."""
+    import torch
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    from vllm_kvevict.integration.streaming.sink_window import SinkWindowSpec
+    from vllm_kvevict.integration.versions import vllm_release
+
+    spec = SinkWindowSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float32,
+                          sliding_window=257, sink=64)
+    assert spec.num_retained_tokens == 0
+    if vllm_release() >= (0, 33):
+        assert SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=64,
+                                 dtype=torch.float32, sliding_window=257).num_retained_tokens == 256
+        from vllm.v1.worker.gpu import block_table, model_runner
+
+        assert "layer_spec.num_retained_tokens" in inspect.getsource(model_runner)
+        assert "0 disables it for the group" in inspect.getsource(block_table)

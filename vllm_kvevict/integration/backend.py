@@ -202,7 +202,7 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
             chunk_k = key[job.start:job.end]
             chunk_v = value[job.start:job.end]
             if c > step:  # the chunk's earlier steps: read back from the paged cache
-                past_k, past_v = paged_layout(key_cache.dtype, state.block_size,
+                past_k, past_v = paged_layout(key_cache.dtype, self.kv_state.block_size,
                                               self.head_size, layer.isa).read(
                     key_cache, value_cache, plan.table(l)[job.row], job.phys_before[l], c - step)
                 chunk_k, chunk_v = torch.cat([past_k, chunk_k]), torch.cat([past_v, chunk_v])

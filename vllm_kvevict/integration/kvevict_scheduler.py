@@ -17,22 +17,29 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_kvevict.config import KVPolicyError
 from vllm_kvevict.integration.composition import install_over, resolve
-from vllm_kvevict.integration.scheduler import attach, ledger, reserve
+from vllm_kvevict.integration.scheduler import attach
+from vllm_kvevict.integration.token_eviction.token_ledger import TokenEvictionLedger
 from vllm_kvevict.integration.kv_stats.stats_connector import on_step_output
 from vllm_kvevict.overrides import request_prompt_len
 
 
 class KVEvictScheduler(Scheduler):
+    kv_reserve = None  # the admission rule / token-eviction ledger; None: stock vLLM
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        attach(self)
+        self.kv_reserve = attach(self)
+        # vLLM built one manager per KV-cache group: each gets the rule it counts slots by
+        for manager in self.kv_cache_manager.coordinator.single_type_managers:
+            manager.kvevict_reserve = self.kv_reserve
 
     def schedule(self, *args, **kwargs):
         """Apply last step's evictions first; afterwards record prompt chunks (for exact
         replay) and the chunks this step will compress."""
-        rule, book = reserve(), ledger()
-        if rule is None or rule.scheduler is not self:
+        rule = self.kv_reserve
+        if rule is None:
             return super().schedule(*args, **kwargs)
+        book = rule if isinstance(rule, TokenEvictionLedger) else None
         if book is not None:
             book.before_schedule()
         if self.cache_config.enable_prefix_caching:
@@ -58,8 +65,8 @@ class KVEvictScheduler(Scheduler):
         (`ledger.cap_step_in_eviction_chunk`)."""
         num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens,
                                                             num_new_tokens)
-        rule = reserve()
-        if rule is None or rule.scheduler is not self:
+        rule = self.kv_reserve
+        if rule is None:
             return num_new_tokens
         return rule.step_cap(request, num_computed_tokens, num_new_tokens)
 

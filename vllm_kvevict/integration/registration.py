@@ -143,6 +143,8 @@ TOUCHED = (
     ("kv_transfer.py", "kv_transfer_config", "our stats connector, alone or beside the "
                                              "user's, before vLLM builds the config"),
     ("kvevict_scheduler.py", "scheduler_cls", "our Scheduler subclass, vLLM's extension point"),
+    ("kvevict_scheduler.py", "kvevict_reserve", "the scheduler's admission rule / ledger, handed "
+                                                "to each KV-cache manager it built"),
     ("kvevict_scheduler.py", "skip_reading_prefix_cache",
      "a teacher-forced tail must not be served from the prefix cache"),
     ("kvevict_worker.py", "worker_cls", "our CPUWorker subclass, vLLM's extension point"),

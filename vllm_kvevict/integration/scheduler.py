@@ -2,9 +2,10 @@
 token eviction, the ledger of physical slots, attached to our `KVEvictScheduler`
 (`kvevict_scheduler.py`) when vLLM builds it.
 
-One scheduler per engine-core process, so the attached rule is found one way, `reserve()` (the
-token-eviction ledger is a `GrowthReserve` with compressed sizes; `ledger()` is it or None).
-The KV-cache-manager functions below are the bodies of wraps listed in `registration.py`.
+`attach` builds the rule once per scheduler; the scheduler keeps it and hands it to each of its
+KV-cache managers (`KVEvictScheduler.__init__`), where the KV-cache-manager functions below,
+the bodies of wraps listed in `registration.py`, find it (the token-eviction ledger is a
+`GrowthReserve` with compressed sizes).
 """
 
 from __future__ import annotations
@@ -21,40 +22,29 @@ from vllm_kvevict.served import served_policy
 
 logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
 
-_reserve: GrowthReserve | None = None
 
-
-def reserve() -> GrowthReserve | None:
-    return _reserve
-
-
-def ledger() -> TokenEvictionLedger | None:
-    return _reserve if isinstance(_reserve, TokenEvictionLedger) else None
-
-
-def attach(scheduler) -> None:
+def attach(scheduler) -> GrowthReserve | None:
     """After vLLM's Scheduler.__init__ (in `KVEvictScheduler`): the growth reserve for head-mask
-    policies, the ledger for token-eviction ones (`full` stays stock vLLM)."""
-    global _reserve
+    policies, the ledger for token-eviction ones, None for `full` (stock vLLM)."""
     served = served_policy(scheduler.vllm_config)
     cfg = served.config
     reserve_growth = cfg.admission == "reserve"
     if cfg.uses_head_mask and not cfg.evicts_tokens:
-        _reserve = GrowthReserve(reserve_growth=reserve_growth)
-        _reserve.canonical_chunk = canonical_chunk(scheduler.vllm_config)
+        rule = GrowthReserve(reserve_growth=reserve_growth)
+        rule.canonical_chunk = canonical_chunk(scheduler.vllm_config)
     elif cfg.evicts_tokens:  # (a head mask with a token policy: its full heads' slots)
         groups = layer_groups(scheduler.kv_cache_config, served.shape.num_layers)
         # the prompt is compressed once per eviction chunk: its peak need follows that chunk
         chunk = cfg.eviction_chunk or scheduler.vllm_config.scheduler_config.max_num_batched_tokens
-        _reserve = TokenEvictionLedger(served.policy, chunk, groups, reserve_growth=reserve_growth,
-                                       for_request=served.for_request)
+        rule = TokenEvictionLedger(served.policy, chunk, groups, reserve_growth=reserve_growth,
+                                   for_request=served.for_request)
         logger.info("vllm-kvevict: token eviction ledger over %d KV-cache group(s) of %s layers",
                     groups.num_groups,
                     sorted({len(groups.layers(g)) for g in range(groups.num_groups)}))
     else:
-        _reserve = None
-        return
-    _reserve.scheduler = scheduler
+        return None
+    rule.scheduler = scheduler
+    return rule
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,7 +58,8 @@ def blocks_to_allocate(manager, stock_count, *args, **kwargs):
     group's manager with the same counts). Admission (`apply_admission_cap`, vLLM's
     full-sequence gate) of every evicting policy: the growth reserve (`admission.py`), so no
     admitted request is ever preempted."""
-    rule, book = _reserve, ledger()
+    rule = getattr(manager, "kvevict_reserve", None)
+    book = rule if isinstance(rule, TokenEvictionLedger) else None
     if rule is None:
         return stock_count(manager, *args, **kwargs)
     bound = _signature(stock_count).bind(manager, *args, **kwargs)
@@ -97,8 +88,8 @@ def blocks_to_allocate(manager, stock_count, *args, **kwargs):
 def allocate_new_blocks(manager, stock_allocate, request_id, num_tokens, num_tokens_main_model,
                         *args, **kwargs):
     """`SingleTypeKVCacheManager.allocate_new_blocks`: physical slots of the group."""
-    book = ledger()
-    if book is not None:
+    book = getattr(manager, "kvevict_reserve", None)
+    if isinstance(book, TokenEvictionLedger):
         group = manager.kv_cache_group_id
         num_tokens = book.slots_needed(request_id, num_tokens, num_tokens_main_model, group)
         num_tokens_main_model = book.physical(request_id, num_tokens_main_model, group)

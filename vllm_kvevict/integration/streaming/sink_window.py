@@ -27,8 +27,7 @@ Regimes, chosen by vLLM's prefix caching (`canonical_chunk`) and its retention i
 - prefix caching on, the prompt chunked at multiples of E (`--kv-eviction-chunk`, by default
   the step budget) whatever vLLM's steps, so a cached block's K/V depend only on the tokens
   before it. A hit at h needs the sink and [kE - W, h) cached (k: h's chunk). Which positions
-  are stored follows `--prefix-cache-retention-interval` R, as for vLLM's own sliding-window
-  groups:
+  are stored follows `--prefix-cache-retention-interval` R, as for vLLM's sliding windows:
   - R = 0 (vLLM's default): a step that ends a chunk before the prompt's last stores only its
     last W positions (the next chunk reads them: hits at chunk boundaries cost nothing); the
     prompt's last chunk is stored whole (vLLM's replay boundary: a resent prompt, or a chat's
@@ -100,6 +99,8 @@ class SinkWindowSpec(SlidingWindowSpec):
         if not self.chunk:
             held = min(held, 2 * (cdiv(W, bs) + 1))
         return cdiv(self.sink, bs) + held
+
+    num_retained_tokens = property(lambda self: 0)  # 0.33's V2 runner: keep the sink readable
 
     def decode_blocks(self, num_spec_tokens: int = 0) -> int:
         """The most blocks a request holds once past its prompt: the sink and a decode step's
