@@ -289,3 +289,19 @@ def test_pyflakes_finds_nothing_in_the_code():
     count = checkRecursive([str(REPO / d) for d in ("vllm_kvevict", "server", "loadtest",
                                                       "scripts")], Reporter(out, out))
     assert count == 0, out.getvalue()
+
+
+def test_the_design_layout_tables_name_every_module():
+    """docs/design.md's layout tables match the tree: every module and package of
+    vllm_kvevict/, and every file of integration/ (by its path there), is named."""
+    text = (REPO / "docs" / "design.md").read_text()
+    layout = text[text.index("## Layout"):text.index("## What vLLM has no hook for")]
+    package = REPO / "vllm_kvevict"
+    missing = [p.name for p in package.iterdir()
+               if not p.name.startswith(("_", ".")) and p.name != "integration"
+               and (p.suffix == ".py" or p.is_dir())
+               and f"`{p.name}{'/' if p.is_dir() else ''}`" not in layout]
+    glue = package / "integration"
+    missing += [str(p.relative_to(glue)) for p in glue.rglob("*.py")
+                if p.name != "__init__.py" and f"`{p.relative_to(glue)}`" not in layout]
+    assert not missing, f"not in docs/design.md's layout tables: {missing}"
