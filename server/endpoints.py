@@ -52,7 +52,7 @@ def make_router():
         state = ServerStats.get()
         info = state.info()
         return JSONResponse({"now": time.time(), "policy": info["policy"],
-                             "params": info["params"], **state.timeline.view(since)})
+                             "params": info["params"], **state.timeline_view(since)})
 
     @router.get("/kv")
     async def live_view() -> HTMLResponse:

@@ -53,18 +53,20 @@ class KVEvictMetrics:
             "vllm_kvevict_requests", "Finished requests that reported kv_stats, by how they "
             "ended (stop, length, abort, error).", labels + ["finish_reason"],
             registry=registry)
-        # Gauges of the last engine step, one engine per API server: the last value wins.
+        # Gauges of each engine core's last step (label `engine`, as vLLM's own series: the
+        # data-parallel replica's index; 0 without data parallel).
+        pool = labels + ["engine"]
         self.pool_blocks_used = Gauge(
             "vllm_kvevict_pool_blocks_used", "Blocks of vLLM's KV pool held by requests, per "
-            "KV-cache group.", labels + ["group"], registry=registry,
+            "KV-cache group.", pool + ["group"], registry=registry,
             multiprocess_mode="mostrecent")
         self.pool_usage_vllm = Gauge(
             "vllm_kvevict_pool_usage_vllm", "vLLM's own KV pool usage (block_pool.get_usage, "
             "what vllm:kv_cache_usage_perc reports) at the step of vllm_kvevict_pool_blocks_used.",
-            labels, registry=registry, multiprocess_mode="mostrecent")
+            pool, registry=registry, multiprocess_mode="mostrecent")
         self.pool_blocks = Gauge(
             "vllm_kvevict_pool_blocks", "Blocks in vLLM's KV pool (shared by all KV-cache "
-            "groups).", labels, registry=registry, multiprocess_mode="mostrecent")
+            "groups).", pool, registry=registry, multiprocess_mode="mostrecent")
 
     def observe(self, stats: Mapping[str, Any]) -> None:
         policy = str(stats.get("policy") or "unknown")
@@ -78,14 +80,14 @@ class KVEvictMetrics:
         freed = stats.get("blocks_freed")
         self.blocks_freed.labels(policy).inc(max(freed, 0) if isinstance(freed, int) else 0)
 
-
-    def observe_pool(self, policy: str, snapshot: Mapping[str, Any]) -> None:
+    def observe_pool(self, policy: str, snapshot: Mapping[str, Any], engine: int = 0) -> None:
+        engine = str(engine)
         for group, used in enumerate(snapshot.get("blocks_used") or ()):
-            self.pool_blocks_used.labels(policy, str(group)).set(used)
+            self.pool_blocks_used.labels(policy, engine, str(group)).set(used)
         if isinstance(snapshot.get("vllm_usage"), float):
-            self.pool_usage_vllm.labels(policy).set(snapshot["vllm_usage"])
+            self.pool_usage_vllm.labels(policy, engine).set(snapshot["vllm_usage"])
         if isinstance(snapshot.get("num_blocks"), int):
-            self.pool_blocks.labels(policy).set(snapshot["num_blocks"])
+            self.pool_blocks.labels(policy, engine).set(snapshot["num_blocks"])
 
 
 _metrics: KVEvictMetrics | None = None

@@ -290,7 +290,8 @@ class ServerStats:
 
     def __init__(self) -> None:
         self.store = KVStatsStore()
-        self.timeline = Timeline()
+        # one timeline per engine core (data parallel: one per replica, by its index)
+        self.timelines: dict[int, Timeline] = {0: Timeline()}
         self.rss = ProcessTreeRSS()
         # engine id -> (API id, finish reason, stop reason) of requests that finished in the
         # API server without kv_stats (stop strings): their stats come later, in the engine's
@@ -301,6 +302,23 @@ class ServerStats:
         self._recorded: asyncio.Event | None = None  # set at the next recorded request
         self._loop: asyncio.AbstractEventLoop | None = None
         self.stats_wait_timeouts = 0  # responses sent without stats the engine still owed
+
+    @property
+    def timeline(self) -> Timeline:
+        """Engine 0's (the only one without data parallel)."""
+        return self.timelines[0]
+
+    def timeline_of(self, engine: int) -> Timeline:
+        with self._lock:
+            return self.timelines.setdefault(int(engine), Timeline())
+
+    def timeline_view(self, since: float) -> dict[str, Any]:
+        """Engine 0's timeline at the top (the live page reads it), and with data parallel
+        every engine's under `engines`, by index."""
+        view = self.timeline.view(since)
+        if len(self.timelines) > 1:
+            view["engines"] = {str(i): t.view(since) for i, t in sorted(self.timelines.items())}
+        return view
 
     @classmethod
     def get(cls) -> "ServerStats":
@@ -362,7 +380,9 @@ def _record(engine_id: str, external_id: str, stats: dict[str, Any]) -> dict[str
     if pending is not None:  # the API server ended it (stop string): its reason wins
         full["finish_reason"], full["stop_reason"] = pending[1], pending[2]
     if state.store.record(full, external_id):
-        state.timeline.finished(engine_id, full.get("finish_reason"))
+        rank = full.get("data_parallel_rank")
+        state.timeline_of(rank if isinstance(rank, int) else 0).finished(
+            engine_id, full.get("finish_reason"))
         try:
             state.metrics.observe(full)
         except Exception:  # metrics must never break a response
@@ -391,13 +411,14 @@ def record_output_finished(engine_id: str, external_id: str, finish_reason: str,
 
 
 def record_engine_stats(payload: dict[str, Any], running: int, waiting: int,
-                        usage: float | None) -> None:
+                        usage: float | None, engine: int = 0) -> None:
     """One engine step's connector payload: pool snapshots and a copy of every finished
-    request's kv_stats (recorded here when no output carried them: aborts, stop strings)."""
+    request's kv_stats (recorded here when no output carried them: aborts, stop strings).
+    `engine`: which engine core sent it (data parallel: the replica's index)."""
     state = ServerStats.get()
     snapshots = payload.get("snapshots") or ()
     for snapshot in snapshots:
-        state.timeline.add(snapshot, running, waiting, usage)
+        state.timeline_of(engine).add(snapshot, running, waiting, usage)
     for stats in payload.get("finished") or ():
         engine_id = str(stats.get("engine_request_id"))
         if state.store.has(engine_id):  # its output carried them already
@@ -407,7 +428,7 @@ def record_engine_stats(payload: dict[str, Any], running: int, waiting: int,
     if snapshots:
         try:
             policy = state.context.policy if state.context is not None else "unknown"
-            state.metrics.observe_pool(policy, snapshots[-1])
+            state.metrics.observe_pool(policy, snapshots[-1], engine)
         except Exception:
             logger.exception("vllm-kvevict: Prometheus update failed")
 

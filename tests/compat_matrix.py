@@ -46,6 +46,9 @@ TP_IDS = {"full": "kv4-full", "streaming": "kv4-streaming", "duo 0.3": "kv4-duo-
           "pyramidkv naive": "kv4-pyramidkv-naive-0.5-tiers2",
           "pyramidkv patched": "kv4-pyramidkv-patched-0.7"}
 TP_CI = ("prulong 0.7", "snapkv patched")
+# tests/test_data_parallel.py: the same tiny model and policies as tensor parallel
+DP_IDS = {column: test_id.removeprefix("kv4-") for column, test_id in TP_IDS.items()}
+DP_CI = TP_CI
 FP8_CI = ("prulong 0.7", "snapkv patched")  # tests/test_fp8.py: the same model and ids
 
 
@@ -222,11 +225,20 @@ ROWS = [
          HYBRID: Cell("refused", (HYBRID_TEST + "test_hybrid_refuses_what_it_is_not_tested_with",
                                   f"tests/test_features.py::test_parallel_layouts"
                                   f"[{COLUMNS[HYBRID]}]"), HYBRID_UNTESTED)}),
-    Row("pipeline / data parallel (> 1)",
+    Row("data parallel (`--data-parallel-size 2 --api-server-count 1`)",
+        {**{c: Cell("exact", (("" if c in DP_CI else "(s)")
+                              + "tests/test_data_parallel.py::"
+                              f"test_dp2_serves_the_reference_tokens_per_replica[{DP_IDS[c]}]",
+                              "tests/test_features.py::test_vllm_serve_refuses[dp-api-servers]"),
+                    "one engine core per replica, kv_stats naming it; vLLM's default of one API "
+                    "server per replica is refused (the kv_stats store lives in one)")
+            for c in COLUMNS if c != HYBRID},
+         HYBRID: Cell("refused", (f"tests/test_features.py::test_parallel_layouts"
+                                  f"[{COLUMNS[HYBRID]}]",), HYBRID_UNTESTED)}),
+    Row("pipeline parallel (> 1)",
         {c: Cell("refused", (f"tests/test_features.py::test_parallel_layouts[{COLUMNS[c]}]",
                              "tests/test_features.py::test_vllm_serve_refuses[pp]"),
-                 "not built: other layers per pipeline stage, one engine core per data-parallel "
-                 "replica")
+                 "not built: other layers per pipeline stage")
          for c in COLUMNS}),
 ]
 

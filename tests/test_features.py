@@ -13,9 +13,9 @@ import pytest
 from compat_matrix import COLUMNS
 from test_policies_vllm import CASES
 from vllm_kvevict.config import KVPolicyConfig
-from vllm_kvevict.features import (connector_error, kv_cache_dtype_error, lora_error,
-                                   model_error, parallel_error, prefix_caching_error,
-                                   prompt_embeds_error)
+from vllm_kvevict.features import (api_servers_error, connector_error, kv_cache_dtype_error,
+                                   lora_error, model_error, parallel_error,
+                                   prefix_caching_error, prompt_embeds_error)
 
 POLICIES = {"full": {"policy": "full"}, **{p: CASES[p][0] for p in COLUMNS.values() if p != "full"}}
 EVICTING = [p for p in POLICIES if p != "full"]
@@ -56,19 +56,28 @@ def test_kv_cache_dtypes(name):
 
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_parallel_layouts(name):
-    """Tensor parallel is served when the ranks split the KV heads evenly; pipeline and data
-    parallel are refused for every policy."""
+    """Tensor parallel is served when the ranks split the KV heads evenly; data parallel is
+    served (one engine core per replica) behind one API server; pipeline parallel is refused
+    for every policy."""
     cfg = config(name)
     assert parallel_error(cfg, {"tensor_parallel_size": 1, "pipeline_parallel_size": 1}) is None
-    for field, flag in (("pipeline_parallel_size", "--pipeline-parallel-size"),
-                        ("data_parallel_size", "--data-parallel-size")):
-        assert parallel_error(cfg, {field: 2}, 4) == (
-            f"{flag} 2 is not supported with --kv-policy {cfg.policy} yet; valid: 1")
-    if cfg.is_hybrid:  # not tested under tensor parallel yet (tests/test_hybrid.py)
+    assert parallel_error(cfg, {"pipeline_parallel_size": 2}, 4) == (
+        f"--pipeline-parallel-size 2 is not supported with --kv-policy {cfg.policy} yet; "
+        "valid: 1")
+    assert api_servers_error(cfg, None) is None and api_servers_error(cfg, 1) is None
+    assert api_servers_error(cfg, 2) == (
+        f"--api-server-count 2 is not supported with --kv-policy {cfg.policy}: kv_stats "
+        "lookups, the live view and the vllm_kvevict_* series live in one API-server process "
+        "(vLLM defaults the count to --data-parallel-size); valid: 1")
+    if cfg.is_hybrid:  # not tested under tensor / data parallel yet (tests/test_hybrid.py)
         assert parallel_error(cfg, {"tensor_parallel_size": 2}, 4) == (
             "--tensor-parallel-size 2 is not supported with --kv-token-policy yet (not tested "
             "against the reference); valid: 1")
+        assert parallel_error(cfg, {"data_parallel_size": 2}, 4) == (
+            "--data-parallel-size 2 is not supported with --kv-token-policy yet (not tested "
+            "against the reference); valid: 1")
         return
+    assert parallel_error(cfg, {"data_parallel_size": 2}, 4) is None
     assert parallel_error(cfg, {"tensor_parallel_size": 2}, 4) is None
     assert parallel_error(cfg, {"tensor_parallel_size": 4}, 4) is None
     assert parallel_error(cfg, {"tensor_parallel_size": 2}, 3) == (
@@ -127,7 +136,10 @@ def test_lora_refused_with_patched_eviction(name):
      "--enable-lora is not supported with --kv-policy snapkv --kv-eviction patched"),
     (["--kv-policy", "snapkv", "--enable-prefix-caching"],
      "--enable-prefix-caching is not supported with --kv-policy snapkv yet"),
-], ids=["fp8", "pp", "lora", "prefix-caching"])
+    # vLLM starts one API server per data-parallel replica unless told otherwise
+    (["--kv-policy", "prulong", "--data-parallel-size", "2"],
+     "--api-server-count 2 is not supported with --kv-policy prulong: kv_stats lookups"),
+], ids=["fp8", "pp", "lora", "prefix-caching", "dp-api-servers"])
 def test_vllm_serve_refuses(bundled_model_dir, argv, line):
     vllm = Path(sys.executable).parent / "vllm"
     proc = subprocess.run([str(vllm), "serve", str(bundled_model_dir), "--dtype", "float32",

@@ -408,6 +408,7 @@ def test_metrics_series():
                      "blocks_freed": 0, "finish_reason": "abort"})
     metrics.observe_pool("snapkv", {"blocks_used": [12, 3], "num_blocks": 100,
                                     "vllm_usage": 15 / 99})
+    metrics.observe_pool("snapkv", {"blocks_used": [5, 1], "num_blocks": 80}, engine=1)
     text = generate_latest(registry).decode()
     assert 'vllm_kvevict_footprint_count{policy="snapkv"} 2.0' in text
     assert 'vllm_kvevict_footprint_sum{policy="snapkv"} 0.8' in text
@@ -415,9 +416,12 @@ def test_metrics_series():
     assert 'vllm_kvevict_blocks_freed_total{policy="snapkv"} 7.0' in text
     assert 'vllm_kvevict_requests_total{finish_reason="length",policy="snapkv"} 1.0' in text
     assert 'vllm_kvevict_requests_total{finish_reason="abort",policy="snapkv"} 1.0' in text
-    assert 'vllm_kvevict_pool_blocks_used{group="1",policy="snapkv"} 3.0' in text
-    assert 'vllm_kvevict_pool_blocks{policy="snapkv"} 100.0' in text
-    usage = re.search(r'vllm_kvevict_pool_usage_vllm\{policy="snapkv"\} (\S+)', text)
+    # the engine core's index (data parallel), as vLLM labels its own series
+    assert 'vllm_kvevict_pool_blocks_used{engine="0",group="1",policy="snapkv"} 3.0' in text
+    assert 'vllm_kvevict_pool_blocks{engine="0",policy="snapkv"} 100.0' in text
+    assert 'vllm_kvevict_pool_blocks_used{engine="1",group="1",policy="snapkv"} 1.0' in text
+    assert 'vllm_kvevict_pool_blocks{engine="1",policy="snapkv"} 80.0' in text
+    usage = re.search(r'vllm_kvevict_pool_usage_vllm\{engine="0",policy="snapkv"\} (\S+)', text)
     assert round(float(usage.group(1)) * 99) == 15
 
 
@@ -465,6 +469,40 @@ def test_aborted_and_stop_string_requests_are_recorded_once_with_their_reason():
         assert trace["request_id"] == "cmpl-2-0" and trace["points"] == [[10.0, 400, 800]]
         assert trace["finished"] and trace["finish_reason"] == "abort"
         assert state.timeline.view(10.0)["samples"] == []
+        assert "engines" not in state.timeline_view(0.0)  # one engine core
+    finally:
+        st.ServerStats._instance = None
+
+
+def test_data_parallel_engines_keep_their_own_timeline():
+    """With data parallel each engine core's pool snapshots land in its own timeline (the
+    stat logger passes vLLM's engine index); a finished request closes its trace in the
+    timeline of the replica that served it (kv_stats carry `data_parallel_rank`)."""
+    from server import store as st
+
+    st.ServerStats._instance = None
+    state = st.ServerStats.get()
+    try:
+        def snap(t, used, blocks, live):
+            return {"t": t, "blocks_used": [used], "num_blocks": blocks, "group_names": ["g"],
+                    "bytes_per_block": [100], "block_size": 16, "requests": live}
+
+        st.record_engine_stats({"snapshots": [snap(1.0, 4, 50, {"cmpl-a-0-aaaaaaaa": [4, 8]})]},
+                               1, 0, 0.1, engine=0)
+        st.record_engine_stats({"snapshots": [snap(1.5, 7, 60, {"cmpl-b-0-bbbbbbbb": [7, 9]})]},
+                               1, 0, 0.2, engine=1)
+        view = state.timeline_view(0.0)
+        assert view["pool"]["num_blocks"] == 50  # engine 0's at the top (the live page)
+        assert sorted(view["engines"]) == ["0", "1"]
+        one = view["engines"]["1"]
+        assert one["pool"]["num_blocks"] == 60 and one["samples"][0]["blocks_used"] == [7]
+        assert [r["request_id"] for r in one["requests"]] == ["cmpl-b-0"]
+        st.record_engine_output("cmpl-b-0-bbbbbbbb", "cmpl-b-0", {"kv_stats": {
+            "engine_request_id": "cmpl-b-0-bbbbbbbb", "policy": "full",
+            "finish_reason": "length", "data_parallel_rank": 1}})
+        (trace,) = state.timeline_view(0.0)["engines"]["1"]["requests"]
+        assert trace["finished"] and trace["finish_reason"] == "length"
+        assert not state.timeline_view(0.0)["engines"]["0"]["requests"][0]["finished"]
     finally:
         st.ServerStats._instance = None
 

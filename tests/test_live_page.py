@@ -33,8 +33,8 @@ class FakeTimeline:
             ("cmpl-b-0", "cmpl-b-0-3c4d", 30.0, None, None),
             ("cmpl-c-0", "cmpl-c-0-5e6f", 55.0, None, None)]
 
-    def __init__(self, empty: bool = False, api_key: str | None = None):
-        self.empty, self.api_key = empty, api_key
+    def __init__(self, empty: bool = False, api_key: str | None = None, engines: bool = False):
+        self.empty, self.api_key, self.engines = empty, api_key, engines
         self.calls: list[dict] = []   # since and Authorization of every timeline call
 
     @staticmethod
@@ -78,7 +78,13 @@ class FakeTimeline:
                                 "waiting": 1 if T0 + 28 <= t < T0 + 31 else 0,
                                 "usage": sum(used) / 1200})
             t += 0.5
-        return {**base, "samples": samples, "requests": reqs}
+        view = {**base, "samples": samples, "requests": reqs}
+        if self.engines:  # data parallel: engine 1 serves only cmpl-c, in a pool of 600 blocks
+            one = {"pool": {**base["pool"], "num_blocks": 600}, "samples": samples[-3:],
+                   "requests": [r for r in reqs if r["request_id"] == "cmpl-c-0"]}
+            view["engines"] = {"0": {k: view[k] for k in ("pool", "samples", "requests")},
+                               "1": one}
+        return view
 
 
 @contextlib.contextmanager
@@ -160,6 +166,23 @@ def test_page_draws_requests_from_timeline_json(chromium):
     assert cells[1:] == ["cmpl-a-0", "stop", f"{max(p[1] for p in pts) / MiB:.2f}",
                          f"{max(p[2] for p in pts) / MiB:.2f}",
                          f"{trapezoid(pts, 1) / trapezoid(pts, 2):.3f}"], cells
+
+
+@pytest.mark.browser
+def test_page_draws_the_engine_chosen_in_its_url(chromium):
+    """Data parallel: the timeline carries every engine core's pool under `engines`; the page
+    draws the one named by ?engine= (default 0) and links to the others."""
+    with serve(FakeTimeline(engines=True)) as base:
+        zero = Dom(render(f"{base}/kv"))
+        one = Dom(render(f"{base}/kv?engine=1"))
+    assert zero.by_id("pool").text.startswith("1200 blocks")
+    assert zero.by_id("engine").text == "engine 0 1"
+    assert one.by_id("pool").text.startswith("600 blocks")
+    rows = [e.attrs["data-request"] for e in one.elements
+            if e.tag == "tr" and "data-request" in e.attrs]
+    assert rows == ["cmpl-c-0-5e6f"]
+    assert any(e.tag == "a" and e.attrs.get("href", "").endswith("engine=0")
+               for e in one.elements)
 
 
 @pytest.mark.browser

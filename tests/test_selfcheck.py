@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kvevict import __version__
+from vllm_kvevict._version import __version__
 from vllm_kvevict.selfcheck import records
 
 REPO = Path(__file__).resolve().parents[1]
@@ -170,3 +170,9 @@ def test_vllm033_needs_a_recorded_pass_and_then_activates(bundled_model_dir, tmp
     assert out["CONFIG"].startswith("vllm_kvevict.integration.kvevict_worker"), out
     out = gate(bundled_model_dir, tmp_path, "bfloat16")
     assert json.loads(out["REFUSED"]).startswith("--dtype bfloat16: this platform is unlocked")
+
+
+def test_the_plugin_version_in_a_pass_is_the_installed_distributions():
+    from importlib.metadata import version
+
+    assert version("vllm-kvevict") == __version__

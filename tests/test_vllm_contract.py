@@ -558,3 +558,13 @@ def test_the_v2_runner_keeps_the_sink_readable():
 
         assert "layer_spec.num_retained_tokens" in inspect.getsource(model_runner)
         assert "0 disables it for the group" in inspect.getsource(block_table)
+
+
+def test_a_data_parallel_replica_knows_its_index():
+    """kv_stats' `data_parallel_rank` is `parallel_config.data_parallel_index`: the engine core
+    sets it to the replica's rank, also for a dense model, whose replicas vLLM runs as
+    independent engines with data_parallel_rank reset to 0."""
+    from vllm.v1.engine import core
+
+    source = inspect.getsource(core)
+    assert "parallel_config.data_parallel_index = dp_rank" in source

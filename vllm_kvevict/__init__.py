@@ -1,7 +1,9 @@
 """vllm-kvevict: KV-cache eviction policies (PruLong, DuoAttention, SnapKV, PyramidKV,
 StreamingLLM) served inside vLLM, with the KV footprint of "Cache Me If You Can"."""
 
-__version__ = "0.1.0"
+from vllm_kvevict._version import __version__
+
+__all__ = ["__version__", "register"]
 
 
 def register() -> None:

@@ -66,8 +66,10 @@ def kv_cache_dtype_error(policy_config, cache_dtype: str | None) -> str | None:
 # Parallel layouts. Tensor parallel: each rank serves its contiguous slice of the KV heads, so
 # of the head mask (`kv_cache_specs.layer_heads`); kv_stats count every rank. vLLM replicates KV
 # heads when there are fewer than ranks; then a rank's bytes are not a slice of the model's, so
-# it is refused. Pipeline and data parallel are not built (other layers per stage; one engine
-# core per replica, each with its own stats): refused, full included.
+# it is refused. Data parallel: one engine core per replica, each with its own policy state and
+# stats (kv_stats name the replica's rank); served with one API server (`cli.py` refuses more:
+# the kv_stats store and the live view live in one process). Pipeline parallel is not built
+# (other layers per stage): refused, full included.
 PARALLEL_FLAGS = (("tensor_parallel_size", "--tensor-parallel-size"),
                   ("pipeline_parallel_size", "--pipeline-parallel-size"),
                   ("data_parallel_size", "--data-parallel-size"))
@@ -77,21 +79,35 @@ def parallel_error(policy_config, sizes: dict[str, int], num_kv_heads: int | Non
                    ) -> str | None:
     """`sizes`: vLLM ParallelConfig field -> value; `num_kv_heads`: the model's (None: unknown,
     tensor parallel is then not checked against it)."""
-    for field, flag in PARALLEL_FLAGS[1:]:
+    for field, flag in PARALLEL_FLAGS[1:2]:
         size = int(sizes.get(field) or 1)
         if size != 1:
             return (f"{flag} {size} is not supported with --kv-policy {policy_config.policy} "
                     "yet; valid: 1")
     tp = int(sizes.get("tensor_parallel_size") or 1)
-    if tp != 1 and getattr(policy_config, "is_hybrid", False):
-        return (f"--tensor-parallel-size {tp} is not supported with --kv-token-policy yet "
-                "(not tested against the reference); valid: 1")
+    dp = int(sizes.get("data_parallel_size") or 1)
+    for size, flag in ((tp, "--tensor-parallel-size"), (dp, "--data-parallel-size")):
+        if size != 1 and getattr(policy_config, "is_hybrid", False):
+            return (f"{flag} {size} is not supported with --kv-token-policy yet (not tested "
+                    "against the reference); valid: 1")
     if tp != 1 and num_kv_heads is not None and num_kv_heads % tp:
         valid = [d for d in range(1, num_kv_heads + 1) if num_kv_heads % d == 0]
         return (f"--tensor-parallel-size {tp} does not divide the model's {num_kv_heads} KV "
                 f"heads (vLLM would replicate them across ranks); valid with --kv-policy "
                 f"{policy_config.policy}: {', '.join(map(str, valid))}")
     return None
+
+
+def api_servers_error(policy_config, count: int | None) -> str | None:
+    """`vllm serve --api-server-count` (vLLM defaults it to --data-parallel-size): the kv_stats
+    store, `/v1/kv_stats`, the live view and the vllm_kvevict_* gauges live in one API-server
+    process, so a policy is served behind one."""
+    if count is None or count <= 1:
+        return None
+    return (f"--api-server-count {count} is not supported with --kv-policy "
+            f"{policy_config.policy}: kv_stats lookups, the live view and the vllm_kvevict_* "
+            "series live in one API-server process (vLLM defaults the count to "
+            "--data-parallel-size); valid: 1")
 
 
 def prompt_embeds_error(policy_config, enabled: bool) -> str | None:

@@ -65,6 +65,7 @@ from vllm_kvevict.config import DEFAULT_SINK, DEFAULT_WINDOW
 from vllm_kvevict.masks import (HEAD_MASKS_DIR, HeadGates,
                                 duo_quantile_full_heads, full_heads_at_sparsity,
                                 load_head_gates, model_key, save_head_gates)
+from vllm_kvevict.model import ensure_bundled_model
 
 OBJECTIVE = "heuristic"
 FILE_NAME = "heuristic.json"
@@ -352,7 +353,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     torch.set_num_threads(args.threads)
     if args.model is None:
-        from vllm_kvevict.model import ensure_bundled_model
         args.model = ensure_bundled_model()
     name = model_key(str(args.model))
     out = args.out or HEAD_MASKS_DIR / name

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from vllm_kvevict.config import KVPolicyError
 
 FORMAT = "vllm-kvevict-head-mask"
 VERSION = 1
@@ -407,7 +408,6 @@ def resolve_head_mask(cfg, model_name_or_path: str, num_layers: int, num_kv_head
     """(full-head mask, mask file, the file's metadata), reading the file once:
     `cfg.mask_path`, else the mask shipped for the model. A missing or mismatched mask raises
     `KVPolicyError` (the server refuses to start)."""
-    from vllm_kvevict.config import KVPolicyError
 
     path = cfg.mask_path or default_mask_path(model_name_or_path, cfg.policy, cfg.sparsity)
     if path is None:

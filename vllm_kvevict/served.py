@@ -26,6 +26,7 @@ import torch
 from vllm_kvevict.config import HEAD_MASK_POLICIES, KVPolicyConfig
 from vllm_kvevict.overrides import OVERRIDE_KEYS, effective_config
 from vllm_kvevict.policies import KVPolicy, build_policy
+from vllm_kvevict import masks
 
 logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
 
@@ -76,7 +77,6 @@ class ServedPolicy:
         """Resolve the head mask (duo/prulong) and build the policy; raises KVPolicyError."""
         full_heads, source, meta = None, "", {}
         if config.policy in HEAD_MASK_POLICIES:
-            from vllm_kvevict import masks
 
             full_heads, source, meta = masks.resolve_head_mask(config, model, shape.num_layers,
                                                                shape.num_kv_heads)

@@ -9,7 +9,13 @@ import sys
 import time
 from pathlib import Path
 
-from vllm_kvevict.evaluation.tasks import DEFAULT_TASKS, TASKS
+from vllm_kvevict.evaluation.grid import CostModel, estimate, preset, with_masks
+from vllm_kvevict.evaluation.hf_baseline import load_model, score_examples
+from vllm_kvevict.evaluation.report import report
+from vllm_kvevict.evaluation.runner import ResultStore, Runner
+from vllm_kvevict.evaluation.tasks import (DEFAULT_TASKS, TASKS, PromptBuilder, load_tokenizer,
+                                           make_example, make_examples)
+from vllm_kvevict.model import ensure_bundled_model
 
 DEFAULT_OUT = Path("docs/results/evaluation")
 
@@ -129,15 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
 def model_dir(arg: str | None) -> str:
     if arg:
         return arg
-    from vllm_kvevict.model import ensure_bundled_model
 
     return str(ensure_bundled_model())
 
 
 def cmd_run(args) -> int:
-    from vllm_kvevict.evaluation.grid import CostModel, estimate, preset, with_masks
-    from vllm_kvevict.evaluation.runner import ResultStore, Runner
-    from vllm_kvevict.evaluation.tasks import PromptBuilder, load_tokenizer, make_examples
 
     spec = preset(args.preset, args.tasks or DEFAULT_TASKS, lengths=args.lengths,
                   per_category=args.per_category, chunks=args.chunks, methods=args.methods,
@@ -192,7 +194,6 @@ def cmd_run(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from vllm_kvevict.evaluation.report import report
 
     command = None
     cmd_file = args.results.parent / "command.txt"
@@ -205,8 +206,6 @@ def cmd_report(args) -> int:
 
 
 def cmd_baseline(args) -> int:
-    from vllm_kvevict.evaluation.hf_baseline import load_model, score_examples
-    from vllm_kvevict.evaluation.tasks import PromptBuilder, load_tokenizer, make_examples
 
     model = model_dir(args.model)
     tokenizer = load_tokenizer(model)
@@ -226,7 +225,6 @@ def cmd_baseline(args) -> int:
 
 
 def cmd_show(args) -> int:
-    from vllm_kvevict.evaluation.tasks import PromptBuilder, load_tokenizer, make_example
 
     tokenizer = load_tokenizer(model_dir(args.model))
     ex = make_example(PromptBuilder(tokenizer), args.task, args.length, args.index, args.seed)

@@ -20,6 +20,7 @@ from typing import Iterable, Mapping, Sequence
 from vllm_kvevict.config import EVICTION_MODES
 from vllm_kvevict.config import HEAD_MASK_POLICIES as HEAD_MASK
 from vllm_kvevict.config import TOKEN_EVICTION_POLICIES as TOKEN_EVICTION
+from vllm_kvevict.launch import PolicySpec
 
 EVICTIONS = tuple(sorted(EVICTION_MODES))  # ("naive", "patched")
 # a head mask with token eviction on its full heads (--kv-token-policy), traced along head
@@ -69,7 +70,6 @@ class ServerConfig:
     def policy_spec(self):
         """The served policy (`launch.PolicySpec`); a hybrid's token sparsity is its own
         if set, else its head sparsity."""
-        from vllm_kvevict.launch import PolicySpec
 
         head, _, token = base_method(self.policy).partition("+")
         p = self.sparsity if self.token_sparsity is None else self.token_sparsity

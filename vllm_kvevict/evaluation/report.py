@@ -24,6 +24,7 @@ import numpy as np
 
 from vllm_kvevict.evaluation.critical import FRACTION
 from vllm_kvevict.evaluation.curves import Curve, build_curves, fixed_token, paired
+from vllm_kvevict.evaluation.runner import ResultStore
 
 ROW_ORDER = ("duo", "prulong", "pyramidkv-naive", "pyramidkv-patched", "snapkv-naive",
              "snapkv-patched")
@@ -498,7 +499,6 @@ def plot_pareto(curves: Sequence[Curve], path: Path, metric: str = "footprint",
 
 def report(results: Path, out_dir: Path, replicates: int = 1000, seed: int = 0,
            command: str | None = None) -> tuple[Path, Path]:
-    from vllm_kvevict.evaluation.runner import ResultStore
 
     store = ResultStore(results)  # the records a resumed run would stand on
     records = store.records

@@ -40,6 +40,7 @@ from vllm_kvevict.evaluation.grid import (HEAD_MASK, GridSpec, base_method, head
                                           file_digest, first_round, next_sparsities,
                                           worst_case_points)
 from vllm_kvevict.evaluation.tasks import Example
+from vllm_kvevict.masks import default_mask_path
 
 # Prefix caching off for every policy (the evicting ones turn it off themselves): generated
 # prompts share their opening blocks, and a cache hit would make `full` chunk differently.
@@ -161,7 +162,6 @@ class Runner:
     def resolve_mask(self, sweep: Sweep, sparsity: float) -> tuple[str, str]:
         """(mask path, digest) served for a head-mask point: the sweep's mask, else the one
         the server would pick for this sparsity (passed explicitly so the record names it)."""
-        from vllm_kvevict.masks import default_mask_path
 
         head = head_policy(sweep.policy)
         path = sweep.mask or default_mask_path(self.model_dir, head, sparsity)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from vllm_kvevict.evaluation import vocabulary as vocab
+from vllm_kvevict.model import ensure_bundled_model
 
 SENTINEL = "\x00CONTENT\x00"
 MAX_PADDING = 24  # newline tokens allowed to reach the exact length (< one filler item)
@@ -447,7 +448,6 @@ def load_tokenizer(model_dir: str | None = None):
     from transformers import AutoTokenizer
 
     if model_dir is None:
-        from vllm_kvevict.model import ensure_bundled_model
 
         model_dir = str(ensure_bundled_model())
     return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)

@@ -37,9 +37,10 @@ class Recorder(Protocol):
         engine reports the request as aborted, later, through `engine_stats`)."""
 
     def engine_stats(self, payload: dict, running: int, waiting: int,
-                     usage: float | None) -> None:
+                     usage: float | None, engine: int = 0) -> None:
         """Our connector's payload of one engine step (pool snapshots, aborted requests'
-        kv_stats) with vLLM's running / waiting counts and KV-cache usage."""
+        kv_stats) with vLLM's running / waiting counts and KV-cache usage; `engine`: the
+        engine core's index (data parallel)."""
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,8 @@ def make_request_output(state, stock_make_request_output, *args, **kwargs):
     return stock_make_request_output(state, *args, **kwargs)
 
 
-def engine_stats(payload: dict, running: int, waiting: int, usage: float | None) -> None:
-    """From the stat-logger plugin: our connector's payload of one engine step."""
+def engine_stats(payload: dict, running: int, waiting: int, usage: float | None,
+                 engine: int = 0) -> None:
+    """From the stat-logger plugin: our connector's payload of one engine core's step."""
     for recorder in _recorders:
-        recorder.engine_stats(payload, running, waiting, usage)
+        recorder.engine_stats(payload, running, waiting, usage, engine)

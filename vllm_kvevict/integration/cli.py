@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from vllm_kvevict.config import KVPolicyConfig, KVPolicyError
+from vllm_kvevict.features import api_servers_error
 from vllm_kvevict.flags import FLAGS, fail, flag_message
 from vllm_kvevict.integration import registration
 from vllm_kvevict.served import ADDITIONAL_CONFIG_KEY
@@ -58,6 +59,11 @@ def fold_into_engine_args(engine_args, args: argparse.Namespace) -> None:
     if policy is not None and registration.inactive_reason is not None:
         fail(f"--kv-* flags need an active plugin, and it is inactive here: "
              f"{registration.inactive_reason}")
+    if policy is not None:
+        error = api_servers_error(KVPolicyConfig.from_dict(policy),
+                                  getattr(args, "api_server_count", None))
+        if error:
+            fail(error)
     if policy is not None:
         additional = {**additional, ADDITIONAL_CONFIG_KEY: policy}
         engine_args.additional_config = additional

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from vllm_kvevict import __version__
+from vllm_kvevict._version import __version__
 from vllm_kvevict.selfcheck import records
 
 # What this release is built and tested for. Anywhere else the plugin stays inert unless the

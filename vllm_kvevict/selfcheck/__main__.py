@@ -15,6 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_kvevict.selfcheck import records
+from vllm_kvevict._version import __version__
+from vllm_kvevict.config import KVPolicyConfig
+from vllm_kvevict.masks import resolve_full_heads
+from vllm_kvevict.model import ensure_bundled_model
+from vllm_kvevict.policies import build_policy
+from vllm_kvevict.reference import ReferenceRunner
+from vllm_kvevict.selfcheck import tiny_model
 
 # The cells: every policy family, both eviction modes of the token policies. Sparsity 0.5:
 # half the heads streaming / half the prompt evicted, so a wrong head or token shows.
@@ -77,7 +84,6 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def reference_config(policy: dict, perturb: bool):
-    from vllm_kvevict.config import KVPolicyConfig
 
     cfg = KVPolicyConfig.from_dict(policy)
     if perturb and cfg.uses_head_mask:
@@ -132,12 +138,6 @@ def main(argv=None) -> int:
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
-    from vllm_kvevict import __version__
-    from vllm_kvevict.masks import resolve_full_heads
-    from vllm_kvevict.model import ensure_bundled_model
-    from vllm_kvevict.policies import build_policy
-    from vllm_kvevict.reference import ReferenceRunner
-    from vllm_kvevict.selfcheck import tiny_model
 
     import vllm
     from vllm.platforms import current_platform

@@ -41,6 +41,7 @@ from vllm_kvevict.masks import (HeadGates, check_shape, full_heads_at_sparsity,
 from vllm_kvevict.policies import build_policy
 from vllm_kvevict.reference import ReferenceRunner
 from vllm_kvevict.train import data as data_mod
+from vllm_kvevict.train.trainer import DTYPES, load_model_and_tokenizer
 
 
 @dataclass
@@ -225,7 +226,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from vllm_kvevict.train.trainer import DTYPES, load_model_and_tokenizer
 
     started = time.perf_counter()
     model, encode, eos = load_model_and_tokenizer(args.model, DTYPES[args.dtype])

@@ -91,6 +91,12 @@ class RequestStatsTracker:
             full_bytes_per_block=full_bytes_per_block, ranks=ranks)
         # a head mask with prefix caching: the prompt is chunked at multiples of the budget
         self.canonical_chunk = canonical_chunk(vllm_config)
+        # data parallel: which engine core (replica) serves the request. vLLM runs a dense
+        # model's replicas as independent engines (their data_parallel_rank reset to 0); the
+        # replica's index stays in data_parallel_index
+        parallel = vllm_config.parallel_config
+        self.data_parallel_rank = int(getattr(parallel, "data_parallel_index",
+                                              getattr(parallel, "data_parallel_rank", 0)) or 0)
         self.records: dict[str, RequestRecord] = {}
         self._requests: dict[str, Any] = {}
         self.num_blocks = getattr(kv_cache_config, "num_blocks", None)
@@ -219,6 +225,7 @@ class RequestStatsTracker:
         reason = request.get_finished_reason()
         stats["finish_reason"] = str(reason) if reason is not None else None
         stats["stop_reason"] = getattr(request, "stop_reason", None)
+        stats["data_parallel_rank"] = self.data_parallel_rank
         stats = finite_or_none(stats)
         self._ended_since_snapshot = True
         # Every request's stats also go out with this step's scheduler stats. vLLM drops an

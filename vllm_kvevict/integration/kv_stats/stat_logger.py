@@ -33,7 +33,7 @@ class KVEvictStatLogger(StatLoggerBase):
         try:
             engine_stats(payload, running=scheduler_stats.num_running_reqs,
                          waiting=scheduler_stats.num_waiting_reqs,
-                         usage=scheduler_stats.kv_cache_usage)
+                         usage=scheduler_stats.kv_cache_usage, engine=engine_idx)
         except Exception:  # never break vLLM's output loop for a statistic
             logger.exception("vllm-kvevict: recording engine stats failed")
 

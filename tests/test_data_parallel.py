@@ -1,0 +1,74 @@
+"""Data parallel: `vllm serve --data-parallel-size 2 --api-server-count 1`, one engine core per
+replica (vLLM's CPU data parallel on this 2-core machine, one core each), each with its own
+policy state. Served greedy tokens equal the reference's (at the chunk boundaries each replica
+reports); each response's kv_stats come from the replica that served it (`data_parallel_rank`);
+the live view's timeline and the vllm_kvevict_* pool gauges are per engine (`engines`, label
+`engine`). vLLM's default of one API server per replica is refused with a policy
+(tests/test_features.py::test_vllm_serve_refuses[dp-api-servers])."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import torch
+
+from compat_matrix import DP_CI, DP_IDS
+from conftest import SERVED_NAME, start_server
+from test_model_families_vllm import NEW_TOKENS, random_mask, reference
+from test_policies_vllm import flags, source_prompts
+from test_tensor_parallel import TP_POLICIES
+from vllm_kvevict.config import HEAD_MASK_POLICIES
+
+DP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per replica
+CHUNK = 128
+PROMPT_LENGTHS = (300, 340, 260, 380)
+CASES = [pytest.param(column, id=test_id, marks=[] if column in DP_CI else [pytest.mark.slow])
+         for column, test_id in DP_IDS.items()]
+
+
+@pytest.mark.server
+@pytest.mark.serial  # one replica per core: no other server may hold a core meanwhile
+@pytest.mark.served_release
+@pytest.mark.parametrize("column", CASES)
+def test_dp2_serves_the_reference_tokens_per_replica(column, tiny_qwen3, tokenizer,
+                                                      one_torch_thread):
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_qwen3(4)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    policy = dict(TP_POLICIES[column])  # the tensor-parallel tests' policies
+    name = policy["policy"]
+    if policy["policy"] in HEAD_MASK_POLICIES:
+        policy["mask_path"] = str(random_mask(model_dir, model.config))
+    server = start_server(model_dir, [*flags(policy, CHUNK), "--data-parallel-size", "2",
+                                      "--api-server-count", "1"], env=DP_ENV)
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
+    prompts = source_prompts(tokenizer, PROMPT_LENGTHS)
+
+    def ask(prompt):
+        return client.completions.create(
+            model=SERVED_NAME, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True})
+
+    with ThreadPoolExecutor(len(prompts)) as pool:  # at once: both replicas get requests
+        responses = list(pool.map(ask, prompts))
+    ranks = set()
+    for prompt, r in zip(prompts, responses):
+        stats = r.model_extra["kv_stats"]
+        ref = reference(model, model_dir, policy, prompt, stats["chunk_boundaries"])
+        assert r.choices[0].model_extra["token_ids"] == ref.token_ids, (name, len(prompt))
+        assert stats["policy"] == policy["policy"] and stats["prompt_tokens"] == len(prompt)
+        ranks.add(stats["data_parallel_rank"])
+    assert ranks == {0, 1}, ranks  # vLLM's balancer spread them
+    with httpx.Client(base_url=server.base_url, timeout=30, trust_env=False) as http:
+        timeline = http.get("/v1/kv_stats/timeline").json()
+        assert sorted(timeline["engines"]) == ["0", "1"]
+        assert all(view["pool"]["num_blocks"] for view in timeline["engines"].values())
+        metrics = http.get("/metrics").text
+    for engine in ("0", "1"):
+        assert f'vllm_kvevict_pool_blocks{{engine="{engine}",policy="{policy["policy"]}"}}' \
+            in metrics
