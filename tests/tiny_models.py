@@ -59,9 +59,10 @@ def build_tiny_model(family: str, out_dir: Path, *, num_kv_heads: int = 2, num_l
     """Save a random `family` model with the bundled tokenizer under out_dir/<name>
     (default tiny-<family>). A deep model needs a smaller `init_std`: at 0.2 its 32 random
     layers amplify float32 rounding until two correct implementations disagree."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from vllm_kvevict.model import ensure_bundled_model
+    from vllm_kvevict.selfcheck.tiny_model import random_model
 
     tokenizer_dir = ensure_bundled_model()
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -69,14 +70,7 @@ def build_tiny_model(family: str, out_dir: Path, *, num_kv_heads: int = 2, num_l
                           tokenizer.eos_token_id, num_kv_heads, num_layers)
     config.dtype = torch.float32
     config.initializer_range = init_std
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # transformers zeroes biases and sets norm weights to 1: draw them
-        for pname, param in model.named_parameters():
-            if pname.endswith("bias"):
-                param.normal_(0.0, 0.2)
-            elif "norm" in pname:
-                param.uniform_(0.5, 1.5)
+    model = random_model(config, seed)
     target = Path(out_dir) / (name or f"tiny-{family}")
     model.save_pretrained(target, safe_serialization=True)
     for file in TOKENIZER_FILES:

@@ -48,20 +48,28 @@ def tiny_config(model: str):
     return config
 
 
-def build(model: str, out_dir: Path, seed: int = 0) -> Path:
-    """Save the tiny model under out_dir (config.json + safetensors, float32)."""
+def random_model(config, seed: int = 0):
+    """A float32 model of `config` with every weight random, biases and norm weights included
+    (transformers zeroes biases and sets norm weights to 1: drawn here). The tests' tiny
+    models are built by it too (tests/tiny_models.py)."""
     from transformers import AutoModelForCausalLM
 
-    config = tiny_config(model)
-    config.dtype = torch.float32
     torch.manual_seed(seed)
-    tiny = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # transformers zeroes biases and sets norm weights to 1: draw them
-        for name, param in tiny.named_parameters():
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
             if name.endswith("bias"):
                 param.normal_(0.0, 0.2)
             elif "norm" in name:
                 param.uniform_(0.5, 1.5)
+    return model
+
+
+def build(model: str, out_dir: Path, seed: int = 0) -> Path:
+    """Save the tiny model under out_dir (config.json + safetensors, float32)."""
+    config = tiny_config(model)
+    config.dtype = torch.float32
+    tiny = random_model(config, seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     tiny.save_pretrained(out_dir, safe_serialization=True)
     (out_dir / "kvevict-selfcheck.json").write_text(json.dumps({"from": model, "seed": seed}))
