@@ -50,6 +50,7 @@ TP_CI = ("prulong 0.7", "snapkv patched")
 DP_IDS = {column: test_id.removeprefix("kv4-") for column, test_id in TP_IDS.items()}
 DP_CI = TP_CI
 FP8_CI = ("prulong 0.7", "snapkv patched")  # tests/test_fp8.py: the same model and ids
+FLEX_CI = ("full", "prulong 0.7", "pyramidkv patched")  # tests/test_flex_vllm.py
 
 
 @dataclass(frozen=True)
@@ -215,6 +216,19 @@ ROWS = [
          "full": Cell("n/a", ("tests/test_features.py::test_v2_model_runner_refused",),
                       "vLLM 0.32 CPU refuses it itself here (its V2 runner needs Triton's CPU "
                       "backend); `full` would be served by it as stock vLLM")}),
+    Row("FlexAttention path (`--kv-attention-backend flex`, 256-token chunks)",
+        {**{c: Cell("exact", (("" if c in FLEX_CI else "(s)")
+                              + f"tests/test_flex_vllm.py::test_flex_matches_reference"
+                                f"[{COLUMNS[c]}]",),
+                    "vLLM's FlexAttention backend, subclassed (docs/flex_attention.md): head "
+                    "masks as block-sparse masks with every head in vLLM's pool (no memory "
+                    "saved yet, no prefix caching); token eviction as on the CPU path")
+            for c in COLUMNS if c != HYBRID},
+         HYBRID: Cell("refused", ("tests/test_flex_vllm.py::test_flex_refusals_name_the_flag"
+                                  "[hybrid]",
+                                  "tests/test_flex_vllm.py::"
+                                  "test_vllm_serve_refuses_the_hybrid_on_flex"),
+                      "not built on the flex path yet (--kv-token-policy)")}),
     Row("tensor parallel (`--tensor-parallel-size 2`)",
         {**{c: Cell("exact", (("" if c in TP_CI else "(s)")
                               + "tests/test_tensor_parallel.py::"

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from conftest import start_server
-from test_policies_vllm import (LOGPROB_TOL, check_mixed_batch, flags, reference, served,
-                                source_prompts)
+from test_policies_vllm import (DECOUPLED, LOGPROB_TOL, check_decoupled, check_mixed_batch,
+                                flags, reference, served, source_prompts)
 
 FLEX = {"attention_backend": "flex"}
 CASES = {  # name: (policy dict, chunk)
@@ -21,14 +21,22 @@ CASES = {  # name: (policy dict, chunk)
     "streaming": ({"policy": "streaming", "sink": 16, "window": 64}, 256),
     "prulong-0.7": ({"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64}, 256),
     "duo-0.3": ({"policy": "duo", "sparsity": 0.3, "sink": 16, "window": 64}, 256),
+    "snapkv-naive-0.5": ({"policy": "snapkv", "sparsity": 0.5, "eviction": "naive"}, 256),
+    "snapkv-patched-0.5": ({"policy": "snapkv", "sparsity": 0.5, "eviction": "patched"}, 256),
+    "pyramidkv-patched-0.7": ({"policy": "pyramidkv", "sparsity": 0.7, "eviction": "patched"},
+                              256),
+    "pyramidkv-naive-0.5-tiers3": ({"policy": "pyramidkv", "sparsity": 0.5, "eviction": "naive",
+                                    "tiers": 3}, 256),
 }
 PROMPT_LENGTHS = (700, 1600)
 
 
 @pytest.mark.server
-@pytest.mark.parametrize("case", [  # CI: full and one head mask; the rest in the slow tier (and
-    "full", "prulong-0.7",          # docs/results/flex's policy matrix)
-    *(pytest.param(c, marks=pytest.mark.slow) for c in ("streaming", "duo-0.3"))])
+@pytest.mark.parametrize("case", [  # CI: one per mechanism; the rest in the slow tier (and
+    "full", "prulong-0.7", "pyramidkv-patched-0.7",  # docs/results/flex's policy matrix)
+    *(pytest.param(c, marks=pytest.mark.slow) for c in (
+        "streaming", "duo-0.3", "snapkv-naive-0.5", "snapkv-patched-0.5",
+        "pyramidkv-naive-0.5-tiers3"))])
 def test_flex_matches_reference(case, bundled_model_dir, tokenizer, hf_model):
     policy, chunk = CASES[case]
     server = start_server(bundled_model_dir, flags({**policy, **FLEX}, chunk))
@@ -50,6 +58,17 @@ def test_flex_mixed_batch_equals_each_alone(bundled_model_dir, tokenizer, hf_mod
                       bundled_model_dir, tokenizer, hf_model)
 
 
+@pytest.mark.server
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(DECOUPLED))
+def test_flex_eviction_chunk_over_several_steps(case, bundled_model_dir, tokenizer, hf_model):
+    """`--kv-eviction-chunk 512` over 128-token steps, three requests at once: a chunk's
+    earlier steps are read back out of the flex cache to be scored and compacted."""
+    policy, budget = DECOUPLED[case], 128
+    check_decoupled(start_server(bundled_model_dir, flags({**policy, **FLEX}, budget)), case,
+                    policy, budget, bundled_model_dir, tokenizer, hf_model)
+
+
 # -- what is refused (one line at start-up, naming the flag and what is supported) ------------
 
 class _Stand:
@@ -63,15 +82,13 @@ def _vllm_config(cache_dtype="auto", tp=1, spec=None):
 
 
 @pytest.mark.parametrize("policy,vllm_kwargs,requested,named", [
-    ({"policy": "snapkv"}, {}, None, "--kv-policy snapkv"),
-    ({"policy": "pyramidkv"}, {}, None, "--kv-policy pyramidkv"),
     ({"policy": "prulong", "token_policy": "snapkv"}, {}, None, "--kv-token-policy"),
     ({"policy": "streaming", "eviction_chunk": 512}, {}, None, "--kv-eviction-chunk"),
     ({"policy": "full"}, {"cache_dtype": "fp8"}, None, "--kv-cache-dtype fp8"),
     ({"policy": "duo"}, {"tp": 2}, None, "--tensor-parallel-size 2"),
     ({"policy": "duo"}, {"spec": object()}, None, "speculative decoding"),
     ({"policy": "streaming"}, {}, True, "--enable-prefix-caching"),
-])
+], ids=["hybrid", "eviction-chunk-head-mask", "fp8", "tp", "spec", "prefix-caching"])
 def test_flex_refusals_name_the_flag(policy, vllm_kwargs, requested, named):
     from vllm_kvevict.config import KVPolicyConfig
     from vllm_kvevict.flex.support import flex_error
@@ -85,12 +102,34 @@ def test_flex_refusals_name_the_flag(policy, vllm_kwargs, requested, named):
                       requested) is None
 
 
-@pytest.mark.parametrize("policy", ["full", "streaming", "duo", "prulong"])
+@pytest.mark.parametrize("policy", [{"policy": p} for p in (
+    "full", "streaming", "duo", "prulong", "snapkv", "pyramidkv")] + [
+    {"policy": "snapkv", "eviction_chunk": 512}, {"policy": "pyramidkv", "eviction": "naive"}])
 def test_flex_serves(policy):
     from vllm_kvevict.config import KVPolicyConfig
     from vllm_kvevict.flex.support import flex_error
 
-    assert flex_error(KVPolicyConfig.from_dict({"policy": policy, **FLEX}), _vllm_config()) is None
+    assert flex_error(KVPolicyConfig.from_dict({**policy, **FLEX}), _vllm_config()) is None
+
+
+def test_flex_patched_caps_the_per_request_window():
+    """Patched eviction on the flex path sizes its mask tables by the served observation
+    window: a request asking for a larger one is refused (HTTP 400 in the API server) and
+    ignored by the engine, never fatal; the CPU path takes up to max_model_len."""
+    from vllm_kvevict.config import KVPolicyConfig
+    from vllm_kvevict.overrides import check_vllm_xargs, effective_config
+
+    flex = KVPolicyConfig.from_dict({"policy": "snapkv", "obs_window": 32, **FLEX})
+    assert flex.max_obs_window == 32
+    error = check_vllm_xargs({"kv_obs_window": 33}, "snapkv", 8192, flex.max_obs_window)
+    assert "kv_obs_window" in error and "[1, 32]" in error and "--kv-obs-window" in error
+    assert check_vllm_xargs({"kv_obs_window": 32}, "snapkv", 8192, flex.max_obs_window) is None
+    assert effective_config(flex, {"kv_obs_window": 64})[0].obs_window == 32
+    assert effective_config(flex, {"kv_obs_window": 16})[0].obs_window == 16
+    for cfg in (KVPolicyConfig.from_dict({"policy": "snapkv", "obs_window": 32}),
+                KVPolicyConfig.from_dict({"policy": "snapkv", "eviction": "naive", **FLEX})):
+        assert cfg.max_obs_window is None
+        assert effective_config(cfg, {"kv_obs_window": 64})[0].obs_window == 64
 
 
 def test_unknown_attention_backend_is_refused():
@@ -103,13 +142,14 @@ def test_unknown_attention_backend_is_refused():
 
 
 @pytest.mark.server
-def test_vllm_serve_refuses_token_eviction_on_flex(bundled_model_dir):
+def test_vllm_serve_refuses_the_hybrid_on_flex(bundled_model_dir):
     """The real CLI: exit 2 with one line before any model loads."""
     vllm = Path(sys.executable).parent / "vllm"
     proc = subprocess.run([str(vllm), "serve", str(bundled_model_dir), "--port", "8799",
-                           "--kv-policy", "snapkv", "--kv-attention-backend", "flex"],
+                           "--kv-policy", "prulong", "--kv-token-policy", "snapkv",
+                           "--kv-attention-backend", "flex"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [l for l in proc.stderr.splitlines() if l.startswith("vllm-kvevict: error:")]
-    assert len(lines) == 1 and "--kv-attention-backend flex does not serve --kv-policy snapkv" \
-        in lines[0], proc.stderr[-2000:]
+    refusal = "--kv-attention-backend flex does not serve --kv-token-policy snapkv"
+    assert len(lines) == 1 and refusal in lines[0], proc.stderr[-2000:]

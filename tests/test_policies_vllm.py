@@ -175,7 +175,13 @@ def served_top_logprobs(base_url: str, prompt, k: int = 20) -> tuple[str, dict[i
 def test_eviction_chunk_over_several_steps_matches_reference(case, bundled_model_dir, tokenizer,
                                                              hf_model):
     policy, budget = DECOUPLED[case], 128
-    server = start_server(bundled_model_dir, flags(policy, budget))
+    check_decoupled(start_server(bundled_model_dir, flags(policy, budget)), case, policy,
+                    budget, bundled_model_dir, tokenizer, hf_model)
+
+
+def check_decoupled(server, case, policy, budget, bundled_model_dir, tokenizer, hf_model):
+    """Three prompts at once through `server`: each eviction chunk over several irregular
+    steps, the tokens and top-20 log-probs the reference's at the same eviction chunks."""
     prompts = source_prompts(tokenizer, (700, 1600, 1100))
     with cf.ThreadPoolExecutor(len(prompts)) as pool:
         results = list(pool.map(lambda p: served_top_logprobs(server.base_url, p), prompts))

@@ -113,6 +113,12 @@ class KVPolicyConfig:
     def patched(self) -> bool:
         return self.evicts_tokens and self.eviction == "patched"
 
+    @property
+    def max_obs_window(self) -> int | None:
+        """The largest per-request kv_obs_window served (None: up to max_model_len). The flex
+        path sizes its mask tables for a step's patched question rows by the served window."""
+        return self.obs_window if self.attention_backend == "flex" and self.patched else None
+
     def observation_rows(self, n: int) -> int:
         """Observation queries k scoring a chunk of n tokens: the chunk's own last ones (naive
         eviction, and every final chunk)."""

@@ -42,9 +42,10 @@ def _valid_keys_text(max_model_len: int | None) -> str:
             f"({TEACHER_FORCED_TEXT}): every policy")
 
 
-def override_error(key: str, value: Any, policy: str, max_model_len: int | None = None
-                   ) -> str | None:
-    """Why `vllm_xargs[key] = value` is refused (None: accepted or not ours)."""
+def override_error(key: str, value: Any, policy: str, max_model_len: int | None = None,
+                   obs_window_max: int | None = None) -> str | None:
+    """Why `vllm_xargs[key] = value` is refused (None: accepted or not ours).
+    `obs_window_max`: the served `KVPolicyConfig.max_obs_window` (None: max_model_len)."""
     valid = _valid_keys_text(max_model_len)
     if key in VLLM_OWN_XARGS:
         return None
@@ -75,34 +76,38 @@ def override_error(key: str, value: Any, policy: str, max_model_len: int | None 
         ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
               and math.isfinite(value) and 0.0 <= value <= 1.0)
     else:
-        expected = (f"an integer in [1, {max_model_len}]" if max_model_len
-                    else "an integer >= 1")
-        ok = (isinstance(value, int) and not isinstance(value, bool) and value >= 1
-              and (not max_model_len or value <= max_model_len))
+        bound = min(b for b in (max_model_len, obs_window_max, math.inf) if b)
+        expected = f"an integer in [1, {bound}]" if bound != math.inf else "an integer >= 1"
+        if obs_window_max and bound == obs_window_max:
+            expected += (" (--kv-attention-backend flex with patched eviction: at most the "
+                         "served --kv-obs-window)")
+        ok = (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= bound)
     if not ok:
         return (f"vllm_xargs[{key!r}] = {value!r} is invalid: expected {expected}. "
                 f"Per-request KV keys: {valid}.")
     return None
 
 
-def check_vllm_xargs(xargs: Any, policy: str, max_model_len: int | None = None) -> str | None:
+def check_vllm_xargs(xargs: Any, policy: str, max_model_len: int | None = None,
+                     obs_window_max: int | None = None) -> str | None:
     """First refusal for a request's vllm_xargs (None: fine). Non-dicts are vLLM's to judge."""
     if not isinstance(xargs, dict):
         return None
     for key, value in xargs.items():
-        error = override_error(str(key), value, policy, max_model_len)
+        error = override_error(str(key), value, policy, max_model_len, obs_window_max)
         if error:
             return error
     return None
 
 
-def request_overrides(extra_args: Any, policy: str) -> dict[str, Any]:
+def request_overrides(extra_args: Any, policy: str, obs_window_max: int | None = None
+                      ) -> dict[str, Any]:
     """The valid per-request overrides among sampling_params.extra_args (engine side: anything
     that slipped past the API check, e.g. from the offline API, is ignored, never fatal)."""
     if not isinstance(extra_args, dict):
         return {}
-    return {key: extra_args[key] for key in OVERRIDE_KEYS
-            if key in extra_args and override_error(key, extra_args[key], policy) is None}
+    return {key: extra_args[key] for key in OVERRIDE_KEYS if key in extra_args and
+            override_error(key, extra_args[key], policy, None, obs_window_max) is None}
 
 
 def teacher_forced(extra_args: Any) -> int:
@@ -127,7 +132,7 @@ def request_prompt_len(request) -> int:
 
 def effective_config(cfg, extra_args: Any):
     """(KVPolicyConfig with the request's overrides applied, the overrides used)."""
-    overrides = request_overrides(extra_args, cfg.policy)
+    overrides = request_overrides(extra_args, cfg.policy, cfg.max_obs_window)
     if not overrides:
         return cfg, {}
     return cfg.replace(**{OVERRIDE_KEYS[k][0]: v for k, v in overrides.items()}), overrides

@@ -1,17 +1,19 @@
 """What `--kv-attention-backend flex` serves so far, and the one-line refusal of the rest
 (plain Python; `integration/validation.py` calls `flex_error` with the other start-up checks).
 
-Served: `full`, and the head masks `streaming`, `duo`, `prulong` with every KV head in vLLM's
+Served: `full`; the head masks `streaming`, `duo`, `prulong` with every KV head in vLLM's
 paged cache (the streaming heads' masks are block-sparse: skipped blocks are not computed, but
-their blocks are not freed either) and each prefill step its own chunk.
+their blocks are not freed either) and each prefill step its own chunk; the token policies
+`snapkv`, `pyramidkv` (naive and patched, their tiers, `--kv-eviction-chunk`), whose evicted
+blocks go back to vLLM's pool as on the CPU path.
 """
 
 from __future__ import annotations
 
-SERVED_POLICIES = ("full", "streaming", "duo", "prulong")
+SERVED_POLICIES = ("full", "streaming", "duo", "prulong", "snapkv", "pyramidkv")
 SUPPORTED = ("--kv-attention-backend flex serves --kv-policy full, streaming, duo, prulong "
-             "(no --kv-token-policy), unquantized KV, one GPU/CPU rank, no speculative "
-             "decoding, each prefill step its own chunk")
+             "(no --kv-token-policy, each prefill step its own chunk), snapkv, pyramidkv; "
+             "unquantized KV, one GPU/CPU rank, no speculative decoding")
 
 
 def _refusal(what: str) -> str:
@@ -24,11 +26,12 @@ def flex_error(cfg, vllm_config, prefix_caching_requested: bool | None = None) -
     if getattr(cfg, "attention_backend", "cpu") != "flex":
         return None
     if cfg.policy not in SERVED_POLICIES:
-        return _refusal(f"--kv-policy {cfg.policy} (token eviction)")
+        return _refusal(f"--kv-policy {cfg.policy}")
     if cfg.token_policy is not None:
         return _refusal(f"--kv-token-policy {cfg.token_policy}")
-    if cfg.eviction_chunk is not None:
-        return _refusal("--kv-eviction-chunk (canonical prefill chunks)")
+    if cfg.eviction_chunk is not None and cfg.uses_head_mask:
+        return _refusal(f"--kv-eviction-chunk with --kv-policy {cfg.policy} (canonical "
+                        f"prefill chunks)")
     cache = getattr(vllm_config, "cache_config", None)
     dtype = str(getattr(cache, "cache_dtype", "auto"))
     if dtype not in ("auto", "float16", "bfloat16", "float32"):

@@ -50,13 +50,14 @@ class ServerContext:
     policy: str = "full"
     params: dict = field(default_factory=dict)  # ServedPolicy.describe(): everything served
     max_model_len: int | None = None
+    obs_window_max: int | None = None  # KVPolicyConfig.max_obs_window
     stats_enabled: bool = False
     stats_disabled_reason: str = "server not initialised"
     stats_key: str = STATS_KEY
 
     def check_vllm_xargs(self, xargs: Any) -> str | None:
         """Why a request's `vllm_xargs` is refused (HTTP 400), or None."""
-        return check_vllm_xargs(xargs, self.policy, self.max_model_len)
+        return check_vllm_xargs(xargs, self.policy, self.max_model_len, self.obs_window_max)
 
 
 _vllm_config = None  # the engine config this process created (create_engine_config)
@@ -76,6 +77,7 @@ def server_context(model_config=None) -> ServerContext:
     model_config = model_config or _vllm_config.model_config
     return ServerContext(policy=served.config.policy, params=serving(served, _vllm_config),
                          max_model_len=getattr(model_config, "max_model_len", None),
+                         obs_window_max=served.config.max_obs_window,
                          stats_enabled=enabled, stats_disabled_reason=reason)
 
 

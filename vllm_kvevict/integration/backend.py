@@ -23,20 +23,12 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
 
 from vllm_kvevict.integration.fp8 import is_fp8
 from vllm_kvevict.integration.paged_layout import POOL_LAYOUTS, lay_out_from_pool, paged_layout
+from vllm_kvevict.integration.token_eviction.token_eviction_worker import compress_chunks
 from vllm_kvevict.integration.worker import get_state, init_state
 
 
 def _layer_index(layer) -> int:
     return extract_layer_index(layer.layer_name)
-
-
-def _with_questions(plan, x: torch.Tensor) -> torch.Tensor:
-    """The batch's tokens followed by the patched-scoring question rows (if any)."""
-    n = plan.num_tokens
-    if not plan.num_questions:
-        return x[:n]
-    off = plan.question_offset
-    return torch.cat([x[:n], x[off:off + plan.num_questions]])
 
 
 class KVEvictMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -74,8 +66,8 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
                     return None
                 key, value = key[:, list(heads.full_kv)], value[:, list(heads.full_kv)]
             slots = plan.slots[heads.layer]
-            return super().do_kv_cache_update(layer, _with_questions(plan, key),
-                                              _with_questions(plan, value), kv_cache, slots)
+            return super().do_kv_cache_update(layer, plan.with_questions(key),
+                                              plan.with_questions(value), kv_cache, slots)
         if heads.all_full:
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         if heads.full_kv:
@@ -159,7 +151,7 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
             self._paged_with_eviction(layer, plan, n, query[:, full_q], key[:, full_kv],
                                       value[:, full_kv], kv_cache, out)
             output[:, full_q] = out
-        rows = lambda x: _with_questions(plan, x)  # noqa: E731
+        rows = plan.with_questions
         out = self._streaming(state, layer, heads, plan.streaming, rows(query), rows(key),
                               rows(value))
         stream_q, off = heads.streaming_q, plan.question_offset
@@ -178,7 +170,7 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
         table = plan.table(l)  # the block rows of this layer's KV-cache group
         if plan.num_questions:
             out = torch.empty(n + plan.num_questions, *output.shape[1:], dtype=output.dtype)
-            self._kernel(layer, _with_questions(plan, query), kv_cache, out,
+            self._kernel(layer, plan.with_questions(query), kv_cache, out,
                          plan.query_start_loc, seq_lens, table, sched)
             output[:n] = out[:n]
             off = plan.question_offset
@@ -190,46 +182,22 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
             self._compress_chunks(layer, l, plan, query, key, value, kv_cache)
 
     def _compress_chunks(self, layer, l, plan, query, key, value, kv_cache) -> None:
-        """Score each prefill chunk by its observation window, keep the best KVs per KV head,
-        and rewrite them contiguously at the layer's physical end of the past."""
-        kept_k, kept_v, kept_slots = [], [], []
-        heads = torch.arange(key.shape[1])
+        """Compress the step's chunks (`compress_chunks`) and write the kept KVs at the layer's
+        physical end of the past, through vLLM's CPU kernel layout."""
         key_cache, value_cache = self._split(kv_cache)
-        for job in plan.jobs:
-            policy = job.policy
-            keep = job.keep[l]
-            c, step = job.chunk_len, job.end - job.start
-            chunk_k = key[job.start:job.end]
-            chunk_v = value[job.start:job.end]
-            if c > step:  # the chunk's earlier steps: read back from the paged cache
-                past_k, past_v = paged_layout(key_cache.dtype, self.kv_state.block_size,
-                                              self.head_size, layer.isa).read(
-                    key_cache, value_cache, plan.table(l)[job.row], job.phys_before[l], c - step)
-                chunk_k, chunk_v = torch.cat([past_k, chunk_k]), torch.cat([past_v, chunk_v])
-            if job.question:  # patched: the question's queries, positioned after the chunk
-                first = plan.question_offset + job.question_start - plan.num_tokens
-                obs_q = query[first:first + len(job.question)].transpose(0, 1)
-                obs_offset = c
-            else:  # naive, and every final chunk: the chunk's own last k queries
-                num_obs = policy.config.observation_rows(c)
-                if num_obs > step:  # the scheduler's step_cap prevents this; never guess
-                    raise RuntimeError(f"vllm-kvevict: the last step of an eviction chunk ran "
-                                       f"{step} tokens, fewer than its {num_obs} observation "
-                                       f"queries")
-                obs_q = query[job.end - num_obs:job.end].transpose(0, 1)
-                obs_offset = c - num_obs
-            scores = policy.score(obs_q, chunk_k.transpose(0, 1), obs_offset=obs_offset,
-                                  window=keep.window)
-            idx = policy.select(scores, keep.selected, c, keep.window)  # [H, kept]
-            kept_k.append(chunk_k[idx.T, heads])                        # [kept, H, d]
-            kept_v.append(chunk_v[idx.T, heads])
-            positions = job.phys_before[l] + torch.arange(idx.shape[1])
-            kept_slots.append(plan.physical_slots(l, job.row, positions))
-        ops.cpu_attn_reshape_and_cache(torch.cat(kept_k), torch.cat(kept_v), key_cache,
-                                       value_cache, torch.cat(kept_slots), layer.isa,
-                                       k_scale=layer._k_scale_float,
-                                       v_scale=layer._v_scale_float,
-                                       kv_cache_dtype=self.kv_cache_dtype)
+
+        def read_past(job, count):
+            layout = paged_layout(key_cache.dtype, self.kv_state.block_size, self.head_size,
+                                  layer.isa)
+            return layout.read(key_cache, value_cache, plan.table(l)[job.row],
+                               job.phys_before[l], count)
+
+        kept = compress_chunks(plan, l, query, key, value, read_past)
+        if kept is not None:
+            ops.cpu_attn_reshape_and_cache(*kept[:2], key_cache, value_cache, kept[2],
+                                           layer.isa, k_scale=layer._k_scale_float,
+                                           v_scale=layer._v_scale_float,
+                                           kv_cache_dtype=self.kv_cache_dtype)
 
     # -- helpers -------------------------------------------------------------------------
     @staticmethod

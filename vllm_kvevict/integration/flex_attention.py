@@ -14,13 +14,18 @@ gets the block mask of its split of full and streaming heads, built once per ste
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backends.flex_attention import (FlexAttentionBackend, FlexAttentionImpl,
                                                        FlexAttentionMetadataBuilder)
 
-from vllm_kvevict.flex.block_mask import PagedQueries, chunk_starts, head_mask_block_mask
+from vllm_kvevict.flex.block_mask import (PagedQueries, chunk_starts, head_mask_block_mask,
+                                          paged_queries)
+from vllm_kvevict.integration.token_eviction.token_eviction_worker import compress_chunks
+from vllm_kvevict.integration.worker import init_state
 from vllm_kvevict.overrides import policy_prompt_len
 from vllm_kvevict.served import policy_config_of, served_policy
 
@@ -109,33 +114,64 @@ class KVEvictFlexMetadataBuilder(FlexAttentionMetadataBuilder):
             chunk_start=chunk_starts(computed, q_lens, _prompt_lens(n)).to(device),
             block_table=common.block_table_tensor[:n], seq_lens=seq_lens.to(device),
             page_size=self.block_size, num_pages=self.cache_config.num_gpu_blocks)
-        metadata.kvevict_masks = {}  # per head split: this step's block mask
-        # the mask tables' fixed shapes (one compilation for every step, block_mask.py)
-        scheduler = self.vllm_config.scheduler_config
-        metadata.kvevict_capacity = (scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
+        metadata.kvevict_masks = {}  # per head split (token eviction: per layer lengths)
+        metadata.kvevict_capacity = mask_capacity(self.vllm_config)
+        state = init_state(self.vllm_config)
+        if state is not None:  # token eviction: the step's physical lengths, slots, chunks
+            metadata.plan = state.step_plan(common)
         return metadata
+
+
+def mask_capacity(vllm_config) -> tuple[int, int]:
+    """The mask tables' fixed sizes (tokens, rows): one compilation for every step
+    (block_mask.py). Patched eviction adds up to one question of `obs_window` rows per
+    request (`question_rows`; a per-request window above the served one is refused on this
+    path, `overrides.py`)."""
+    scheduler = vllm_config.scheduler_config
+    tokens, rows = scheduler.max_num_batched_tokens, scheduler.max_num_seqs
+    config = policy_config_of(vllm_config)
+    if config.evicts_tokens and config.patched:
+        return tokens + rows * config.obs_window, 2 * rows
+    return tokens, rows
 
 
 class KVEvictFlexImpl(FlexAttentionImpl):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.heads = flex_heads(get_current_vllm_config())
+        config = get_current_vllm_config()
+        self.heads = flex_heads(config)
+        self.kv_state = init_state(config)  # token eviction: plans and ledgers (worker.py)
+
+    def _slots(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """The cache as [slots, heads, 2 * head_size]: [blocks, heads, block_size, 2 *
+        head_size] over LBNHC storage, so (block, token) flattens to one slot axis. (A view,
+        not a reshape: a copy would take the writes silently; LBNHC makes it a view.)"""
+        return kv_cache.transpose(1, 2).view(-1, kv_cache.shape[1], 2 * self.head_size)
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        """The step's K/V at their slots (vLLM's CPU build has no `reshape_and_cache_flash`):
-        the cache is [blocks, heads, block_size, 2 * head_size] over LBNHC storage, so
-        (block, token) flattens to one slot axis."""
+        """The step's K/V at their slots (vLLM's CPU build has no `reshape_and_cache_flash`).
+        Token eviction: at their physical slots after earlier evictions, the patched
+        questions' rows included (the step plan's)."""
+        state = self.kv_state
+        if state is not None:
+            plan = state.plan
+            key, value = plan.with_questions(key), plan.with_questions(value)
+            slot_mapping = plan.slots[extract_layer_index(layer.layer_name)]
+        self._write(kv_cache, key, value, slot_mapping)
+
+    def _write(self, kv_cache, key, value, slot_mapping) -> None:
         n = slot_mapping.shape[0]
         slots = slot_mapping.long()
         keep = slots >= 0  # (padding tokens have slot -1)
-        # (view, not reshape: a copy would take the writes silently; LBNHC makes it a view)
-        cache = kv_cache.transpose(1, 2).view(-1, kv_cache.shape[1], 2 * self.head_size)
-        hs = self.head_size
+        cache, hs = self._slots(kv_cache), self.head_size
         cache[slots[keep], :, :hs] = key[:n][keep].to(cache.dtype)
         cache[slots[keep], :, hs:] = value[:n][keep].to(cache.dtype)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
+        if attn_metadata is not None and self.kv_state is not None:
+            return self._forward_token_eviction(layer, query, key, value, kv_cache,
+                                                attn_metadata, output)
         # Our block mask for every layer, `full` too: vLLM's direct one lists at most a
         # sequence's pages per query block, and torch's CPU template refuses a mask narrower
         # than the whole paged cache ("KV seqlen must be smaller than the block_mask size").
@@ -153,6 +189,52 @@ class KVEvictFlexImpl(FlexAttentionImpl):
             attn_metadata.block_mask = masks[key_]
         return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                output_scale, output_block_scale)
+
+    def _forward_token_eviction(self, layer, query, key, value, kv_cache, attn_metadata,
+                                output):
+        """snapkv / pyramidkv: every head attends over its layer's kept (compacted) past and
+        the step, the patched questions' rows as extra rows of their request, by physical
+        position; then the step's eviction chunks are compressed (`compress_chunks`)."""
+        plan, l = attn_metadata.plan, extract_layer_index(layer.layer_name)
+        n = attn_metadata.num_actual_tokens
+        masks = attn_metadata.kvevict_masks
+        key_ = ("token", plan.layer_group[l], tuple(plan.seq_lens[l].tolist()))
+        if key_ not in masks:
+            q_start = plan.query_start_loc.long()
+            q_lens = (q_start[1:] - q_start[:-1]).tolist()
+            computed = [s - q for s, q in zip(plan.seq_lens[l].tolist(), q_lens)]
+            device = query.device
+            queries = paged_queries(computed, q_lens, plan.table(l).to(device),
+                                    attn_metadata.block_size, self._slots(kv_cache).shape[0]
+                                    // attn_metadata.block_size)
+            tokens, rows = attn_metadata.kvevict_capacity
+            masks[key_] = head_mask_block_mask(
+                queries, torch.zeros(query.shape[1], dtype=torch.bool, device=device), 0, 0,
+                q_block=attn_metadata.q_block_size, token_capacity=tokens, row_capacity=rows)
+        rows_q = plan.with_questions(query)
+        meta = copy.copy(attn_metadata)  # (the questions' rows count as tokens here)
+        meta.num_actual_tokens, meta.block_mask = rows_q.shape[0], masks[key_]
+        out = torch.empty_like(rows_q)
+        super().forward(layer, rows_q, key, value, kv_cache, meta, out)
+        output[:n] = out[:n]
+        if plan.num_questions:
+            off = plan.question_offset
+            output[off:off + plan.num_questions] = out[n:]
+        if plan.valid and plan.jobs:
+            self._compress_chunks(layer, l, plan, query, key, value, kv_cache)
+        return output
+
+    def _compress_chunks(self, layer, l, plan, query, key, value, kv_cache) -> None:
+        cache, hs = self._slots(kv_cache), self.head_size
+
+        def read_past(job, count):
+            pos = job.phys_before[l] + torch.arange(count)
+            past = cache[plan.physical_slots(l, job.row, pos)]
+            return past[..., :hs], past[..., hs:]
+
+        kept = compress_chunks(plan, l, query, key, value, read_past)
+        if kept is not None:
+            self._write(kv_cache, *kept)
 
 
 class KVEvictFlexBackend(FlexAttentionBackend):

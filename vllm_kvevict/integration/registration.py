@@ -140,6 +140,8 @@ TOUCHED = (
     ("flex_attention.py", "kvevict_capacity", "the padded mask-table sizes (one compile)"),
     ("flex_attention.py", "block_mask", "the layer's block mask for vLLM's FlexAttention "
                                         "forward to use"),
+    ("flex_attention.py", "num_actual_tokens", "token eviction, on a copy of the step's "
+                                               "metadata: the patched questions' rows count"),
     ("kv_transfer.py", "kv_transfer_config", "our stats connector, alone or beside the "
                                              "user's, before vLLM builds the config"),
     ("kvevict_scheduler.py", "scheduler_cls", "our Scheduler subclass, vLLM's extension point"),

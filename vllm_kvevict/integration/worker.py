@@ -182,8 +182,10 @@ def init_state(vllm_config) -> WorkerState | None:
     if _state is not None:
         return _state
     served = served_policy(vllm_config)
-    if served.config.policy == "full" or served.config.attention_backend == "flex":
-        return None  # (flex: vllm_kvevict/flex/ serves the policy over stock KV-cache specs)
+    flex = served.config.attention_backend == "flex"
+    if served.config.policy == "full" or (flex and not served.policy.evicts_tokens):
+        # (flex: the head masks are block-sparse masks over stock KV-cache specs, flex/)
+        return None
     block_size = vllm_config.cache_config.block_size
     rank, world = _tensor_parallel_rank(vllm_config)
     _state = WorkerState(

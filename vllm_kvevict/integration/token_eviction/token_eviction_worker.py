@@ -66,6 +66,15 @@ class TokenStepPlan:
     def num_questions(self) -> int:
         return 0 if self.question_ids is None else int(self.question_ids.shape[0])
 
+    def with_questions(self, x: torch.Tensor) -> torch.Tensor:
+        """The batch's tokens of `x` (the model's token axis) followed by the patched-scoring
+        question rows (if any)."""
+        n = self.num_tokens
+        if not self.num_questions:
+            return x[:n]
+        off = self.question_offset
+        return torch.cat([x[:n], x[off:off + self.num_questions]])
+
     def table(self, layer: int) -> torch.Tensor:
         """[num_reqs, width]: the block rows of the layer's group."""
         return self.block_table[self.layer_group[layer]]
@@ -73,6 +82,49 @@ class TokenStepPlan:
     def physical_slots(self, layer: int, row: int, positions: torch.Tensor) -> torch.Tensor:
         bs = self.block_size
         return self.table(layer)[row, positions // bs].long() * bs + positions % bs
+
+
+def compress_chunks(plan: TokenStepPlan, layer: int, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, read_past: Callable[[EvictionJob, int], tuple]
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Score each prefill chunk of the plan by its observation window and keep the best KVs
+    per KV head: (K [n, H, d], V [n, H, d], physical slots [n]) to write back, contiguous at
+    the layer's physical end of the past (None: no chunk). `query`/`key`/`value` are the
+    model's token axis (the patched questions' rows at `plan.question_offset`); `read_past(job,
+    count)` -> (K, V) [count, H, d] of a decoupled chunk's earlier steps from the paged cache
+    (each attention backend reads its own layout)."""
+    kept_k, kept_v, kept_slots = [], [], []
+    heads = torch.arange(key.shape[1])
+    for job in plan.jobs:
+        policy = job.policy
+        keep = job.keep[layer]
+        c, step = job.chunk_len, job.end - job.start
+        chunk_k, chunk_v = key[job.start:job.end], value[job.start:job.end]
+        if c > step:  # the chunk's earlier steps: read back from the paged cache
+            past_k, past_v = read_past(job, c - step)
+            chunk_k, chunk_v = torch.cat([past_k, chunk_k]), torch.cat([past_v, chunk_v])
+        if job.question:  # patched: the question's queries, positioned after the chunk
+            first = plan.question_offset + job.question_start - plan.num_tokens
+            obs_q = query[first:first + len(job.question)].transpose(0, 1)
+            obs_offset = c
+        else:  # naive, and every final chunk: the chunk's own last k queries
+            num_obs = policy.config.observation_rows(c)
+            if num_obs > step:  # the scheduler's step_cap prevents this; never guess
+                raise RuntimeError(f"vllm-kvevict: the last step of an eviction chunk ran "
+                                   f"{step} tokens, fewer than its {num_obs} observation "
+                                   f"queries")
+            obs_q = query[job.end - num_obs:job.end].transpose(0, 1)
+            obs_offset = c - num_obs
+        scores = policy.score(obs_q, chunk_k.transpose(0, 1), obs_offset=obs_offset,
+                              window=keep.window)
+        idx = policy.select(scores, keep.selected, c, keep.window)  # [H, kept]
+        kept_k.append(chunk_k[idx.T, heads])                        # [kept, H, d]
+        kept_v.append(chunk_v[idx.T, heads])
+        positions = job.phys_before[layer] + torch.arange(idx.shape[1])
+        kept_slots.append(plan.physical_slots(layer, job.row, positions))
+    if not kept_k:
+        return None
+    return torch.cat(kept_k), torch.cat(kept_v), torch.cat(kept_slots)
 
 
 class TokenEvictionWorker:
