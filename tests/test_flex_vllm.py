@@ -1,7 +1,8 @@
 """`--kv-attention-backend flex` served by `vllm serve` (bundled model) against the reference:
-greedy tokens identical, first-token log-prob close (the CPU path's tolerance), for `full` and
-the head-mask policies; a mixed batch equal to its requests alone; and the start-up refusal of
-what the flex path does not serve yet."""
+greedy tokens identical, first-token log-prob close (the CPU path's tolerance), for `full`, the
+head-mask policies and token eviction (naive, patched, tiers, decoupled eviction chunks); a
+mixed batch equal to its requests alone; and the start-up refusal of what the flex path does
+not serve yet. (Tensor parallel through flex: tests/test_tensor_parallel.py.)"""
 
 from __future__ import annotations
 
@@ -76,19 +77,20 @@ class _Stand:
         self.__dict__.update(kw)
 
 
-def _vllm_config(cache_dtype="auto", tp=1, spec=None):
+def _vllm_config(cache_dtype="auto", tp=1, pp=1, spec=None):
     return _Stand(cache_config=_Stand(cache_dtype=cache_dtype),
-                  parallel_config=_Stand(tensor_parallel_size=tp), speculative_config=spec)
+                  parallel_config=_Stand(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+                  speculative_config=spec)
 
 
 @pytest.mark.parametrize("policy,vllm_kwargs,requested,named", [
     ({"policy": "prulong", "token_policy": "snapkv"}, {}, None, "--kv-token-policy"),
     ({"policy": "streaming", "eviction_chunk": 512}, {}, None, "--kv-eviction-chunk"),
     ({"policy": "full"}, {"cache_dtype": "fp8"}, None, "--kv-cache-dtype fp8"),
-    ({"policy": "duo"}, {"tp": 2}, None, "--tensor-parallel-size 2"),
+    ({"policy": "duo"}, {"pp": 2}, None, "--pipeline-parallel-size 2"),
     ({"policy": "duo"}, {"spec": object()}, None, "speculative decoding"),
     ({"policy": "streaming"}, {}, True, "--enable-prefix-caching"),
-], ids=["hybrid", "eviction-chunk-head-mask", "fp8", "tp", "spec", "prefix-caching"])
+], ids=["hybrid", "eviction-chunk-head-mask", "fp8", "pp", "spec", "prefix-caching"])
 def test_flex_refusals_name_the_flag(policy, vllm_kwargs, requested, named):
     from vllm_kvevict.config import KVPolicyConfig
     from vllm_kvevict.flex.support import flex_error

@@ -153,3 +153,35 @@ def test_padding_is_what_the_ranks_declare():
                   for r in (0, 1)]
     assert companions[0] == companions[1] == [2, 1]
     assert [len(h.streaming_kv) for h in layer_heads(~mask, 1, rank=0, world=2)] == [1, 0]
+
+
+# -- the FlexAttention path at TP = 2 -----------------------------------------------------------
+
+@pytest.mark.server
+@pytest.mark.serial
+@pytest.mark.parametrize("column", ["prulong 0.7", "snapkv patched"])
+def test_tp2_flex_serves_the_reference_tokens(column, tiny_qwen3, tokenizer, one_torch_thread):
+    """`--kv-attention-backend flex --tensor-parallel-size 2`: each rank masks its slice of the
+    heads (head masks) or compresses its heads' chunks (token eviction); the tokens are the
+    reference's."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_qwen3(4)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    policy = {**TP_POLICIES[column], "attention_backend": "flex"}
+    if policy["policy"] in HEAD_MASK_POLICIES:
+        policy["mask_path"] = str(random_mask(model_dir, model.config))
+    server = start_server(model_dir, [*flags(policy, CHUNK), "--tensor-parallel-size", "2"],
+                          env=TP_ENV)
+    log = server.log_tail(10 ** 7)
+    assert "Worker_TP0" in log and "Worker_TP1" in log and "attention_backend=flex" in log
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
+    for prompt in source_prompts(tokenizer, PROMPT_LENGTHS):
+        r = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=NEW_TOKENS,
+                                      temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+        stats = r.model_extra["kv_stats"]
+        ref = reference(model, model_dir, policy, prompt, stats["chunk_boundaries"])
+        assert r.choices[0].model_extra["token_ids"] == ref.token_ids, (column, len(prompt))
+        assert stats["tensor_parallel_size"] == 2

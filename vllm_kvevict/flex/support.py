@@ -5,7 +5,8 @@ Served: `full`; the head masks `streaming`, `duo`, `prulong` with every KV head 
 paged cache (the streaming heads' masks are block-sparse: skipped blocks are not computed, but
 their blocks are not freed either) and each prefill step its own chunk; the token policies
 `snapkv`, `pyramidkv` (naive and patched, their tiers, `--kv-eviction-chunk`), whose evicted
-blocks go back to vLLM's pool as on the CPU path.
+blocks go back to vLLM's pool as on the CPU path. Tensor parallel: each rank its slice of the
+heads, as on the CPU path (`features.parallel_error` refuses what that path refuses).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from __future__ import annotations
 SERVED_POLICIES = ("full", "streaming", "duo", "prulong", "snapkv", "pyramidkv")
 SUPPORTED = ("--kv-attention-backend flex serves --kv-policy full, streaming, duo, prulong "
              "(no --kv-token-policy, each prefill step its own chunk), snapkv, pyramidkv; "
-             "unquantized KV, one GPU/CPU rank, no speculative decoding")
+             "unquantized KV, tensor parallel (no pipeline or data parallel), no speculative "
+             "decoding")
 
 
 def _refusal(what: str) -> str:
@@ -37,8 +39,7 @@ def flex_error(cfg, vllm_config, prefix_caching_requested: bool | None = None) -
     if dtype not in ("auto", "float16", "bfloat16", "float32"):
         return _refusal(f"--kv-cache-dtype {dtype}")
     parallel = getattr(vllm_config, "parallel_config", None)
-    for field, flag in (("tensor_parallel_size", "--tensor-parallel-size"),
-                        ("pipeline_parallel_size", "--pipeline-parallel-size"),
+    for field, flag in (("pipeline_parallel_size", "--pipeline-parallel-size"),
                         ("data_parallel_size", "--data-parallel-size")):
         size = int(getattr(parallel, field, 1) or 1)
         if size != 1:

@@ -25,7 +25,7 @@ from vllm.v1.attention.backends.flex_attention import (FlexAttentionBackend, Fle
 from vllm_kvevict.flex.block_mask import (PagedQueries, chunk_starts, head_mask_block_mask,
                                           paged_queries)
 from vllm_kvevict.integration.token_eviction.token_eviction_worker import compress_chunks
-from vllm_kvevict.integration.worker import init_state
+from vllm_kvevict.integration.worker import init_state, tensor_parallel_rank
 from vllm_kvevict.overrides import policy_prompt_len
 from vllm_kvevict.served import policy_config_of, served_policy
 
@@ -59,12 +59,16 @@ def remember_runner(runner) -> None:
 
 
 class FlexHeads:
-    """The served head mask, per layer: bool [Hq] streaming per query head."""
+    """The served head mask, per layer: bool [Hq] streaming per query head of this rank
+    (tensor parallel: each rank holds a contiguous slice of the KV heads and their queries)."""
 
     def __init__(self, vllm_config) -> None:
         served = served_policy(vllm_config)
         self.config = served.config
         per_kv = served.policy.streaming_heads().bool()  # [L, Hkv]
+        rank, world = tensor_parallel_rank(vllm_config)
+        per_rank = per_kv.shape[1] // world  # (validation refused a world that does not divide)
+        per_kv = per_kv[:, rank * per_rank:(rank + 1) * per_rank]
         self.streaming_q = per_kv.repeat_interleave(served.shape.queries_per_kv, dim=1)
         self.any_streaming = bool(per_kv.any())
 

@@ -162,7 +162,7 @@ def _extra_args(request_state):
     return getattr(params, "extra_args", None)
 
 
-def _tensor_parallel_rank(vllm_config) -> tuple[int, int]:
+def tensor_parallel_rank(vllm_config) -> tuple[int, int]:
     """(this worker's tensor-parallel rank, the TP size): which slice of the KV heads it holds."""
     world = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
     if world == 1:
@@ -187,7 +187,7 @@ def init_state(vllm_config) -> WorkerState | None:
         # (flex: the head masks are block-sparse masks over stock KV-cache specs, flex/)
         return None
     block_size = vllm_config.cache_config.block_size
-    rank, world = _tensor_parallel_rank(vllm_config)
+    rank, world = tensor_parallel_rank(vllm_config)
     _state = WorkerState(
         served=served, heads=layer_heads(served.policy.streaming_heads(),
                                          served.shape.queries_per_kv, rank, world),
