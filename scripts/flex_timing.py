@@ -7,7 +7,9 @@ first).
 Per (policy, path): prefill = a request with max_tokens 1, decode = (a request with
 max_tokens 1 + N) - prefill, per generated token; the median of --repeats runs. `--stock`:
 first a server with our plugin not loaded (VLLM_PLUGINS names none of ours), every ratio also
-against it.
+against it. Every server gets VLLM_CPU_NUM_OF_RESERVED_CPU (default 1): vLLM's CPU worker
+reserves one core more when a KV connector is configured (ours carries kv_stats), which on a
+2-core machine gives the plugin's worker both cores and stock's one.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--port", type=int, default=8720)
     p.add_argument("--stock", action="store_true", help="also stock vLLM (plugin not loaded)")
+    p.add_argument("--reserved-cpus", default="1",
+                   help="VLLM_CPU_NUM_OF_RESERVED_CPU for every server ('' = vLLM's choice)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     model = str(ensure_bundled_model())
@@ -51,7 +55,9 @@ def main(argv=None) -> int:
     runs = [(policy, path) for policy in args.policies for path in args.paths]
     for policy, path in ([("stock", "cpu")] if args.stock else []) + runs:
         kv = {} if policy == "stock" else {"policy": policy, "attention_backend": path}
-        env = {"VLLM_PLUGINS": "no-such-plugin"} if policy == "stock" else None
+        env = {"VLLM_PLUGINS": "no-such-plugin"} if policy == "stock" else {}
+        if args.reserved_cpus != "":
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = args.reserved_cpus
         argv_ = [str(Path(sys.executable).parent / "vllm"), "serve", model,
                  "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(args.port),
                  "--enforce-eager", "--dtype", "float32", "--max-model-len", "8192",
