@@ -222,7 +222,9 @@ ROWS = [
                                 f"[{COLUMNS[c]}]",),
                     "vLLM's FlexAttention backend, subclassed (docs/flex_attention.md): head "
                     "masks as block-sparse masks with every head in vLLM's pool (no memory "
-                    "saved yet, no prefix caching); token eviction as on the CPU path")
+                    "saved yet; prefix caching on, tests/test_flex_vllm.py::"
+                    "test_flex_prefix_cache_hits_match_reference); token eviction as on the "
+                    "CPU path")
             for c in COLUMNS if c != HYBRID},
          HYBRID: Cell("refused", ("tests/test_flex_vllm.py::test_flex_refusals_name_the_flag"
                                   "[hybrid]",

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import start_server
 from test_policies_vllm import (DECOUPLED, LOGPROB_TOL, check_decoupled, check_mixed_batch,
-                                flags, reference, served, source_prompts)
+                                flags, reference, served, served_top_logprobs, source_prompts)
 
 FLEX = {"attention_backend": "flex"}
 CASES = {  # name: (policy dict, chunk)
@@ -70,6 +70,43 @@ def test_flex_eviction_chunk_over_several_steps(case, bundled_model_dir, tokeniz
                     policy, budget, bundled_model_dir, tokenizer, hf_model)
 
 
+# Prefix caching with a head mask: every head's KV sits in vLLM's pool (stock specs), and the
+# chunks are canonical (multiples of the step budget, or of --kv-eviction-chunk), per token,
+# so a cached block holds what a cold run computes and a hit at any block boundary is exact.
+PREFIX_CASES = {  # name: (policy, step budget)
+    "prulong-0.7": ({"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64}, 256),
+    "prulong-0.7-e256": ({"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64,
+                          "eviction_chunk": 256}, 320),
+}
+BLOCK = 32
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("case", ["prulong-0.7", pytest.param("prulong-0.7-e256",
+                                                              marks=pytest.mark.slow)])
+def test_flex_prefix_cache_hits_match_reference(case, bundled_model_dir, tokenizer, hf_model):
+    policy, budget = PREFIX_CASES[case]
+    chunk = policy.get("eviction_chunk", budget)
+    server = start_server(bundled_model_dir, [*flags({**policy, **FLEX}, budget),
+                                              "--block-size", str(BLOCK)])
+    prompts = source_prompts(tokenizer, (700, 1600, 1000))
+    results = [served_top_logprobs(server.base_url, p) for p in prompts]
+    # prefixes of the first two, and the third again: served from vLLM's prefix cache, hits
+    # inside a chunk (384 of [256, 512)), at its end, and of a whole prompt but its last block
+    hits = [prompts[0][:400], prompts[1][:900], prompts[2]]
+    results += [served_top_logprobs(server.base_url, p) for p in hits]
+    for i, (prompt, (text, top, stats)) in enumerate(zip(prompts + hits, results)):
+        ends = list(range(chunk, len(prompt), chunk)) + [len(prompt)]
+        assert stats["chunk_boundaries"] == ends, stats["chunk_boundaries"]
+        cached = (len(prompt) - 1) // BLOCK * BLOCK if i >= len(prompts) else 0
+        assert stats["cached_tokens"] == cached, (case, len(prompt), stats["cached_tokens"])
+        ref = reference(hf_model, bundled_model_dir, policy, prompt, ends)
+        assert text == tokenizer.decode(ref.token_ids), (case, len(prompt), ends)
+        for token, lp in top.items():
+            assert abs(lp - float(ref.first_token_logprobs[token])) < LOGPROB_TOL, (case, token)
+    assert results[-1][0] == results[2][0]
+
+
 # -- what is refused (one line at start-up, naming the flag and what is supported) ------------
 
 class _Stand:
@@ -83,30 +120,28 @@ def _vllm_config(cache_dtype="auto", tp=1, pp=1, spec=None):
                   speculative_config=spec)
 
 
-@pytest.mark.parametrize("policy,vllm_kwargs,requested,named", [
-    ({"policy": "prulong", "token_policy": "snapkv"}, {}, None, "--kv-token-policy"),
-    ({"policy": "streaming", "eviction_chunk": 512}, {}, None, "--kv-eviction-chunk"),
-    ({"policy": "full"}, {"cache_dtype": "fp8"}, None, "--kv-cache-dtype fp8"),
-    ({"policy": "duo"}, {"pp": 2}, None, "--pipeline-parallel-size 2"),
-    ({"policy": "duo"}, {"spec": object()}, None, "speculative decoding"),
-    ({"policy": "streaming"}, {}, True, "--enable-prefix-caching"),
-], ids=["hybrid", "eviction-chunk-head-mask", "fp8", "pp", "spec", "prefix-caching"])
-def test_flex_refusals_name_the_flag(policy, vllm_kwargs, requested, named):
+@pytest.mark.parametrize("policy,vllm_kwargs,named", [
+    ({"policy": "prulong", "token_policy": "snapkv"}, {}, "--kv-token-policy"),
+    ({"policy": "full"}, {"cache_dtype": "fp8"}, "--kv-cache-dtype fp8"),
+    ({"policy": "duo"}, {"pp": 2}, "--pipeline-parallel-size 2"),
+    ({"policy": "duo"}, {"spec": object()}, "speculative decoding"),
+], ids=["hybrid", "fp8", "pp", "spec"])
+def test_flex_refusals_name_the_flag(policy, vllm_kwargs, named):
     from vllm_kvevict.config import KVPolicyConfig
     from vllm_kvevict.flex.support import flex_error
 
     cfg = KVPolicyConfig.from_dict({**policy, **FLEX})
-    error = flex_error(cfg, _vllm_config(**vllm_kwargs), requested)
+    error = flex_error(cfg, _vllm_config(**vllm_kwargs))
     assert error and error.startswith("--kv-attention-backend flex does not serve")
     assert named in error and "supported:" in error and "\n" not in error
     # the CPU path is not concerned
-    assert flex_error(KVPolicyConfig.from_dict(policy), _vllm_config(**vllm_kwargs),
-                      requested) is None
+    assert flex_error(KVPolicyConfig.from_dict(policy), _vllm_config(**vllm_kwargs)) is None
 
 
 @pytest.mark.parametrize("policy", [{"policy": p} for p in (
     "full", "streaming", "duo", "prulong", "snapkv", "pyramidkv")] + [
-    {"policy": "snapkv", "eviction_chunk": 512}, {"policy": "pyramidkv", "eviction": "naive"}])
+    {"policy": "snapkv", "eviction_chunk": 512}, {"policy": "pyramidkv", "eviction": "naive"},
+    {"policy": "streaming", "eviction_chunk": 512}])
 def test_flex_serves(policy):
     from vllm_kvevict.config import KVPolicyConfig
     from vllm_kvevict.flex.support import flex_error

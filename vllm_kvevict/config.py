@@ -89,10 +89,10 @@ class KVPolicyConfig:
 
     @property
     def caches_prefixes(self) -> bool:
-        """Prefix caching served exactly: head masks without token eviction (the streaming
-        heads' sink + window state is in cached pool blocks, integration/streaming/sink_window.py;
-        chunks are canonical)."""
-        return self.uses_head_mask and not self.evicts_tokens and self.attention_backend == "cpu"
+        """Prefix caching served exactly: head masks without token eviction, their chunks
+        canonical (CPU path: the streaming heads' sink + window state is in cached pool blocks,
+        integration/streaming/sink_window.py; flex path: every head's KV is in the pool)."""
+        return self.uses_head_mask and not self.evicts_tokens
 
     @property
     def evicts_tokens(self) -> bool:

@@ -3,7 +3,8 @@
 
 Served: `full`; the head masks `streaming`, `duo`, `prulong` with every KV head in vLLM's
 paged cache (the streaming heads' masks are block-sparse: skipped blocks are not computed, but
-their blocks are not freed either) and each prefill step its own chunk; the token policies
+their blocks are not freed either), with vLLM's prefix caching (chunks canonical: multiples of
+the step budget or of `--kv-eviction-chunk`, per token); the token policies
 `snapkv`, `pyramidkv` (naive and patched, their tiers, `--kv-eviction-chunk`), whose evicted
 blocks go back to vLLM's pool as on the CPU path. Tensor parallel: each rank its slice of the
 heads, as on the CPU path (`features.parallel_error` refuses what that path refuses).
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 SERVED_POLICIES = ("full", "streaming", "duo", "prulong", "snapkv", "pyramidkv")
 SUPPORTED = ("--kv-attention-backend flex serves --kv-policy full, streaming, duo, prulong "
-             "(no --kv-token-policy, each prefill step its own chunk), snapkv, pyramidkv; "
+             "(no --kv-token-policy), snapkv, pyramidkv; "
              "unquantized KV, tensor parallel (no pipeline or data parallel), no speculative "
              "decoding")
 
@@ -22,18 +23,14 @@ def _refusal(what: str) -> str:
     return f"--kv-attention-backend flex does not serve {what} yet; supported: {SUPPORTED}"
 
 
-def flex_error(cfg, vllm_config, prefix_caching_requested: bool | None = None) -> str | None:
-    """Why this configuration cannot be served on the FlexAttention path (None: it can).
-    `prefix_caching_requested`: the user's --enable-prefix-caching (None: not given)."""
+def flex_error(cfg, vllm_config) -> str | None:
+    """Why this configuration cannot be served on the FlexAttention path (None: it can)."""
     if getattr(cfg, "attention_backend", "cpu") != "flex":
         return None
     if cfg.policy not in SERVED_POLICIES:
         return _refusal(f"--kv-policy {cfg.policy}")
     if cfg.token_policy is not None:
         return _refusal(f"--kv-token-policy {cfg.token_policy}")
-    if cfg.eviction_chunk is not None and cfg.uses_head_mask:
-        return _refusal(f"--kv-eviction-chunk with --kv-policy {cfg.policy} (canonical "
-                        f"prefill chunks)")
     cache = getattr(vllm_config, "cache_config", None)
     dtype = str(getattr(cache, "cache_dtype", "auto"))
     if dtype not in ("auto", "float16", "bfloat16", "float32"):
@@ -46,7 +43,4 @@ def flex_error(cfg, vllm_config, prefix_caching_requested: bool | None = None) -
             return _refusal(f"{flag} {size}")
     if getattr(vllm_config, "speculative_config", None) is not None:
         return _refusal("speculative decoding")
-    if cfg.policy != "full" and prefix_caching_requested:
-        # a cached block's K/V depend on the chunks before it (canonical chunks: CPU path)
-        return _refusal("--enable-prefix-caching with a head mask")
     return None

@@ -24,6 +24,7 @@ from vllm.v1.attention.backends.flex_attention import (FlexAttentionBackend, Fle
 
 from vllm_kvevict.flex.block_mask import (PagedQueries, chunk_starts, head_mask_block_mask,
                                           paged_queries)
+from vllm_kvevict.integration.streaming.sink_window import canonical_chunk
 from vllm_kvevict.integration.token_eviction.token_eviction_worker import compress_chunks
 from vllm_kvevict.integration.worker import init_state, tensor_parallel_rank
 from vllm_kvevict.overrides import policy_prompt_len
@@ -101,6 +102,12 @@ def _prompt_lens(num_reqs: int) -> list[int] | None:
 
 
 class KVEvictFlexMetadataBuilder(FlexAttentionMetadataBuilder):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        # a head mask's canonical prefill chunk E (0: each step its own chunk): with prefix
+        # caching on, a cached block's K/V must not depend on how vLLM split the steps
+        self.kvevict_chunk = canonical_chunk(vllm_config)
+
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
         common = common_attn_metadata
@@ -115,7 +122,8 @@ class KVEvictFlexMetadataBuilder(FlexAttentionMetadataBuilder):
         device = common.seq_lens.device
         metadata.kvevict_queries = PagedQueries(
             doc=doc.to(device), position=position.to(device),
-            chunk_start=chunk_starts(computed, q_lens, _prompt_lens(n)).to(device),
+            chunk_start=chunk_starts(computed, q_lens, _prompt_lens(n),
+                                     self.kvevict_chunk or None).to(device),
             block_table=common.block_table_tensor[:n], seq_lens=seq_lens.to(device),
             page_size=self.block_size, num_pages=self.cache_config.num_gpu_blocks)
         metadata.kvevict_masks = {}  # per head split (token eviction: per layer lengths)

@@ -46,7 +46,7 @@ def validate_against_model(vllm_config, prefix_caching_requested: bool | None = 
         # features.py: which vLLM features each policy is served exactly with
         embeds = bool(getattr(getattr(vllm_config, "model_config", None),
                               "enable_prompt_embeds", False))
-        for error in (flex_error(cfg, vllm_config, prefix_caching_requested),
+        for error in (flex_error(cfg, vllm_config),
                       parallel_error(cfg, sizes, served.shape.num_kv_heads),
                       kv_cache_dtype_error(cfg, str(cache_dtype)),
                       speculative_error(cfg, method), connector_error(cfg, users),
