@@ -1,6 +1,7 @@
 """The portable attention path at kernel level (torch only, no server): flex_attention with the
 block masks of `vllm_kvevict/flex/block_mask.py` against the reference's attention, per
-head-mask policy, and the block sparsity of a streaming head against prompt length."""
+head-mask policy and for token eviction's step, and the block sparsity of a streaming head
+against prompt length."""
 
 from __future__ import annotations
 
@@ -26,6 +27,14 @@ def test_flex_matches_reference_per_policy():
     assert set(diffs) == {"full", "streaming", "duo-0.3", "prulong-0.7"}
     for name, diff in diffs.items():
         assert diff < 1e-4, (name, diff)
+
+
+def test_token_eviction_step_matches_reference():
+    """Compacted rows by physical position and a patched question row sharing its request's
+    pages (compiled flex_attention, as served); a reference whose question does not see the
+    chunk differs (the check can tell)."""
+    assert kernel_check.check_token_eviction("cpu") < 1e-4
+    assert kernel_check.check_token_eviction("cpu", eager=True, question_sees_chunk=False) > 1e-2
 
 
 def test_wrong_mask_is_caught():

@@ -147,6 +147,54 @@ def check_policies(device: str = "cpu", eager: bool = False, sink: int = 16, win
     return results
 
 
+def check_token_eviction(device: str = "cpu", eager: bool = False, seed: int = 0,
+                         question_sees_chunk: bool = True) -> float:
+    """Max |flex - reference| for token eviction's step (`integration/flex_attention.py`): rows
+    over their compacted (kept) past by physical position, every head full. A prefill chunk of
+    188 tokens after 300 kept ones, a decode after 250 kept, and a patched question of 16 rows
+    that shares the first row's pages (its keys written right after the chunk, which the
+    chunk's own queries must not see). `question_sees_chunk=False`: a reference whose question
+    row sees only its own keys (a negative control: must differ)."""
+    gen = torch.Generator().manual_seed(seed)
+    kept, chunk, question = 300, 188, 16
+    lengths = [kept + chunk + question, 251]           # keys stored per request
+    table, num_pages = scattered_block_table(lengths, gen)
+    table = torch.cat([table, table[:1]])               # the question row: request 0's pages
+    computed, q_lens = [kept, 250, kept + chunk], [chunk, 1, question]
+    keys = [torch.randn(NUM_KV_HEADS, n, HEAD_DIM, generator=gen) for n in lengths]
+    values = [torch.randn(NUM_KV_HEADS, n, HEAD_DIM, generator=gen) for n in lengths]
+    cache_k = torch.zeros(num_pages * PAGE, NUM_KV_HEADS, HEAD_DIM)
+    cache_v = torch.zeros_like(cache_k)
+    for r, n in enumerate(lengths):
+        pos = torch.arange(n)
+        slots = table[r].long()[pos // PAGE] * PAGE + pos % PAGE
+        cache_k[slots], cache_v[slots] = keys[r].transpose(0, 1), values[r].transpose(0, 1)
+    hq = NUM_KV_HEADS * QUERIES_PER_KV
+    queries = torch.randn(hq, sum(q_lens), HEAD_DIM, generator=gen)
+    batch = paged_queries(computed, q_lens, table, PAGE, num_pages)
+    to = lambda x: x.to(device)  # noqa: E731
+    batch_dev = type(batch)(**{k: to(v) if isinstance(v, torch.Tensor) else v
+                               for k, v in vars(batch).items()})
+    mask = head_mask_block_mask(batch_dev, to(torch.zeros(hq, dtype=torch.bool)), 0, 0,
+                                token_capacity=TOKEN_CAPACITY, row_capacity=ROW_CAPACITY)
+    scale = HEAD_DIM ** -0.5
+    out = attention_fn(eager)(to(queries)[None], to(cache_k).transpose(0, 1)[None],
+                              to(cache_v).transpose(0, 1)[None], block_mask=mask, scale=scale,
+                              enable_gqa=True)[0].cpu()
+    worst, first = 0.0, 0
+    for request, a, c in zip((0, 1, 0), computed, q_lens):
+        qpos = torch.arange(a, a + c)
+        kpos = torch.arange(a + c).expand(NUM_KV_HEADS, -1)
+        seen = visibility(qpos, kpos, a, torch.zeros(NUM_KV_HEADS, dtype=torch.bool), 0, 0)
+        if first and c == question and not question_sees_chunk:
+            seen[..., :a] = False
+        ref = attend(queries[:, first:first + c], keys[request][:, :a + c],
+                     values[request][:, :a + c], seen, scale)
+        worst = max(worst, float((ref - out[:, first:first + c]).abs().max()))
+        first += c
+    return worst
+
+
 def block_counts(lengths=(2048, 4096, 8192), chunk: int = 256, sink: int = DEFAULT_SINK,
                  window: int = DEFAULT_WINDOW) -> list[dict]:
     """Per prompt length: (query block, key page) pairs a full and a streaming head compute for
@@ -199,7 +247,9 @@ def main(argv=None) -> int:
     print(f"torch {torch.__version__}, device {args.device}, "
           f"{'eager' if args.eager else 'compiled'} flex_attention")
     ok = True
-    for name, diff in check_policies(args.device, args.eager).items():
+    results = check_policies(args.device, args.eager)
+    results["token-evict"] = check_token_eviction(args.device, args.eager)
+    for name, diff in results.items():
         passed = diff <= args.tol
         ok &= passed
         print(f"{name:12s} max abs diff vs reference {diff:.2e}  {'ok' if passed else 'FAIL'}")
