@@ -4,12 +4,18 @@ policies' streaming heads as block-sparse masks (`vllm_kvevict/flex/block_mask.p
 Chosen with `--kv-attention-backend flex`: vLLM's CPU platform answers CPU_ATTN whatever
 backend is asked for, so our worker class registers ours under that name before the model is
 built (`use_flex_backend`), and remembers the model runner before it initialises its KV cache
-(`remember_runner`), since the metadata builder reads the rows' prompt lengths from it. Every KV head stays in vLLM's
-paged cache (stock KV-cache specs, no companion groups): a streaming head's mask skips the
-blocks it cannot see, so its work follows sink + window + chunk, but its blocks are not freed.
-Per step the metadata builder adds the per-token chunk starts (`PagedQueries`); each layer
-gets the block mask of its split of full and streaming heads, built once per step per split.
-`full` runs vLLM's FlexAttention with our KV write and our (all-causal) block mask.
+(`remember_runner`), since the metadata builder reads the rows' prompt lengths from it.
+
+Head masks keep their heads in vLLM's pool as one cache layer per KV head
+(`kv_cache_specs.head_slots`): full heads in full-attention groups, streaming heads in
+sink + window groups whose blocks vLLM frees as the window moves (`sink_window.py`). One page
+size for every cache layer lets vLLM lay the pool out layer-outer, and a layer's slots of one
+kind sit side by side in one group, so they read as one multi-head paged cache (`HeadSlots`)
+that FlexAttention takes without a copy. Per step the metadata builder adds the per-token
+chunk starts (`PagedQueries`); a streaming head's mask lists only the pages of sink + window +
+chunk, so its work follows those, not the prompt. `full` runs vLLM's FlexAttention with our KV
+write and our (all-causal) block mask; snapkv / pyramidkv write and read at the token-eviction
+plan's physical slots.
 """
 
 from __future__ import annotations
@@ -18,19 +24,25 @@ import copy
 
 import torch
 from vllm.config import get_current_vllm_config
+from vllm.forward_context import get_forward_context
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backends.flex_attention import (FlexAttentionBackend, FlexAttentionImpl,
                                                        FlexAttentionMetadataBuilder)
 
 from vllm_kvevict.flex.block_mask import (PagedQueries, chunk_starts, head_mask_block_mask,
                                           paged_queries)
+from vllm_kvevict.integration.kv_cache_specs import head_slots
 from vllm_kvevict.integration.streaming.sink_window import canonical_chunk
 from vllm_kvevict.integration.token_eviction.token_eviction_worker import compress_chunks
-from vllm_kvevict.integration.worker import init_state, tensor_parallel_rank
+from vllm_kvevict.integration.worker import init_state
 from vllm_kvevict.overrides import policy_prompt_len
-from vllm_kvevict.served import policy_config_of, served_policy
+from vllm_kvevict.served import policy_config_of
 
 FLEX_BACKEND = "vllm_kvevict.integration.flex_attention.KVEvictFlexBackend"
+# vLLM's module sets 16 compilations of its compiled flex_attention; a head mask calls it with
+# each layer's count of full and of streaming heads (1 to the rank's KV heads each), each a
+# compilation (a few seconds each here, once per shape)
+torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
 _runner = None  # this worker's model runner (`remember_runner`): prompt lengths
 
 
@@ -59,31 +71,45 @@ def remember_runner(runner) -> None:
     _runner = runner
 
 
-class FlexHeads:
-    """The served head mask, per layer: bool [Hq] streaming per query head of this rank
-    (tensor parallel: each rank holds a contiguous slice of the KV heads and their queries)."""
+class HeadSlots:
+    """One attention layer's heads of one kind (full or streaming) in the pool: their cache
+    layers (`kv_cache_specs.head_slots`; this rank's heads use the first ones), their KV-cache
+    group's metadata, and the layers' caches read as one [blocks, heads, block, 2 * head]
+    tensor: vLLM's layer-outer layout places a group's layers one layer stride apart."""
 
-    def __init__(self, vllm_config) -> None:
-        served = served_policy(vllm_config)
-        self.config = served.config
-        per_kv = served.policy.streaming_heads().bool()  # [L, Hkv]
-        rank, world = tensor_parallel_rank(vllm_config)
-        per_rank = per_kv.shape[1] // world  # (validation refused a world that does not divide)
-        per_kv = per_kv[:, rank * per_rank:(rank + 1) * per_rank]
-        self.streaming_q = per_kv.repeat_interleave(served.shape.queries_per_kv, dim=1)
-        self.any_streaming = bool(per_kv.any())
+    def __init__(self, names: list[str], kv_heads: tuple[int, ...], queries_per_kv: int,
+                 streaming: bool) -> None:
+        self.names, self.kv_heads, self.streaming = names, list(kv_heads), streaming
+        self.q_heads = torch.tensor([h * queries_per_kv + i for h in kv_heads
+                                     for i in range(queries_per_kv)], dtype=torch.long)
+        self._cache: tuple | None = None
 
+    def metadata(self, context):
+        """The group's attention metadata of this step (None in profiling runs)."""
+        per_layer = context.attn_metadata
+        return per_layer.get(self.names[0]) if isinstance(per_layer, dict) else None
 
-_heads: FlexHeads | None = None
-
-
-def flex_heads(vllm_config) -> FlexHeads:
-    """The head mask to apply (`full`: no streaming head; its mask is still ours, see
-    `KVEvictFlexImpl.forward`)."""
-    global _heads
-    if _heads is None:
-        _heads = FlexHeads(vllm_config)
-    return _heads
+    def cache(self, context) -> torch.Tensor:
+        layers = [context.no_compile_layers[n].kv_cache for n in self.names[:len(self.kv_heads)]]
+        first = layers[0]
+        if self._cache is not None and self._cache[0] is first:
+            return self._cache[1]
+        # (one head: vLLM's layer stride all the same, so that every view has the same strides)
+        stride = (layers[1].data_ptr() - first.data_ptr()) // first.element_size() \
+            if len(layers) > 1 else first.shape[0] * first.stride(0)
+        for i, t in enumerate(layers):
+            if (t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                    or t.data_ptr() != first.data_ptr() + i * stride * first.element_size()
+                    or t.stride() != first.stride()):
+                raise RuntimeError(f"vllm-kvevict: the cache layers {self.names} are not one "
+                                   "layer stride apart in vLLM's KV cache; the FlexAttention "
+                                   "path cannot read them as one cache")
+        blocks, _, block_size, width = first.shape
+        view = torch.as_strided(first, (blocks, len(layers), block_size, width),
+                                (first.stride(0), stride, first.stride(2), first.stride(3)),
+                                first.storage_offset())
+        self._cache = (first, view)
+        return view
 
 
 def _prompt_lens(num_reqs: int) -> list[int] | None:
@@ -129,7 +155,8 @@ class KVEvictFlexMetadataBuilder(FlexAttentionMetadataBuilder):
         metadata.kvevict_masks = {}  # per head split (token eviction: per layer lengths)
         metadata.kvevict_capacity = mask_capacity(self.vllm_config)
         state = init_state(self.vllm_config)
-        if state is not None:  # token eviction: the step's physical lengths, slots, chunks
+        if state is not None and state.token is not None:
+            # token eviction: the step's physical lengths, slots, chunks
             metadata.plan = state.step_plan(common)
         return metadata
 
@@ -150,9 +177,33 @@ def mask_capacity(vllm_config) -> tuple[int, int]:
 class KVEvictFlexImpl(FlexAttentionImpl):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        config = get_current_vllm_config()
-        self.heads = flex_heads(config)
-        self.kv_state = init_state(config)  # token eviction: plans and ledgers (worker.py)
+        # the policy's state (worker.py): head splits, token eviction's plans and ledgers;
+        # None for `full`
+        self.kv_state = init_state(get_current_vllm_config())
+        self._slots_of: tuple[HeadSlots, ...] | None = None  # this layer's, head masks
+        self._narrow: dict[int, KVEvictFlexImpl] = {}
+
+    def head_slots(self, layer) -> tuple[HeadSlots, ...]:
+        """A head mask: this layer's full and streaming heads in the pool (those it has)."""
+        if self._slots_of is None:
+            heads = self.kv_state.heads[extract_layer_index(layer.layer_name)]
+            full, streaming = head_slots(layer.layer_name, heads)
+            self._slots_of = tuple(
+                HeadSlots(names, kv, heads.queries_per_kv, kind)
+                for names, kv, kind in ((full, heads.full_kv, False),
+                                        (streaming, heads.streaming_kv, True)) if kv)
+        return self._slots_of
+
+    def _narrowed(self, num_kv_heads: int) -> KVEvictFlexImpl:
+        """This impl for `num_kv_heads` of its heads (and their query heads): vLLM's forward
+        reads its head counts from the impl."""
+        impl = self._narrow.get(num_kv_heads)
+        if impl is None:
+            impl = copy.copy(self)
+            impl.num_kv_heads = num_kv_heads
+            impl.num_heads = num_kv_heads * (self.num_heads // self.num_kv_heads)
+            self._narrow[num_kv_heads] = impl
+        return impl
 
     def _slots(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """The cache as [slots, heads, 2 * head_size]: [blocks, heads, block_size, 2 *
@@ -165,6 +216,14 @@ class KVEvictFlexImpl(FlexAttentionImpl):
         Token eviction: at their physical slots after earlier evictions, the patched
         questions' rows included (the step plan's)."""
         state = self.kv_state
+        if state is not None and state.token is None:  # a head mask: each kind in its group
+            context = get_forward_context()
+            for slots in self.head_slots(layer):
+                meta = slots.metadata(context)
+                if meta is not None:
+                    self._write(slots.cache(context), key[:, slots.kv_heads],
+                                value[:, slots.kv_heads], meta.slot_mapping)
+            return
         if state is not None:
             plan = state.plan
             key, value = plan.with_questions(key), plan.with_questions(value)
@@ -181,26 +240,49 @@ class KVEvictFlexImpl(FlexAttentionImpl):
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
-        if attn_metadata is not None and self.kv_state is not None:
-            return self._forward_token_eviction(layer, query, key, value, kv_cache,
-                                                attn_metadata, output)
-        # Our block mask for every layer, `full` too: vLLM's direct one lists at most a
-        # sequence's pages per query block, and torch's CPU template refuses a mask narrower
-        # than the whole paged cache ("KV seqlen must be smaller than the block_mask size").
+        state = self.kv_state
+        if attn_metadata is not None and state is not None:
+            if state.token is not None:
+                return self._forward_token_eviction(layer, query, key, value, kv_cache,
+                                                    attn_metadata, output)
+            return self._forward_head_slots(layer, query, key, value, output)
+        # `full`: our block mask all the same: vLLM's direct one lists at most a sequence's
+        # pages per query block, and torch's CPU template refuses a mask narrower than the
+        # whole paged cache ("KV seqlen must be smaller than the block_mask size").
         if attn_metadata is not None:
-            streaming = self.heads.streaming_q[extract_layer_index(layer.layer_name)]
-            key_ = tuple(streaming.tolist())
-            masks = attn_metadata.kvevict_masks
-            if key_ not in masks:
-                cfg = self.heads.config
-                masks[key_] = head_mask_block_mask(
-                    attn_metadata.kvevict_queries, streaming.to(query.device), cfg.sink,
-                    cfg.window, q_block=attn_metadata.q_block_size,
-                    token_capacity=attn_metadata.kvevict_capacity[0],
-                    row_capacity=attn_metadata.kvevict_capacity[1])
-            attn_metadata.block_mask = masks[key_]
+            attn_metadata.block_mask = self._mask(attn_metadata, query.shape[1], False, 0, 0)
         return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                output_scale, output_block_scale)
+
+    @staticmethod
+    def _mask(meta, num_q_heads: int, streaming: bool, sink: int, window: int):
+        """The block mask of a group's step for `num_q_heads` heads of one kind, built once
+        per step and shared by the group's layers."""
+        key = ("heads", num_q_heads, streaming)
+        if key not in meta.kvevict_masks:
+            tokens, rows = meta.kvevict_capacity
+            meta.kvevict_masks[key] = head_mask_block_mask(
+                meta.kvevict_queries,
+                torch.full((num_q_heads,), streaming, device=meta.kvevict_queries.doc.device),
+                sink, window, q_block=meta.q_block_size, token_capacity=tokens,
+                row_capacity=rows)
+        return meta.kvevict_masks[key]
+
+    def _forward_head_slots(self, layer, query, key, value, output):
+        """A head mask: each kind of head (full, streaming) attends over its own group's pages
+        with that group's block mask (a streaming head's lists sink + window + chunk)."""
+        context, cfg = get_forward_context(), self.kv_state.config
+        for slots in self.head_slots(layer):
+            meta = slots.metadata(context)
+            n, q = meta.num_actual_tokens, query[:, slots.q_heads]
+            meta.block_mask = self._mask(meta, len(slots.q_heads), slots.streaming, cfg.sink,
+                                         cfg.window)
+            out = torch.empty_like(q)
+            FlexAttentionImpl.forward(self._narrowed(len(slots.kv_heads)), layer, q,
+                                      key[:, slots.kv_heads], value[:, slots.kv_heads],
+                                      slots.cache(context), meta, out)
+            output[:n, slots.q_heads] = out[:n]
+        return output
 
     def _forward_token_eviction(self, layer, query, key, value, kv_cache, attn_metadata,
                                 output):

@@ -31,6 +31,7 @@ class WorkerState:
     dtype: torch.dtype
     block_size: int
     chunk: int = 0  # the canonical prefill chunk (sink_window.canonical_chunk; 0: the step)
+    flex: bool = False  # --kv-attention-backend flex (integration/flex_attention.py)
     step: int = 0
     runner: object = None
     token: TokenEvictionWorker | None = None
@@ -182,9 +183,7 @@ def init_state(vllm_config) -> WorkerState | None:
     if _state is not None:
         return _state
     served = served_policy(vllm_config)
-    flex = served.config.attention_backend == "flex"
-    if served.config.policy == "full" or (flex and not served.policy.evicts_tokens):
-        # (flex: the head masks are block-sparse masks over stock KV-cache specs, flex/)
+    if served.config.policy == "full":
         return None
     block_size = vllm_config.cache_config.block_size
     rank, world = tensor_parallel_rank(vllm_config)
@@ -193,7 +192,7 @@ def init_state(vllm_config) -> WorkerState | None:
                                          served.shape.queries_per_kv, rank, world),
         head_dim=served.shape.head_dim, dtype=vllm_config.model_config.dtype,
         block_size=block_size,
-        chunk=canonical_chunk(vllm_config),
+        chunk=canonical_chunk(vllm_config), flex=served.config.attention_backend == "flex",
         token=TokenEvictionWorker(served.policy, block_size, for_request=served.for_request)
         if served.policy.evicts_tokens else None)
     return _state

@@ -49,6 +49,7 @@ from vllm_kvevict.overrides import request_prompt_len
 from vllm_kvevict.served import served_policy
 
 COMPANION_SUFFIX = ".kvevict_streaming"
+HEAD_SUFFIX = ".kvevict_head"  # the FlexAttention path: a cache layer per KV head
 
 
 def canonical_chunk(vllm_config) -> int:
@@ -86,6 +87,9 @@ class SinkWindowSpec(SlidingWindowSpec):
     chunk: int = 0  # canonical prefill chunk E (0: each step is its own chunk)
     retention: int | None = 0  # with a chunk: vLLM's prefix-cache retention interval
     group: int = 0
+    # every position of a step stored (the FlexAttention path reads a chunk's own keys from
+    # the pool; the CPU path reads them from the step's K/V and drops what leaves the window)
+    keep_step: bool = False
 
     def max_admission_blocks_per_request(self, max_in_flight_tokens: int,
                                          max_model_len: int) -> int:
@@ -96,7 +100,7 @@ class SinkWindowSpec(SlidingWindowSpec):
         bs, W = self.block_size, self.sliding_window - 1
         span = self.chunk if self.chunk else max_in_flight_tokens
         held = cdiv(min(W + span, max_model_len), bs) + 1
-        if not self.chunk:
+        if not self.chunk and not self.keep_step:
             held = min(held, 2 * (cdiv(W, bs) + 1))
         return cdiv(self.sink, bs) + held
 
@@ -113,6 +117,7 @@ class SinkWindowSpec(SlidingWindowSpec):
         return all(isinstance(spec, SinkWindowSpec) and spec.group == self.group
                    and spec.sink == self.sink and spec.sliding_window == self.sliding_window
                    and spec.chunk == self.chunk and spec.retention == self.retention
+                   and spec.keep_step == self.keep_step
                    for spec in kv_cache_specs.values())
 
     @classmethod
@@ -133,6 +138,7 @@ class SinkWindowManager(SlidingWindowManager):
         super().__init__(kv_cache_spec, **kwargs)
         self.sink, self.chunk = kv_cache_spec.sink, kv_cache_spec.chunk
         self.retention = kv_cache_spec.retention
+        self.keep_step = kv_cache_spec.keep_step
         self.window = kv_cache_spec.sliding_window - 1
         self._freed_to: dict[str, int] = {}  # per request: blocks below are null or sink
         self._prompt_len: dict[str, int] = {}  # vLLM's, from remove_skipped_blocks
@@ -143,6 +149,8 @@ class SinkWindowManager(SlidingWindowManager):
         W tokens; with canonical chunks only at a chunk's end before the prompt's last chunk,
         and not below a retention checkpoint inside the chunk)."""
         bs = self.block_size
+        if self.keep_step:
+            return [False] * (end - first)
         lo, keep_from = cdiv(self.sink, bs), max(num_tokens - self.window, 0) // bs
         if self.chunk:
             prompt = self._prompt_len.get(request_id)
