@@ -188,6 +188,8 @@ def main() -> None:
                     help="--kv-admission of the evicting policies (default: the plugin's, reserve)")
     ap.add_argument("--no-prefix-caching", action="store_true",
                     help="serve with --no-enable-prefix-caching (vLLM's default is on)")
+    ap.add_argument("--attention-backend", choices=("cpu", "flex"), default="cpu",
+                    help="--kv-attention-backend of every server (full included)")
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", type=Path, default=Path("docs/results/memory"))
@@ -210,6 +212,7 @@ def main() -> None:
     command = "python -m loadtest.bench_memory " + " ".join(sys.argv[1:])
     serve_extra = ["--block-size", str(args.block_size)] if args.block_size else []
     serve_extra += ["--no-enable-prefix-caching"] if args.no_prefix_caching else []
+    serve_extra += ["--kv-attention-backend", args.attention_backend]
     admission = ["--kv-admission", args.admission] if args.admission else []
     for text in args.policies:
         spec = parse_policy(text)

@@ -70,7 +70,7 @@ def test_flex_eviction_chunk_over_several_steps(case, bundled_model_dir, tokeniz
                     policy, budget, bundled_model_dir, tokenizer, hf_model)
 
 
-# Prefix caching with a head mask: every head's KV sits in vLLM's pool (stock specs), and the
+# Prefix caching with a head mask: streaming heads in their sink + window groups, and the
 # chunks are canonical (multiples of the step budget, or of --kv-eviction-chunk), per token,
 # so a cached block holds what a cold run computes and a hit at any block boundary is exact.
 PREFIX_CASES = {  # name: (policy, step budget)

@@ -452,3 +452,57 @@ def test_token_ledger_sees_streaming_groups_as_evicting_nothing():
     plain = [SimpleNamespace(layer_names=[name(i) for i in range(4)])]
     assert layer_groups(SimpleNamespace(kv_cache_groups=plain), 4) == LayerGroups.single(4)
     assert group_evictions_of([30, 40, 20, 90], 100, LayerGroups.single(4)) == [10]
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_flex_head_pages_put_a_layers_heads_of_one_kind_side_by_side(world):
+    """The FlexAttention path's pool storage (`kv_cache_specs.head_slots`,
+    `pool_groups.head_page_groups`): one KV head per cache layer, so one page size; every
+    layer's full slots and its streaming slots each consecutive in one group, in slot order
+    (vLLM's layer-outer allocation then puts them one layer stride apart); full groups hold
+    full-attention specs, streaming groups `SinkWindowSpec`s tagged with their group; every
+    tensor-parallel rank declares the same slots."""
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_kvevict.integration.kv_cache_specs import head_page_specs, head_slots, layer_heads
+    from vllm_kvevict.integration.streaming.pool_groups import head_page_groups
+
+    mask = torch.tensor([[0, 1, 1], [0, 0, 0], [1, 1, 1], [0, 1, 0], [1, 0, 1], [1, 1, 0]],
+                        dtype=torch.bool)
+    full = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float32)
+    stream = SinkWindowSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float32,
+                            sliding_window=65, sink=16, keep_step=True)
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_batched_tokens=256),
+                             model_config=SimpleNamespace(max_model_len=4096))
+    names = [f"model.layers.{l}.self_attn.attn" for l in range(mask.shape[0])]
+    declared = []
+    for rank in range(world):
+        heads = layer_heads(mask, 3, rank, world)
+        specs = head_page_specs(dict(zip(names, heads)), full, stream)
+        declared.append(specs)
+        assert {s.page_size_bytes for s in specs.values()} == {full.page_size_bytes}
+        groups = head_page_groups(config, specs)
+        where = {n: (g, i) for g, group in enumerate(groups)
+                 for i, n in enumerate(group.layer_names)}
+        assert sorted(where) == sorted(specs)  # every slot in exactly one group
+        for name, h in zip(names, heads):
+            full_slots, stream_slots = head_slots(name, h)
+            assert (full_slots + stream_slots)[0] == name  # the attention layer: its first head
+            for slots, kind in ((full_slots, FullAttentionSpec), (stream_slots, SinkWindowSpec)):
+                if not slots:
+                    continue
+                g, first = where[slots[0]]
+                assert [where[s] for s in slots] == [(g, first + i) for i in range(len(slots))]
+                spec = groups[g].kv_cache_spec.kv_cache_specs[slots[0]]
+                assert isinstance(spec, kind)
+            assert len(h.full_kv) <= h.paged_heads and len(h.streaming_kv) <= h.companion_heads
+        tags = [{getattr(s, "group", None) for s in g.kv_cache_spec.kv_cache_specs.values()}
+                for g in groups]
+        assert all(len(t) == 1 for t in tags)
+        stream_tags = [t.pop() for g, t in zip(groups, tags)
+                       if isinstance(next(iter(g.kv_cache_spec.kv_cache_specs.values())),
+                                     SinkWindowSpec)]
+        assert stream_tags == list(range(len(stream_tags)))
+    assert all(d == declared[0] for d in declared)

@@ -1,9 +1,9 @@
 """What `--kv-attention-backend flex` serves so far, and the one-line refusal of the rest
 (plain Python; `integration/validation.py` calls `flex_error` with the other start-up checks).
 
-Served: `full`; the head masks `streaming`, `duo`, `prulong` with every KV head in vLLM's
-paged cache (the streaming heads' masks are block-sparse: skipped blocks are not computed, but
-their blocks are not freed either), with vLLM's prefix caching (chunks canonical: multiples of
+Served: `full`; the head masks `streaming`, `duo`, `prulong` (block-sparse masks: a streaming
+head computes only its sink, window and chunk pages; its blocks go back to vLLM's pool as the
+window moves, as on the CPU path), with vLLM's prefix caching (chunks canonical: multiples of
 the step budget or of `--kv-eviction-chunk`, per token); the token policies
 `snapkv`, `pyramidkv` (naive and patched, their tiers, `--kv-eviction-chunk`), whose evicted
 blocks go back to vLLM's pool as on the CPU path. Tensor parallel: each rank its slice of the

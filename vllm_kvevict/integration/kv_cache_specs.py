@@ -300,6 +300,16 @@ def head_slots(name: str, heads: LayerHeads) -> tuple[list[str], list[str]]:
     return names[:heads.paged_heads], names[heads.paged_heads:]
 
 
+def head_page_specs(layers: dict[str, LayerHeads], full_spec, streaming_spec) -> dict:
+    """Every head slot's spec (`head_slots`): `full_spec` or `streaming_spec`, one KV head each."""
+    specs = {}
+    for name, heads in layers.items():
+        full, streaming = head_slots(name, heads)
+        specs.update({slot: full_spec for slot in full})
+        specs.update({slot: streaming_spec for slot in streaming})
+    return specs
+
+
 def _declare_head_page_specs(runner, stock_specs, state, layers, index) -> dict:
     """A head mask on the FlexAttention path: every KV head its own cache layer with a
     one-head page, full heads with a full-attention spec, streaming heads with a
@@ -310,21 +320,16 @@ def _declare_head_page_specs(runner, stock_specs, state, layers, index) -> dict:
     (`flex_attention.HeadSlots`)."""
     context = runner.vllm_config.compilation_config.static_forward_context
     cfg = state.config
-    stock = stock_specs()
-    specs = {}
-    for name, layer in layers.items():
-        heads = state.heads[index[name]]
-        one = dataclasses.replace(stock[name], num_kv_heads=1)
-        full_spec = retyped(one, PromptFullSpec)
-        stream_spec = SinkWindowSpec(
-            block_size=state.block_size, num_kv_heads=1, head_size=state.head_dim,
-            dtype=runner.kv_cache_dtype, sliding_window=cfg.window + 1, sink=cfg.sink,
-            chunk=state.chunk, retention=prefix_retention(runner.vllm_config), keep_step=True)
-        full, streaming = head_slots(name, heads)
-        for slot in full + streaming:
-            spec = full_spec if slot in full else stream_spec
-            if slot != name:  # (vLLM's registration of cache-only layers, as for companions)
-                context[slot] = StreamingCacheLayer(slot, spec, layer.get_attn_backend(),
-                                                    heads.queries_per_kv)
-            specs[slot] = spec
+    one = dataclasses.replace(next(iter(stock_specs().values())), num_kv_heads=1)
+    streaming_spec = SinkWindowSpec(
+        block_size=state.block_size, num_kv_heads=1, head_size=state.head_dim,
+        dtype=runner.kv_cache_dtype, sliding_window=cfg.window + 1, sink=cfg.sink,
+        chunk=state.chunk, retention=prefix_retention(runner.vllm_config), keep_step=True)
+    specs = head_page_specs({name: state.heads[index[name]] for name in layers},
+                            retyped(one, PromptFullSpec), streaming_spec)
+    for slot, spec in specs.items():
+        base = slot.split(HEAD_SUFFIX)[0]
+        if slot != base:  # (vLLM's registration of cache-only layers, as for companions)
+            context[slot] = StreamingCacheLayer(slot, spec, layers[base].get_attn_backend(),
+                                                state.heads[index[base]].queries_per_kv)
     return specs
