@@ -13,22 +13,15 @@ from pathlib import Path
 import pytest
 
 from conftest import start_server
+from test_policies_vllm import CASES as POLICY_CASES
 from test_policies_vllm import (DECOUPLED, LOGPROB_TOL, check_decoupled, check_mixed_batch,
                                 flags, reference, served, served_top_logprobs, source_prompts)
 
 FLEX = {"attention_backend": "flex"}
-CASES = {  # name: (policy dict, chunk)
-    "full": ({"policy": "full"}, 256),
-    "streaming": ({"policy": "streaming", "sink": 16, "window": 64}, 256),
-    "prulong-0.7": ({"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64}, 256),
-    "duo-0.3": ({"policy": "duo", "sparsity": 0.3, "sink": 16, "window": 64}, 256),
-    "snapkv-naive-0.5": ({"policy": "snapkv", "sparsity": 0.5, "eviction": "naive"}, 256),
-    "snapkv-patched-0.5": ({"policy": "snapkv", "sparsity": 0.5, "eviction": "patched"}, 256),
-    "pyramidkv-patched-0.7": ({"policy": "pyramidkv", "sparsity": 0.7, "eviction": "patched"},
-                              256),
-    "pyramidkv-naive-0.5-tiers3": ({"policy": "pyramidkv", "sparsity": 0.5, "eviction": "naive",
-                                    "tiers": 3}, 256),
-}
+# the CPU path's cases and `full`; not the hybrid (refused on flex) nor post-fill (not run here)
+CASES = {"full": ({"policy": "full"}, 256),
+         **{name: case for name, case in POLICY_CASES.items()
+            if not name.startswith("hybrid") and "postfill" not in name}}
 PROMPT_LENGTHS = (700, 1600)
 
 

@@ -96,24 +96,26 @@ CASES.append(pytest.param((2, TP_POLICIES["prulong 0.7"]), id="kv2-prulong-0.7",
                           marks=pytest.mark.slow))
 
 
-@pytest.mark.server
-@pytest.mark.serial  # one rank per core: no other server may hold a core meanwhile
-@pytest.mark.parametrize("case", CASES)
-def test_tp2_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_torch_thread):
+def _tp2_server(policy: dict, num_kv_heads: int, tiny_qwen3):
+    """A TP 2 server of `policy` on the tiny Qwen3 with `num_kv_heads` KV heads (a head mask:
+    a random one, saved beside the model): (server, HF model, model dir, served policy)."""
     from transformers import AutoModelForCausalLM
 
-    num_kv_heads, policy = case
-    name = policy["policy"]
     model_dir = tiny_qwen3(num_kv_heads)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                  attn_implementation="eager").eval()
     policy = dict(policy)
-    if name in HEAD_MASK_POLICIES:
+    if policy["policy"] in HEAD_MASK_POLICIES:
         policy["mask_path"] = str(random_mask(model_dir, model.config))
     server = start_server(model_dir, [*flags(policy, CHUNK), "--tensor-parallel-size", "2"],
                           env=TP_ENV)
     log = server.log_tail(10 ** 7)
     assert "Worker_TP0" in log and "Worker_TP1" in log  # two worker processes, one per rank
+    return server, model, model_dir, policy
+
+
+def _served_equals_reference(server, model, model_dir, policy, tokenizer):
+    """Each prompt's served tokens == the reference's; yields (prompt, kv_stats)."""
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
     for prompt in source_prompts(tokenizer, PROMPT_LENGTHS):
         r = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=NEW_TOKENS,
@@ -121,8 +123,28 @@ def test_tp2_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_torch_
                                       extra_body={"ignore_eos": True, "return_token_ids": True})
         stats = r.model_extra["kv_stats"]
         ref = reference(model, model_dir, policy, prompt, stats["chunk_boundaries"])
-        assert r.choices[0].model_extra["token_ids"] == ref.token_ids, (name, len(prompt))
+        assert r.choices[0].model_extra["token_ids"] == ref.token_ids, (policy, len(prompt))
         assert stats["tensor_parallel_size"] == 2
+        yield prompt, stats
+
+
+def _pool_bytes_are_the_plans(server, stats) -> None:
+    """Streaming heads in the pool: every group's block on each rank is the plan's width in
+    head pages x K, V x 128 x 64 x 4 bytes (the ranks' slots padded alike: equal blocks)."""
+    per_rank = stats["kv_bytes_peak_per_rank"]
+    assert per_rank[0] == per_rank[1]
+    assert stats["kv_bytes_peak"] == (2 * stats["blocks_held_peak"]
+                                      * pool_width(server) * 2 * 128 * 64 * 4)
+
+
+@pytest.mark.server
+@pytest.mark.serial  # one rank per core: no other server may hold a core meanwhile
+@pytest.mark.parametrize("case", CASES)
+def test_tp2_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_torch_thread):
+    num_kv_heads, policy = case
+    name = policy["policy"]
+    server, model, model_dir, policy = _tp2_server(policy, num_kv_heads, tiny_qwen3)
+    for prompt, stats in _served_equals_reference(server, model, model_dir, policy, tokenizer):
         per_rank = stats["kv_bytes_peak_per_rank"]
         assert len(per_rank) == 2 and sum(per_rank) == stats["kv_bytes_peak"]
         expect_full = (model.config.num_hidden_layers * 2 * num_kv_heads * 64 * 4
@@ -131,12 +153,7 @@ def test_tp2_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_torch_
         if name == "full":
             assert stats["kv_bytes_peak"] == expect_full and per_rank[0] == per_rank[1]
         elif name in ("streaming", *HEAD_MASK_POLICIES):
-            # every group's block on each rank: the plan's width in head pages x K, V x 128 x
-            # 64 x 4 bytes (the ranks' companions padded alike, so their blocks are equal)
-            width = pool_width(server)
-            assert per_rank[0] == per_rank[1]
-            assert stats["kv_bytes_peak"] == (2 * stats["blocks_held_peak"]
-                                              * width * 2 * 128 * 64 * 4)
+            _pool_bytes_are_the_plans(server, stats)
         else:
             assert stats["kv_bytes_peak"] < expect_full and per_rank[0] == per_rank[1]
 
@@ -162,26 +179,11 @@ def test_padding_is_what_the_ranks_declare():
 @pytest.mark.parametrize("column", ["prulong 0.7", "snapkv patched"])
 def test_tp2_flex_serves_the_reference_tokens(column, tiny_qwen3, tokenizer, one_torch_thread):
     """`--kv-attention-backend flex --tensor-parallel-size 2`: each rank masks its slice of the
-    heads (head masks) or compresses its heads' chunks (token eviction); the tokens are the
-    reference's."""
-    from transformers import AutoModelForCausalLM
-
-    model_dir = tiny_qwen3(4)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
+    heads, its streaming heads in their groups of vLLM's pool (head masks), or compresses its
+    heads' chunks (token eviction); the tokens are the reference's."""
     policy = {**TP_POLICIES[column], "attention_backend": "flex"}
-    if policy["policy"] in HEAD_MASK_POLICIES:
-        policy["mask_path"] = str(random_mask(model_dir, model.config))
-    server = start_server(model_dir, [*flags(policy, CHUNK), "--tensor-parallel-size", "2"],
-                          env=TP_ENV)
-    log = server.log_tail(10 ** 7)
-    assert "Worker_TP0" in log and "Worker_TP1" in log and "attention_backend=flex" in log
-    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
-    for prompt in source_prompts(tokenizer, PROMPT_LENGTHS):
-        r = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=NEW_TOKENS,
-                                      temperature=0,
-                                      extra_body={"ignore_eos": True, "return_token_ids": True})
-        stats = r.model_extra["kv_stats"]
-        ref = reference(model, model_dir, policy, prompt, stats["chunk_boundaries"])
-        assert r.choices[0].model_extra["token_ids"] == ref.token_ids, (column, len(prompt))
-        assert stats["tensor_parallel_size"] == 2
+    server, model, model_dir, policy = _tp2_server(policy, 4, tiny_qwen3)
+    assert "attention_backend=flex" in server.log_tail(10 ** 7)
+    for _, stats in _served_equals_reference(server, model, model_dir, policy, tokenizer):
+        if policy["policy"] in HEAD_MASK_POLICIES:
+            _pool_bytes_are_the_plans(server, stats)

@@ -81,6 +81,35 @@ def scattered_block_table(seq_lens: list[int], gen: torch.Generator, spare: int 
     return table, num_pages
 
 
+def _paged_kv(lengths: list[int], table: torch.Tensor, num_pages: int,
+              gen: torch.Generator):
+    """Random K and V [H, n, d] per request of `lengths` keys, and the paged caches [pages *
+    PAGE, H, d] holding them at the pages of `table`'s rows."""
+    keys = [torch.randn(NUM_KV_HEADS, n, HEAD_DIM, generator=gen) for n in lengths]
+    values = [torch.randn(NUM_KV_HEADS, n, HEAD_DIM, generator=gen) for n in lengths]
+    cache_k = torch.zeros(num_pages * PAGE, NUM_KV_HEADS, HEAD_DIM)
+    cache_v = torch.zeros_like(cache_k)
+    for r, n in enumerate(lengths):
+        pos = torch.arange(n)
+        slots = table[r].long()[pos // PAGE] * PAGE + pos % PAGE
+        cache_k[slots], cache_v[slots] = keys[r].transpose(0, 1), values[r].transpose(0, 1)
+    return keys, values, cache_k, cache_v
+
+
+def _flex_step(batch, streaming_q: torch.Tensor, sink: int, window: int, queries, cache_k,
+               cache_v, device: str, eager: bool) -> torch.Tensor:
+    """flex_attention of a step's queries [Hq, T, d] over the paged caches with the served
+    path's block mask (`head_mask_block_mask`), on `device`; the output on the CPU."""
+    to = lambda x: x.to(device)  # noqa: E731
+    batch_dev = type(batch)(**{k: to(v) if isinstance(v, torch.Tensor) else v
+                               for k, v in vars(batch).items()})
+    mask = head_mask_block_mask(batch_dev, to(streaming_q), sink, window,
+                                token_capacity=TOKEN_CAPACITY, row_capacity=ROW_CAPACITY)
+    return attention_fn(eager)(to(queries)[None], to(cache_k).transpose(0, 1)[None],
+                               to(cache_v).transpose(0, 1)[None], block_mask=mask,
+                               scale=HEAD_DIM ** -0.5, enable_gqa=True)[0].cpu()
+
+
 def run_case(streaming_kv: torch.Tensor, rows, sink: int, window: int, chunk: int | None,
              device: str, eager: bool, seed: int = 0,
              reference_streaming: torch.Tensor | None = None) -> float:
@@ -90,27 +119,12 @@ def run_case(streaming_kv: torch.Tensor, rows, sink: int, window: int, chunk: in
     computed, q_lens, prompt_lens = (list(x) for x in zip(*rows))
     seq_lens = [a + c for a, c in zip(computed, q_lens)]
     table, num_pages = scattered_block_table(seq_lens, gen)
-    hq = NUM_KV_HEADS * QUERIES_PER_KV
-    keys = [torch.randn(NUM_KV_HEADS, n, HEAD_DIM, generator=gen) for n in seq_lens]
-    values = [torch.randn(NUM_KV_HEADS, n, HEAD_DIM, generator=gen) for n in seq_lens]
-    queries = torch.randn(hq, sum(q_lens), HEAD_DIM, generator=gen)
-    cache_k = torch.zeros(num_pages * PAGE, NUM_KV_HEADS, HEAD_DIM)
-    cache_v = torch.zeros_like(cache_k)
-    for r, n in enumerate(seq_lens):
-        pos = torch.arange(n)
-        slots = table[r].long()[pos // PAGE] * PAGE + pos % PAGE
-        cache_k[slots], cache_v[slots] = keys[r].transpose(0, 1), values[r].transpose(0, 1)
+    keys, values, cache_k, cache_v = _paged_kv(seq_lens, table, num_pages, gen)
+    queries = torch.randn(NUM_KV_HEADS * QUERIES_PER_KV, sum(q_lens), HEAD_DIM, generator=gen)
     batch = paged_queries(computed, q_lens, table, PAGE, num_pages, prompt_lens, chunk)
-    streaming_q = streaming_kv.repeat_interleave(QUERIES_PER_KV)
+    out = _flex_step(batch, streaming_kv.repeat_interleave(QUERIES_PER_KV), sink, window,
+                     queries, cache_k, cache_v, device, eager)
     scale = HEAD_DIM ** -0.5
-    to = lambda x: x.to(device)  # noqa: E731
-    batch_dev = type(batch)(**{k: to(v) if isinstance(v, torch.Tensor) else v
-                               for k, v in vars(batch).items()})
-    mask = head_mask_block_mask(batch_dev, to(streaming_q), sink, window,
-                                token_capacity=TOKEN_CAPACITY, row_capacity=ROW_CAPACITY)
-    out = attention_fn(eager)(to(queries)[None], to(cache_k).transpose(0, 1)[None],
-                              to(cache_v).transpose(0, 1)[None], block_mask=mask, scale=scale,
-                              enable_gqa=True)[0].cpu()
     # the reference: one call per (row, run of queries sharing a chunk start)
     worst, first = 0.0, 0
     for r, (a, c) in enumerate(zip(computed, q_lens)):
@@ -161,26 +175,13 @@ def check_token_eviction(device: str = "cpu", eager: bool = False, seed: int = 0
     table, num_pages = scattered_block_table(lengths, gen)
     table = torch.cat([table, table[:1]])               # the question row: request 0's pages
     computed, q_lens = [kept, 250, kept + chunk], [chunk, 1, question]
-    keys = [torch.randn(NUM_KV_HEADS, n, HEAD_DIM, generator=gen) for n in lengths]
-    values = [torch.randn(NUM_KV_HEADS, n, HEAD_DIM, generator=gen) for n in lengths]
-    cache_k = torch.zeros(num_pages * PAGE, NUM_KV_HEADS, HEAD_DIM)
-    cache_v = torch.zeros_like(cache_k)
-    for r, n in enumerate(lengths):
-        pos = torch.arange(n)
-        slots = table[r].long()[pos // PAGE] * PAGE + pos % PAGE
-        cache_k[slots], cache_v[slots] = keys[r].transpose(0, 1), values[r].transpose(0, 1)
+    keys, values, cache_k, cache_v = _paged_kv(lengths, table, num_pages, gen)
     hq = NUM_KV_HEADS * QUERIES_PER_KV
     queries = torch.randn(hq, sum(q_lens), HEAD_DIM, generator=gen)
     batch = paged_queries(computed, q_lens, table, PAGE, num_pages)
-    to = lambda x: x.to(device)  # noqa: E731
-    batch_dev = type(batch)(**{k: to(v) if isinstance(v, torch.Tensor) else v
-                               for k, v in vars(batch).items()})
-    mask = head_mask_block_mask(batch_dev, to(torch.zeros(hq, dtype=torch.bool)), 0, 0,
-                                token_capacity=TOKEN_CAPACITY, row_capacity=ROW_CAPACITY)
+    out = _flex_step(batch, torch.zeros(hq, dtype=torch.bool), 0, 0, queries, cache_k, cache_v,
+                     device, eager)
     scale = HEAD_DIM ** -0.5
-    out = attention_fn(eager)(to(queries)[None], to(cache_k).transpose(0, 1)[None],
-                              to(cache_v).transpose(0, 1)[None], block_mask=mask, scale=scale,
-                              enable_gqa=True)[0].cpu()
     worst, first = 0.0, 0
     for request, a, c in zip((0, 1, 0), computed, q_lens):
         qpos = torch.arange(a, a + c)

@@ -186,7 +186,7 @@ def head_page_groups(vllm_config, specs: dict) -> list:
         group_specs = {n: dataclasses.replace(specs[n], **tag) for n in names}
         groups.append(KVCacheGroupSpec(names, UniformTypeKVCacheSpecs.from_specs(group_specs)))
     logger.info("vllm-kvevict: KV-cache groups in the pool (a cache layer per KV head): %d of "
-                "full heads, %d of streaming heads, at most %d heads each",
+                "full heads, %d of streaming heads, blocks of %d head pages",
                 len(full_groups), len(stream_groups), width)
     return groups
 
