@@ -221,8 +221,9 @@ ROWS = [
                               + f"tests/test_flex_vllm.py::test_flex_matches_reference"
                                 f"[{COLUMNS[c]}]",),
                     "vLLM's FlexAttention backend, subclassed (docs/flex_attention.md): head "
-                    "masks as block-sparse masks with every head in vLLM's pool (no memory "
-                    "saved yet; prefix caching on, tests/test_flex_vllm.py::"
+                    "masks as block-sparse masks, streaming heads' blocks freed in vLLM's "
+                    "pool as on the CPU path (a cache layer per KV head, layer-outer; prefix "
+                    "caching on, tests/test_flex_vllm.py::"
                     "test_flex_prefix_cache_hits_match_reference); token eviction as on the "
                     "CPU path")
             for c in COLUMNS if c != HYBRID},

@@ -456,8 +456,7 @@ def test_token_ledger_sees_streaming_groups_as_evicting_nothing():
 
 @pytest.mark.parametrize("world", [1, 3])
 def test_flex_head_pages_put_a_layers_heads_of_one_kind_side_by_side(world):
-    """The FlexAttention path's pool storage (`kv_cache_specs.head_slots`,
-    `pool_groups.head_page_groups`): one KV head per cache layer, so one page size; every
+    """The FlexAttention path's pool storage (`head_pages.head_slots`, `head_page_groups`): one KV head per cache layer, so one page size; every
     layer's full slots and its streaming slots each consecutive in one group, in slot order
     (vLLM's layer-outer allocation then puts them one layer stride apart); full groups hold
     full-attention specs, streaming groups `SinkWindowSpec`s tagged with their group; every
@@ -466,8 +465,9 @@ def test_flex_head_pages_put_a_layers_heads_of_one_kind_side_by_side(world):
 
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from vllm_kvevict.integration.kv_cache_specs import head_page_specs, head_slots, layer_heads
-    from vllm_kvevict.integration.streaming.pool_groups import head_page_groups
+    from vllm_kvevict.integration.kv_cache_specs import layer_heads
+    from vllm_kvevict.integration.streaming.head_pages import (head_page_groups,
+                                                               head_page_specs, head_slots)
 
     mask = torch.tensor([[0, 1, 1], [0, 0, 0], [1, 1, 1], [0, 1, 0], [1, 0, 1], [1, 1, 0]],
                         dtype=torch.bool)

@@ -7,15 +7,12 @@ built (`use_flex_backend`), and remembers the model runner before it initialises
 (`remember_runner`), since the metadata builder reads the rows' prompt lengths from it.
 
 Head masks keep their heads in vLLM's pool as one cache layer per KV head
-(`kv_cache_specs.head_slots`): full heads in full-attention groups, streaming heads in
-sink + window groups whose blocks vLLM frees as the window moves (`sink_window.py`). One page
-size for every cache layer lets vLLM lay the pool out layer-outer, and a layer's slots of one
-kind sit side by side in one group, so they read as one multi-head paged cache (`HeadSlots`)
-that FlexAttention takes without a copy. Per step the metadata builder adds the per-token
-chunk starts (`PagedQueries`); a streaming head's mask lists only the pages of sink + window +
-chunk, so its work follows those, not the prompt. `full` runs vLLM's FlexAttention with our KV
-write and our (all-causal) block mask; snapkv / pyramidkv write and read at the token-eviction
-plan's physical slots.
+(`streaming/head_pages.py`): per layer, its full heads attend over their group's pages and its
+streaming heads over their sink + window group's, each kind read as one multi-head cache.
+Per step the metadata builder adds the per-token chunk starts (`PagedQueries`); a streaming
+head's mask lists only the pages of sink + window + chunk, so its work follows those, not the
+prompt. `full` runs vLLM's FlexAttention with our KV write and our (all-causal) block mask;
+snapkv / pyramidkv write and read at the token-eviction plan's physical slots.
 """
 
 from __future__ import annotations
@@ -31,7 +28,7 @@ from vllm.v1.attention.backends.flex_attention import (FlexAttentionBackend, Fle
 
 from vllm_kvevict.flex.block_mask import (PagedQueries, chunk_starts, head_mask_block_mask,
                                           paged_queries)
-from vllm_kvevict.integration.kv_cache_specs import head_slots
+from vllm_kvevict.integration.streaming.head_pages import HeadSlots, head_slots
 from vllm_kvevict.integration.streaming.sink_window import canonical_chunk
 from vllm_kvevict.integration.token_eviction.token_eviction_worker import compress_chunks
 from vllm_kvevict.integration.worker import init_state
@@ -69,47 +66,6 @@ def remember_runner(runner) -> None:
     builder reads the rows' prompt lengths from the runner."""
     global _runner
     _runner = runner
-
-
-class HeadSlots:
-    """One attention layer's heads of one kind (full or streaming) in the pool: their cache
-    layers (`kv_cache_specs.head_slots`; this rank's heads use the first ones), their KV-cache
-    group's metadata, and the layers' caches read as one [blocks, heads, block, 2 * head]
-    tensor: vLLM's layer-outer layout places a group's layers one layer stride apart."""
-
-    def __init__(self, names: list[str], kv_heads: tuple[int, ...], queries_per_kv: int,
-                 streaming: bool) -> None:
-        self.names, self.kv_heads, self.streaming = names, list(kv_heads), streaming
-        self.q_heads = torch.tensor([h * queries_per_kv + i for h in kv_heads
-                                     for i in range(queries_per_kv)], dtype=torch.long)
-        self._cache: tuple | None = None
-
-    def metadata(self, context):
-        """The group's attention metadata of this step (None in profiling runs)."""
-        per_layer = context.attn_metadata
-        return per_layer.get(self.names[0]) if isinstance(per_layer, dict) else None
-
-    def cache(self, context) -> torch.Tensor:
-        layers = [context.no_compile_layers[n].kv_cache for n in self.names[:len(self.kv_heads)]]
-        first = layers[0]
-        if self._cache is not None and self._cache[0] is first:
-            return self._cache[1]
-        # (one head: vLLM's layer stride all the same, so that every view has the same strides)
-        stride = (layers[1].data_ptr() - first.data_ptr()) // first.element_size() \
-            if len(layers) > 1 else first.shape[0] * first.stride(0)
-        for i, t in enumerate(layers):
-            if (t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-                    or t.data_ptr() != first.data_ptr() + i * stride * first.element_size()
-                    or t.stride() != first.stride()):
-                raise RuntimeError(f"vllm-kvevict: the cache layers {self.names} are not one "
-                                   "layer stride apart in vLLM's KV cache; the FlexAttention "
-                                   "path cannot read them as one cache")
-        blocks, _, block_size, width = first.shape
-        view = torch.as_strided(first, (blocks, len(layers), block_size, width),
-                                (first.stride(0), stride, first.stride(2), first.stride(3)),
-                                first.storage_offset())
-        self._cache = (first, view)
-        return view
 
 
 def _prompt_lens(num_reqs: int) -> list[int] | None:

@@ -36,9 +36,8 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from vllm_kvevict.integration.streaming.sink_window import (COMPANION_SUFFIX, HEAD_SUFFIX,
-                                                            PromptFullSpec, SinkWindowSpec,
-                                                            prefix_retention)
+from vllm_kvevict.integration.streaming.sink_window import (COMPANION_SUFFIX, PromptFullSpec,
+                                                            SinkWindowSpec, prefix_retention)
 from vllm_kvevict.ledger import LayerGroups
 
 logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
@@ -208,7 +207,9 @@ def declare_specs(runner, stock_specs, state) -> dict:
     layers = get_layers_from_vllm_config(runner.vllm_config, Attention)
     index = {name: extract_layer_index(name) for name in layers}
     if state.in_pool and state.flex:
-        return _declare_head_page_specs(runner, stock_specs, state, layers, index)
+        from vllm_kvevict.integration.streaming.head_pages import declare_head_page_specs
+
+        return declare_head_page_specs(runner, stock_specs, state, layers, index)
     if state.in_pool:
         return _declare_pool_specs(runner, stock_specs, state, layers, index)
     specs = stock_specs()  # (token eviction alone: every head is full)
@@ -286,50 +287,3 @@ def share_layer_specs(shared: dict, groups) -> None:
                 if target in spec.kv_cache_specs:
                     spec.kv_cache_specs.setdefault(name, spec.kv_cache_specs[target])
 
-
-# -- the FlexAttention path's pool storage: one cache layer per KV head -------------------------
-
-
-def head_slots(name: str, heads: LayerHeads) -> tuple[list[str], list[str]]:
-    """The cache layers of attention layer `name` on the FlexAttention path: its (padded) full
-    heads' slots, then its streaming heads'; one KV head each, the first slot is the layer
-    itself. This rank's full heads use the first len(full_kv) full slots, its streaming heads
-    the first len(streaming_kv) streaming slots (tensor parallel pads as `layer_heads`)."""
-    names = [name] + [f"{name}{HEAD_SUFFIX}{j}"
-                      for j in range(1, heads.paged_heads + heads.companion_heads)]
-    return names[:heads.paged_heads], names[heads.paged_heads:]
-
-
-def head_page_specs(layers: dict[str, LayerHeads], full_spec, streaming_spec) -> dict:
-    """Every head slot's spec (`head_slots`): `full_spec` or `streaming_spec`, one KV head each."""
-    specs = {}
-    for name, heads in layers.items():
-        full, streaming = head_slots(name, heads)
-        specs.update({slot: full_spec for slot in full})
-        specs.update({slot: streaming_spec for slot in streaming})
-    return specs
-
-
-def _declare_head_page_specs(runner, stock_specs, state, layers, index) -> dict:
-    """A head mask on the FlexAttention path: every KV head its own cache layer with a
-    one-head page, full heads with a full-attention spec, streaming heads with a
-    `SinkWindowSpec` that keeps whole steps (`keep_step`). One page size for every layer
-    lets vLLM lay the pool out layer-outer (LBNHC, the only layout FlexAttention reads
-    without a copy), and `pool_groups.head_page_groups` places a layer's slots of one kind
-    side by side in one group, so that they read as one multi-head cache
-    (`flex_attention.HeadSlots`)."""
-    context = runner.vllm_config.compilation_config.static_forward_context
-    cfg = state.config
-    one = dataclasses.replace(next(iter(stock_specs().values())), num_kv_heads=1)
-    streaming_spec = SinkWindowSpec(
-        block_size=state.block_size, num_kv_heads=1, head_size=state.head_dim,
-        dtype=runner.kv_cache_dtype, sliding_window=cfg.window + 1, sink=cfg.sink,
-        chunk=state.chunk, retention=prefix_retention(runner.vllm_config), keep_step=True)
-    specs = head_page_specs({name: state.heads[index[name]] for name in layers},
-                            retyped(one, PromptFullSpec), streaming_spec)
-    for slot, spec in specs.items():
-        base = slot.split(HEAD_SUFFIX)[0]
-        if slot != base:  # (vLLM's registration of cache-only layers, as for companions)
-            context[slot] = StreamingCacheLayer(slot, spec, layers[base].get_attn_backend(),
-                                                state.heads[index[base]].queries_per_kv)
-    return specs

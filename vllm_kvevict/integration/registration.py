@@ -140,6 +140,9 @@ TOUCHED = (
     ("flex_attention.py", "kvevict_capacity", "the padded mask-table sizes (one compile)"),
     ("flex_attention.py", "block_mask", "the layer's block mask for vLLM's FlexAttention "
                                         "forward to use"),
+    ("flex_attention.py", "_dynamo", "torch's compiler config (below)"),
+    ("flex_attention.py", "recompile_limit", "raised above vLLM's 16: one compilation per "
+                                             "layer's count of full / streaming heads"),
     ("flex_attention.py", "num_actual_tokens", "token eviction, on a copy of the step's "
                                                "metadata: the patched questions' rows count"),
     ("kv_transfer.py", "kv_transfer_config", "our stats connector, alone or beside the "

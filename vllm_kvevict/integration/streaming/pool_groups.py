@@ -8,8 +8,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from vllm_kvevict.integration.streaming.sink_window import (COMPANION_SUFFIX, HEAD_SUFFIX,
-                                                            SinkWindowSpec, register_manager)
+from vllm_kvevict.integration.streaming.sink_window import (COMPANION_SUFFIX, SinkWindowSpec,
+                                                            register_manager)
 
 logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
 
@@ -158,43 +158,12 @@ def kv_cache_groups(vllm_config, specs: dict) -> list:
     return groups
 
 
-def head_page_groups(vllm_config, specs: dict) -> list:
-    """The FlexAttention path's groups (`kv_cache_specs.head_slots`: a cache layer per KV head,
-    one page size): the same plan as `kv_cache_groups` with each layer's full slots and its
-    streaming slots as items of their head counts, kept side by side in one group and in slot
-    order, so that vLLM's layer-outer layout puts them at one stride apart."""
-    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, UniformTypeKVCacheSpecs
-
-    slots: dict[tuple[str, bool], list[str]] = {}
-    for name, spec in specs.items():
-        slots.setdefault((name.split(HEAD_SUFFIX)[0], isinstance(spec, SinkWindowSpec)),
-                         []).append(name)
-    full = [(f"{base}|full", len(names)) for (base, s), names in slots.items() if not s]
-    streaming = [(f"{base}|streaming", len(names)) for (base, s), names in slots.items() if s]
-    stream_spec = next((spec for spec in specs.values() if isinstance(spec, SinkWindowSpec)),
-                       None)
-    budget = vllm_config.scheduler_config.max_num_batched_tokens
-    max_len = vllm_config.model_config.max_model_len
-    streaming_tokens = (stream_spec.max_admission_blocks_per_request(budget, max_len)
-                        * stream_spec.block_size if stream_spec else 0)
-    width, full_groups, stream_groups = plan_widths(full, streaming, max_len, streaming_tokens)
-    expand = lambda item: slots[(item.split("|")[0], item.endswith("|streaming"))]  # noqa: E731
-    groups = []
-    for g, items in enumerate(full_groups + stream_groups):
-        names = [n for item in items for n in expand(item)]
-        tag = {"group": g - len(full_groups)} if g >= len(full_groups) else {}
-        group_specs = {n: dataclasses.replace(specs[n], **tag) for n in names}
-        groups.append(KVCacheGroupSpec(names, UniformTypeKVCacheSpecs.from_specs(group_specs)))
-    logger.info("vllm-kvevict: KV-cache groups in the pool (a cache layer per KV head): %d of "
-                "full heads, %d of streaming heads, blocks of %d head pages",
-                len(full_groups), len(stream_groups), width)
-    return groups
-
-
 def group_kv_cache(stock_groups, vllm_config, kv_cache_spec):
     """`get_kv_cache_groups` (kv_cache_utils in vLLM 0.32, kv_cache_planning from 0.33): our plan when the specs hold streaming companions
     (vLLM's own packing would bucket by balanced page-size patterns and may split a bucket
     across groups) or the FlexAttention path's head slots, vLLM's otherwise."""
+    from vllm_kvevict.integration.streaming.head_pages import HEAD_SUFFIX, head_page_groups
+
     if any(name.endswith(COMPANION_SUFFIX) for name in kv_cache_spec):
         register_manager()
         return kv_cache_groups(vllm_config, kv_cache_spec)

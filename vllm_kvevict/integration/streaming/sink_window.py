@@ -9,15 +9,11 @@ them. `SinkWindowManager` is `SlidingWindowManager` with the freed range moved: 
 stay, blocks wholly inside [sink, a - W) are freed as the request advances (vLLM calls
 `remove_skipped_blocks` from `allocate_slots` with a = the tokens computed before the step).
 
-Storage: each layer with streaming heads gets a companion cache-only layer
-(`<layer>.kvevict_streaming`, `kv_cache_specs.StreamingCacheLayer`) whose spec holds that
-layer's streaming heads; the real layer's spec keeps its full heads, as before. Pages of
-different layers differ in size (a layer's head count), and vLLM's CPU layout (layer-outer,
-LBHNC) refuses groups of mixed page sizes, so the pool uses the block-outer layout BLHNC
-(the CPU kernels take any block stride: the tensor-parallel padding path relies on the same).
-Then a block of any group costs the widest group's bytes, and `pool_groups.plan_widths` packs
-layers into groups of near-equal width: the full heads' layers, and the streaming companions.
-The worker side (writing a step, reading the window back) is `paged_layout.lay_out_from_pool`.
+Storage (CPU path): a layer's streaming heads are a companion cache-only layer
+(`<layer>.kvevict_streaming`), its own spec keeps its full heads. Mixed page sizes need vLLM's
+block-outer layout (BLHNC; the CPU kernels take any block stride), where a block of any group
+costs the widest group's bytes: `pool_groups.plan_widths` packs layers into groups of near-equal
+width; worker side `paged_layout.lay_out_from_pool`. Flex path: `head_pages.py`, `keep_step`.
 
 Regimes, chosen by vLLM's prefix caching (`canonical_chunk`) and its retention interval R:
 - prefix caching off (and no `--kv-eviction-chunk`): each step is its own chunk, and the
@@ -49,7 +45,6 @@ from vllm_kvevict.overrides import request_prompt_len
 from vllm_kvevict.served import served_policy
 
 COMPANION_SUFFIX = ".kvevict_streaming"
-HEAD_SUFFIX = ".kvevict_head"  # the FlexAttention path: a cache layer per KV head
 
 
 def canonical_chunk(vllm_config) -> int:
@@ -87,9 +82,7 @@ class SinkWindowSpec(SlidingWindowSpec):
     chunk: int = 0  # canonical prefill chunk E (0: each step is its own chunk)
     retention: int | None = 0  # with a chunk: vLLM's prefix-cache retention interval
     group: int = 0
-    # every position of a step stored (the FlexAttention path reads a chunk's own keys from
-    # the pool; the CPU path reads them from the step's K/V and drops what leaves the window)
-    keep_step: bool = False
+    keep_step: bool = False  # store a whole step (flex: a chunk's keys are read from the pool)
 
     def max_admission_blocks_per_request(self, max_in_flight_tokens: int,
                                          max_model_len: int) -> int:
