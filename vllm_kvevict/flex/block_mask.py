@@ -105,8 +105,9 @@ def head_mask_block_mask(q: PagedQueries, streaming: torch.Tensor, sink: int, wi
                          q_block: int = 16, token_capacity: int = 0,
                          row_capacity: int = 0, whole_pages: bool = False) -> BlockMask:
     """The BlockMask of one layer: `streaming` bool [Hq] per query head (a GQA group's query
-    heads follow their KV head; all False: full causal attention), blocks of `q_block` queries
-    by `page_size` keys. Block lists per head class (full, streaming); the mask_mod is exact.
+    heads follow their KV head; all False: full causal attention; one head's class for all:
+    [1]), blocks of `q_block` queries by `page_size` keys. Block lists per head class (full,
+    streaming; one head, broadcast, when every head is of one class); the mask_mod is exact.
     The tables the mask_mod reads are padded to `token_capacity` tokens and `row_capacity`
     rows (a step's largest), so that their shapes do not change from step to step: compiled
     flex_attention then compiles once (torch 2.13's CPU template fails to build kernels with
@@ -131,14 +132,19 @@ def head_mask_block_mask(q: PagedQueries, streaming: torch.Tensor, sink: int, wi
     before = needed & (first_key[None, :] + page - 1 <= q.position[:, None])
     in_full_sight = (first_key[None, :] + page <= sink) | (first_key[None, :] >= lo_key)
     classes = [(needed, before), (needed & in_sight, before & in_full_sight)]  # full, streaming
+    streaming = streaming.to(device=device, dtype=torch.bool)
+    # every head of one class: that class's lists only, one head broadcast over the query heads
+    uniform = None if streaming.numel() > 1 and bool(streaming.any() ^ streaming.all()) \
+        else bool(streaming.any())
+    if uniform is not None:
+        classes = [classes[int(uniform)]]
     sets = [_page_sets(pages, seen, whole, q_block, q.num_pages) for seen, whole in classes]
     if not whole_pages:
         sets = [(part | whole, torch.zeros_like(whole)) for part, whole in sets]
     partial = [_page_lists(part) for part, _ in sets]
     full = [_page_lists(whole) for _, whole in sets]
-    streaming = streaming.to(device=device, dtype=torch.bool)
-    head_class = streaming.long() if bool(streaming.any()) else torch.zeros(1, dtype=torch.long,
-                                                                            device=device)
+    head_class = streaming.long() if uniform is None else torch.zeros(1, dtype=torch.long,
+                                                                       device=device)
     pick = lambda lists, i: torch.stack([x[i] for x in lists])[head_class][None]  # noqa: E731
 
     # physical page -> logical page of each row (-1: not the row's)
@@ -162,8 +168,10 @@ def head_mask_block_mask(q: PagedQueries, streaming: torch.Tensor, sink: int, wi
         logical_page = to_logical[row, kv_idx // page]
         key = logical_page * page + kv_idx % page
         valid = (logical_page >= 0) & (key <= position[q_idx]) & (key < seq_lens[row])
-        seen = (key < sink) | (key >= lo[q_idx]) | ~streaming[h]
-        return valid & seen
+        if uniform is False:
+            return valid
+        seen = (key < sink) | (key >= lo[q_idx])
+        return valid & (seen if uniform else seen | ~streaming[h])
 
     kwargs = {}
     if "compute_q_blocks" in BlockMask.from_kv_blocks.__code__.co_varnames:

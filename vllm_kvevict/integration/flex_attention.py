@@ -206,20 +206,20 @@ class KVEvictFlexImpl(FlexAttentionImpl):
         # pages per query block, and torch's CPU template refuses a mask narrower than the
         # whole paged cache ("KV seqlen must be smaller than the block_mask size").
         if attn_metadata is not None:
-            attn_metadata.block_mask = self._mask(attn_metadata, query.shape[1], False, 0, 0)
+            attn_metadata.block_mask = self._mask(attn_metadata, False, 0, 0)
         return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                output_scale, output_block_scale)
 
     @staticmethod
-    def _mask(meta, num_q_heads: int, streaming: bool, sink: int, window: int):
-        """The block mask of a group's step for `num_q_heads` heads of one kind, built once
-        per step and shared by the group's layers."""
-        key = ("heads", num_q_heads, streaming)
+    def _mask(meta, streaming: bool, sink: int, window: int):
+        """The block mask of a group's step for heads of one kind (one head, broadcast over
+        the query heads), built once per step and shared by the group's layers."""
+        key = ("heads", streaming)
         if key not in meta.kvevict_masks:
             tokens, rows = meta.kvevict_capacity
             meta.kvevict_masks[key] = head_mask_block_mask(
                 meta.kvevict_queries,
-                torch.full((num_q_heads,), streaming, device=meta.kvevict_queries.doc.device),
+                torch.full((1,), streaming, device=meta.kvevict_queries.doc.device),
                 sink, window, q_block=meta.q_block_size, token_capacity=tokens,
                 row_capacity=rows)
         return meta.kvevict_masks[key]
@@ -231,8 +231,7 @@ class KVEvictFlexImpl(FlexAttentionImpl):
         for slots in self.head_slots(layer):
             meta = slots.metadata(context)
             n, q = meta.num_actual_tokens, query[:, slots.q_heads]
-            meta.block_mask = self._mask(meta, len(slots.q_heads), slots.streaming, cfg.sink,
-                                         cfg.window)
+            meta.block_mask = self._mask(meta, slots.streaming, cfg.sink, cfg.window)
             out = torch.empty_like(q)
             FlexAttentionImpl.forward(self._narrowed(len(slots.kv_heads)), layer, q,
                                       key[:, slots.kv_heads], value[:, slots.kv_heads],
