@@ -46,7 +46,7 @@ def time_start(argv: list[str], env: dict, log: Path, port: int) -> dict:
 
     t0 = time.monotonic()
     with ServerProcess(argv, log, env) as server:
-        server.wait_healthy(f"http://127.0.0.1:{port}", timeout_s=900)
+        server.wait_healthy(f"http://127.0.0.1:{port}", timeout_s=900, poll_s=0.1)
         ready = time.monotonic() - t0
         with httpx.Client(trust_env=False) as client:  # it serves, too
             r = client.post(f"http://127.0.0.1:{port}/v1/completions",

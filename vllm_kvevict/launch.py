@@ -151,7 +151,8 @@ class ServerProcess:
         self._log.flush()
         return self.log_path.read_text(errors="replace")[-chars:]
 
-    def wait_healthy(self, base_url: str, timeout_s: float = 900.0) -> float:
+    def wait_healthy(self, base_url: str, timeout_s: float = 900.0,
+                     poll_s: float = 1.0) -> float:
         """Poll /health until 200; seconds it took. Fails early if the server exits."""
         start = time.monotonic()
         with httpx.Client(timeout=5.0, trust_env=False) as client:
@@ -165,7 +166,7 @@ class ServerProcess:
                         return time.monotonic() - start
                 except httpx.HTTPError:
                     pass
-                time.sleep(1.0)
+                time.sleep(poll_s)
         raise TimeoutError(f"server not healthy after {timeout_s:.0f} s; log {self.log_path}")
 
     def stop(self, timeout_s: float = 60.0) -> int | None:
