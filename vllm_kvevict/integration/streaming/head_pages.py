@@ -54,9 +54,8 @@ def declare_head_page_specs(runner, stock_specs, state, layers, index) -> dict:
     one-head page, full heads with a full-attention spec, streaming heads with a
     `SinkWindowSpec` that keeps whole steps (`keep_step`). One page size for every layer
     lets vLLM lay the pool out layer-outer (LBNHC, the only layout FlexAttention reads
-    without a copy), and `pool_groups.head_page_groups` places a layer's slots of one kind
-    side by side in one group, so that they read as one multi-head cache
-    (`flex_attention.HeadSlots`)."""
+    without a copy), and `head_page_groups` places a layer's slots of one kind side by side
+    in one group, so that they read as one multi-head cache (`HeadSlots`)."""
     context = runner.vllm_config.compilation_config.static_forward_context
     cfg = state.config
     one = dataclasses.replace(next(iter(stock_specs().values())), num_kv_heads=1)
@@ -75,7 +74,7 @@ def declare_head_page_specs(runner, stock_specs, state, layers, index) -> dict:
 
 
 def head_page_groups(vllm_config, specs: dict) -> list:
-    """The FlexAttention path's groups (`kv_cache_specs.head_slots`: a cache layer per KV head,
+    """The FlexAttention path's groups (`head_slots`: a cache layer per KV head,
     one page size): the same plan as `kv_cache_groups` with each layer's full slots and its
     streaming slots as items of their head counts, kept side by side in one group and in slot
     order, so that vLLM's layer-outer layout puts them at one stride apart."""
@@ -109,7 +108,7 @@ def head_page_groups(vllm_config, specs: dict) -> list:
 
 class HeadSlots:
     """One attention layer's heads of one kind (full or streaming) in the pool: their cache
-    layers (`kv_cache_specs.head_slots`; this rank's heads use the first ones), their KV-cache
+    layers (`head_slots`; this rank's heads use the first ones), their KV-cache
     group's metadata, and the layers' caches read as one [blocks, heads, block, 2 * head]
     tensor: vLLM's layer-outer layout places a group's layers one layer stride apart."""
 
