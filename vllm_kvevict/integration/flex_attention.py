@@ -233,9 +233,9 @@ class KVEvictFlexImpl(FlexAttentionImpl):
             n, q = meta.num_actual_tokens, query[:, slots.q_heads]
             meta.block_mask = self._mask(meta, slots.streaming, cfg.sink, cfg.window)
             out = torch.empty_like(q)
-            FlexAttentionImpl.forward(self._narrowed(len(slots.kv_heads)), layer, q,
-                                      key[:, slots.kv_heads], value[:, slots.kv_heads],
-                                      slots.cache(context), meta, out)
+            # (vLLM's decoder forward reads K and V from the cache do_kv_cache_update wrote)
+            FlexAttentionImpl.forward(self._narrowed(len(slots.kv_heads)), layer, q, key,
+                                      value, slots.cache(context), meta, out)
             output[:n, slots.q_heads] = out[:n]
         return output
 

@@ -286,4 +286,3 @@ def share_layer_specs(shared: dict, groups) -> None:
             for name, target in shared.items():
                 if target in spec.kv_cache_specs:
                     spec.kv_cache_specs.setdefault(name, spec.kv_cache_specs[target])
-

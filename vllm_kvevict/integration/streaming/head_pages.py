@@ -20,7 +20,7 @@ import logging
 import torch
 
 from vllm_kvevict.integration.kv_cache_specs import LayerHeads, StreamingCacheLayer, retyped
-from vllm_kvevict.integration.streaming.pool_groups import plan_widths
+from vllm_kvevict.integration.streaming.pool_groups import planned_groups
 from vllm_kvevict.integration.streaming.sink_window import (PromptFullSpec, SinkWindowSpec,
                                                             prefix_retention)
 
@@ -74,32 +74,17 @@ def declare_head_page_specs(runner, stock_specs, state, layers, index) -> dict:
 
 
 def head_page_groups(vllm_config, specs: dict) -> list:
-    """The FlexAttention path's groups (`head_slots`: a cache layer per KV head,
-    one page size): the same plan as `kv_cache_groups` with each layer's full slots and its
-    streaming slots as items of their head counts, kept side by side in one group and in slot
-    order, so that vLLM's layer-outer layout puts them at one stride apart."""
-    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, UniformTypeKVCacheSpecs
-
-    slots: dict[tuple[str, bool], list[str]] = {}
+    """The FlexAttention path's groups (`head_slots`: a cache layer per KV head, one page
+    size): `pool_groups.planned_groups` with each layer's full slots and its streaming slots as
+    items of their head counts, kept side by side in one group and in slot order, so that
+    vLLM's layer-outer layout puts them one layer stride apart."""
+    slots: dict[tuple[str, bool], list[str]] = {}  # (layer, streaming) -> its slots
     for name, spec in specs.items():
         slots.setdefault((name.split(HEAD_SUFFIX)[0], isinstance(spec, SinkWindowSpec)),
                          []).append(name)
-    full = [(f"{base}|full", len(names)) for (base, s), names in slots.items() if not s]
-    streaming = [(f"{base}|streaming", len(names)) for (base, s), names in slots.items() if s]
-    stream_spec = next((spec for spec in specs.values() if isinstance(spec, SinkWindowSpec)),
-                       None)
-    budget = vllm_config.scheduler_config.max_num_batched_tokens
-    max_len = vllm_config.model_config.max_model_len
-    streaming_tokens = (stream_spec.max_admission_blocks_per_request(budget, max_len)
-                        * stream_spec.block_size if stream_spec else 0)
-    width, full_groups, stream_groups = plan_widths(full, streaming, max_len, streaming_tokens)
-    expand = lambda item: slots[(item.split("|")[0], item.endswith("|streaming"))]  # noqa: E731
-    groups = []
-    for g, items in enumerate(full_groups + stream_groups):
-        names = [n for item in items for n in expand(item)]
-        tag = {"group": g - len(full_groups)} if g >= len(full_groups) else {}
-        group_specs = {n: dataclasses.replace(specs[n], **tag) for n in names}
-        groups.append(KVCacheGroupSpec(names, UniformTypeKVCacheSpecs.from_specs(group_specs)))
+    width, full_groups, stream_groups, groups = planned_groups(
+        vllm_config, specs, [(k, len(v)) for k, v in slots.items() if not k[1]],
+        [(k, len(v)) for k, v in slots.items() if k[1]], slots.__getitem__)
     logger.info("vllm-kvevict: KV-cache groups in the pool (a cache layer per KV head): %d of "
                 "full heads, %d of streaming heads, blocks of %d head pages",
                 len(full_groups), len(stream_groups), width)
@@ -114,7 +99,8 @@ class HeadSlots:
 
     def __init__(self, names: list[str], kv_heads: tuple[int, ...], queries_per_kv: int,
                  streaming: bool) -> None:
-        self.names, self.kv_heads, self.streaming = names, list(kv_heads), streaming
+        self.names, self.streaming = names, streaming
+        self.kv_heads = torch.tensor(kv_heads, dtype=torch.long)  # (indexes K and V)
         self.q_heads = torch.tensor([h * queries_per_kv + i for h in kv_heads
                                      for i in range(queries_per_kv)], dtype=torch.long)
         self._cache: tuple | None = None

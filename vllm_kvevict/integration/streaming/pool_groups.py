@@ -125,31 +125,39 @@ def plan_widths(full: list[tuple[str, int]], streaming: list[tuple[str, int]],
     return best[1], best[2], best[3]
 
 
+def planned_groups(vllm_config, specs: dict, full: list, streaming: list, members) -> tuple:
+    """`plan_widths` over the (item, heads) of `full` and `streaming`, as vLLM's KV-cache
+    groups: each item's cache layers (`members(item)`, in order) side by side, streaming
+    groups' specs tagged with their group. Returns (width, full groups, streaming groups of
+    items, the KVCacheGroupSpecs)."""
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, UniformTypeKVCacheSpecs
+
+    stream_spec = next((s for s in specs.values() if isinstance(s, SinkWindowSpec)), None)
+    budget = vllm_config.scheduler_config.max_num_batched_tokens
+    max_len = vllm_config.model_config.max_model_len
+    streaming_tokens = (stream_spec.max_admission_blocks_per_request(budget, max_len)
+                        * stream_spec.block_size if stream_spec else 0)
+    width, full_groups, stream_groups = plan_widths(full, streaming, max_len, streaming_tokens)
+    groups = []
+    for g, items in enumerate(full_groups + stream_groups):
+        names = [n for item in items for n in members(item)]
+        g -= len(full_groups)  # (streaming groups: their tag)
+        group_specs = {n: specs[n] if g < 0 else dataclasses.replace(specs[n], group=g)
+                       for n in names}
+        groups.append(KVCacheGroupSpec(names, UniformTypeKVCacheSpecs.from_specs(group_specs)))
+    return width, full_groups, stream_groups, groups
+
+
 def kv_cache_groups(vllm_config, specs: dict) -> list:
     """vLLM's KV-cache groups for a head mask whose streaming heads are in the pool: the real
     layers' full-head specs and the companions' streaming specs, packed by `plan_widths`."""
-    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
-    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
-
     spec0 = next(iter(specs.values()))
     per_head = spec0.page_size_bytes // max(spec0.num_kv_heads, 1)
     heads = {name: spec.page_size_bytes // per_head for name, spec in specs.items()}
     full = [(n, heads[n]) for n in specs if not n.endswith(COMPANION_SUFFIX)]
     streaming = [(n, heads[n]) for n in specs if n.endswith(COMPANION_SUFFIX)]
-    stream_spec = specs[streaming[0][0]] if streaming else None
-    budget = vllm_config.scheduler_config.max_num_batched_tokens
-    streaming_tokens = (stream_spec.max_admission_blocks_per_request(
-        budget, vllm_config.model_config.max_model_len) * stream_spec.block_size
-        if stream_spec else 0)
-    width, full_groups, stream_groups = plan_widths(
-        full, streaming, vllm_config.model_config.max_model_len, streaming_tokens)
-    groups = []
-    for names in full_groups:
-        groups.append(KVCacheGroupSpec(names, UniformTypeKVCacheSpecs.from_specs(
-            {n: specs[n] for n in names})))
-    for g, names in enumerate(stream_groups):
-        tagged = {n: dataclasses.replace(specs[n], group=g) for n in names}
-        groups.append(KVCacheGroupSpec(names, UniformTypeKVCacheSpecs.from_specs(tagged)))
+    width, full_groups, stream_groups, groups = planned_groups(
+        vllm_config, specs, full, streaming, lambda name: [name])
     logger.info("vllm-kvevict: KV-cache groups in the pool: %d of full heads, %d of streaming "
                 "heads, blocks of %d head pages (heads per group: full %s, streaming %s)",
                 len(full_groups), len(stream_groups), width,
