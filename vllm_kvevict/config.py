@@ -35,6 +35,7 @@ DEFAULT_WINDOW = 256
 DEFAULT_OBS_WINDOW = 64
 DEFAULT_POOL_KERNEL = 5
 DEFAULT_SPARSITY = 0.7
+DEFAULT_DECODE_INTERVAL = 128
 
 
 class KVPolicyError(ValueError):
@@ -79,6 +80,13 @@ class KVPolicyConfig:
     token_policy: str | None = None
     token_sparsity: float = DEFAULT_SPARSITY
     attention_backend: str = "cpu"  # one of ATTENTION_BACKENDS
+    # snapkv/pyramidkv: decode-time eviction. Every `decode_interval` generated tokens each
+    # layer's whole KV is compressed back to `decode_budget` tokens per KV head (pyramidkv:
+    # that budget spread over the layers as its prefill budget is), scored by the last
+    # min(obs_window, decode_interval, decode_budget) decode queries. None: decode tokens are
+    # never evicted (the paper's chunked eviction covers the prompt only).
+    decode_budget: int | None = None
+    decode_interval: int = DEFAULT_DECODE_INTERVAL
 
     def __post_init__(self) -> None:
         validate(self)
@@ -135,6 +143,18 @@ class KVPolicyConfig:
             return False
         e = self.eviction_chunk
         return e is None or end == prompt_len or end % e == 0
+
+    @property
+    def decode_obs_rows(self) -> int:
+        """Observation queries k scoring a decode-time compression (the last k decode steps)."""
+        return min(self.obs_window, self.decode_interval, self.decode_budget or self.obs_window)
+
+    def is_decode_compression(self, end: int, prompt_len: int) -> bool:
+        """Does the decode step that ends at logical length `end` (its token's KV included)
+        compress the KV back to the decode budget? Every `decode_interval` generated tokens."""
+        if self.decode_budget is None or end <= prompt_len:
+            return False
+        return (end - prompt_len) % self.decode_interval == 0
 
     def num_tiers(self, num_layers: int) -> int:
         """KV-cache groups (block tables) the layers are split into (see `tiers`)."""
@@ -221,6 +241,14 @@ def validate(cfg: KVPolicyConfig) -> None:
                                 f"mask without token_policy), not {cfg.policy!r}"
                                 + (" with a token_policy" if cfg.token_policy else ""),
                                 "eviction_chunk")
+    _check_int("decode_interval", cfg.decode_interval, 1)
+    if cfg.decode_budget is not None:
+        _check_int("decode_budget", cfg.decode_budget, 1)
+        if cfg.policy not in TOKEN_EVICTION_POLICIES:
+            raise KVPolicyError(f"decode_budget only applies to "
+                                f"{', '.join(TOKEN_EVICTION_POLICIES)}, not {cfg.policy!r}"
+                                + (" with a token_policy (not built yet)" if cfg.token_policy
+                                   else ""), "decode_budget")
     if cfg.token_policy is not None:
         if cfg.token_policy not in TOKEN_EVICTION_POLICIES:
             raise KVPolicyError(f"token_policy {cfg.token_policy!r} is unknown; valid: "

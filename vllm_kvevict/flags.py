@@ -9,7 +9,8 @@ from __future__ import annotations
 import re
 import sys
 
-from vllm_kvevict.config import (ADMISSION_MODES, ATTENTION_BACKENDS, DEFAULT_OBS_WINDOW,
+from vllm_kvevict.config import (ADMISSION_MODES, ATTENTION_BACKENDS, DEFAULT_DECODE_INTERVAL,
+                                 DEFAULT_OBS_WINDOW,
                                  DEFAULT_POOL_KERNEL, DEFAULT_SINK, DEFAULT_SPARSITY, DEFAULT_WINDOW, EVICTION_MODES,
                                  POLICIES, KVPolicyError)
 
@@ -73,6 +74,16 @@ FLAGS = {
                             "Token sparsity p of --kv-token-policy (share of each prefill "
                             "chunk's KVs a full head evicts), while --kv-sparsity stays the "
                             f"head sparsity. In [0, 1]; default {DEFAULT_SPARSITY}."),
+    "--kv-decode-budget": ("decode_budget", int,
+                           "snapkv/pyramidkv: decode-time eviction. Every --kv-decode-interval "
+                           "generated tokens each layer's KV is compressed back to this many "
+                           "tokens per KV head (pyramidkv: spread over the layers as its prompt "
+                           "budget), scored by the last min(--kv-obs-window, interval, budget) "
+                           "decode queries; the freed blocks return to vLLM's pool. Default: "
+                           "off (generated tokens are never evicted)."),
+    "--kv-decode-interval": ("decode_interval", int,
+                             "Generated tokens between two decode-time compressions "
+                             f"(--kv-decode-budget); default {DEFAULT_DECODE_INTERVAL}."),
     "--kv-mask": ("mask_path", str, "Head-mask file for duo/prulong (our JSON format, PruLong "
                                     "0/1 TSV or DuoAttention gate TSV). Default: the mask shipped "
                                     "in head_masks/ for the served model."),

@@ -13,7 +13,8 @@ Per head, for a prefill chunk [a, b) of length c = b - a (K = sink + window):
 - full head: T(c) + past * c with past = a; decode adds T(m) + n * m, so T(n + m) in total.
 - token eviction (snapkv, pyramidkv): like a full head, but `past` grows only by the tokens a
   layer keeps of each chunk, `policy.chunk_keep(...).kept`. The chunk itself is whole while it
-  runs; decode tokens are never evicted. Tokens appended for patched scoring are not counted
+  runs; decode tokens are evicted only with a decode budget B (decode-time eviction: after
+  every E-th decode step a layer holding more than B keeps B). Tokens appended for patched scoring are not counted
   (they are not part of the n + m sequence and their KVs are dropped at once).
 
 `chunk_held=True` counts instead what a real engine holds: a prefill chunk's KVs are all
@@ -151,8 +152,11 @@ def _streaming_head(bounds: list[int], decode_len: int, sink: int, window: int,
 
 
 def _kept_head(bounds: list[int], decode_len: int, kept: list[int],
-               chunk_held: bool = False, steps: list | None = None) -> tuple[int, list[int]]:
-    """Entries and peak candidates of a head that keeps `kept[i]` tokens of chunk i."""
+               chunk_held: bool = False, steps: list | None = None,
+               decode_budget: int | None = None, interval: int = 1) -> tuple[int, list[int]]:
+    """Entries and peak candidates of a head that keeps `kept[i]` tokens of chunk i (and,
+    with `decode_budget`, falls back to min(length, budget) after every `interval`-th decode
+    step)."""
     entries, points, past, a = 0, [], 0, 0
     for i, (b, k) in enumerate(zip(bounds, kept)):
         c = b - a
@@ -160,9 +164,17 @@ def _kept_head(bounds: list[int], decode_len: int, kept: list[int],
         points.append(past + c)
         past += k
         a = b
-    if decode_len:
+    if decode_len and decode_budget is None:
         entries += tri(decode_len) + past * decode_len
         points.append(past + decode_len)
+    elif decode_len:  # decode step j of an interval (1..E) holds length + j
+        done, peak = 0, 0
+        while done < decode_len:
+            e = min(interval, decode_len - done)
+            entries += tri(e) + past * e
+            peak = max(peak, past + e)
+            past, done = min(past + e, decode_budget) if e == interval else past + e, done + e
+        points.append(peak)
     return entries, points
 
 
@@ -209,8 +221,11 @@ def kv_footprint(policy: KVPolicy, prompt_len: int, chunk_boundaries: list[int],
         n_other = num_heads - n_stream
         if policy.evicts_tokens and n_other:
             kept = [kept_of(layer, c, i == last) for i, c in enumerate(lengths)]
+            budget = (policy.decode_budget(layer)
+                      if getattr(policy.config, "decode_budget", None) is not None else None)
             other_entries, other_points = _kept_head(bounds, decode_len, kept, chunk_held,
-                                                     steps)
+                                                     steps, budget,
+                                                     policy.config.decode_interval)
         else:
             other_entries, other_points = full_entries, full_points
         total += n_stream * stream_entries + n_other * other_entries

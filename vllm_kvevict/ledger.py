@@ -94,6 +94,34 @@ def allocation_eviction(policy: KVPolicy, chunk_len: int, is_final: bool) -> int
     return chunk_len - max(chunk_kept_per_layer(policy, chunk_len, is_final))
 
 
+def decode_group_budgets(policy: KVPolicy, groups: LayerGroups) -> list[int | None]:
+    """Decode-time eviction: per group, the tokens its block row holds after a compression
+    (the largest decode budget among its layers; None: no decode-time eviction in the group)."""
+    if policy.config.decode_budget is None:
+        return [None] * groups.num_groups
+    most: list[int | None] = [None] * groups.num_groups
+    for layer, g in enumerate(groups.of_layer):
+        if g >= 0:
+            most[g] = max(most[g] or 0, policy.decode_budget(layer))
+    return most
+
+
+def decode_group_evictions(budgets: list[int | None], physical: list[int]) -> list[int]:
+    """Slots each group gives back at a decode-time compression, from its physical length
+    (the step's token included): every layer keeps min(its length, its budget), so the group
+    keeps min(its length, its largest budget)."""
+    return [0 if b is None else max(p - b, 0) for b, p in zip(budgets, physical)]
+
+
+def decode_peak(kept: int, generated: int, budget: int | None, interval: int) -> int:
+    """Peak slots of a group over `generated` decode tokens after a prompt that left `kept`:
+    the length grows by one per token and falls to min(length, budget) every `interval`
+    tokens, so it never exceeds max(kept, budget) + interval."""
+    if budget is None:
+        return kept + generated
+    return min(kept + generated, max(kept, budget) + interval)
+
+
 def eviction_chunk_len(config, computed: int, step_len: int) -> int:
     """Tokens of the eviction chunk that a prefill step [computed, computed + step_len) belongs
     to, up to the step's end (the step itself when no `eviction_chunk` is set). A step that
@@ -110,11 +138,13 @@ def eviction_chunk_len(config, computed: int, step_len: int) -> int:
 
 
 def peak_slots(policy: KVPolicy, prompt_len: int, num_tokens: int, chunk_size: int,
-               evictions: Callable[[int, bool], list[int]]) -> list[int]:
+               evictions: Callable[[int, bool], list[int]],
+               decode_budgets: list[int | None] | None = None) -> list[int]:
     """Per group, the peak slots a request of `num_tokens` tokens needs: the compressed prompt
     before a chunk, that chunk and its patched question, and every token after the prompt
-    (decode tokens are never evicted). `evictions(chunk_len, is_final)` gives the per-group
-    slots a chunk gives back (`group_evictions`, memoised by the caller)."""
+    (`decode_peak`: all of them without decode-time eviction). `evictions(chunk_len,
+    is_final)` gives the per-group slots a chunk gives back (`group_evictions`, memoised by
+    the caller); `decode_budgets` the groups' `decode_group_budgets`."""
     n, c = prompt_len, chunk_size
     question = policy.config.question_rows(n)
     done, kept, peak = 0, None, None
@@ -130,7 +160,10 @@ def peak_slots(policy: KVPolicy, prompt_len: int, num_tokens: int, chunk_size: i
         done += step
     if kept is None:
         kept = peak = [0] * len(evictions(0, True))
-    return [min(num_tokens, max(p, k + num_tokens - n)) for p, k in zip(peak, kept)]
+    budgets = decode_budgets or [None] * len(kept)
+    generated, interval = max(num_tokens - n, 0), policy.config.decode_interval
+    return [min(num_tokens, max(p, decode_peak(k, generated, b, interval)))
+            for p, k, b in zip(peak, kept, budgets)]
 
 
 def cap_step_in_eviction_chunk(policy: KVPolicy, prompt_len: int, num_computed: int,

@@ -183,6 +183,9 @@ class RequestRecord:
             "cached_tokens": self.cached_tokens,
             "chunk_boundaries": list(self.boundaries),
             "decode_steps": decode_steps,
+            # decode-time eviction: one compression after every decode_interval-th decode step
+            "decode_compressions": (decode_steps // params["decode_interval"]
+                                    if params.get("decode_budget") else 0),
             "footprint": footprint,
             "peak_kv": peak_kv,
             "footprint_chunk_held": footprint_chunk_held,

@@ -23,6 +23,7 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
 
 from vllm_kvevict.integration.fp8 import is_fp8
 from vllm_kvevict.integration.paged_layout import POOL_LAYOUTS, lay_out_from_pool, paged_layout
+from vllm_kvevict.integration.token_eviction.decode_eviction import compress_decode
 from vllm_kvevict.integration.token_eviction.token_eviction_worker import compress_chunks
 from vllm_kvevict.integration.worker import get_state, init_state
 
@@ -179,20 +180,25 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
             self._kernel(layer, query[:n], kv_cache, output[:n], plan.query_start_loc,
                          seq_lens, table, sched)
         if plan.valid and plan.jobs:
-            self._compress_chunks(layer, l, plan, query, key, value, kv_cache)
+            self._compress(layer, l, plan, kv_cache, lambda read: compress_chunks(
+                plan, l, query, key, value, lambda job, count: read(job, job.phys_before[l],
+                                                                    count)))
+        if plan.valid and plan.decode:
+            self._compress(layer, l, plan, kv_cache, lambda read: compress_decode(
+                plan, l, query, lambda job, count: read(job, 0, count)))
 
-    def _compress_chunks(self, layer, l, plan, query, key, value, kv_cache) -> None:
-        """Compress the step's chunks (`compress_chunks`) and write the kept KVs at the layer's
-        physical end of the past, through vLLM's CPU kernel layout."""
+    def _compress(self, layer, l, plan, kv_cache, compress) -> None:
+        """Run `compress(read)` (token eviction of prefill chunks or decode-time) and write the
+        kept KVs it returns at their physical slots, through vLLM's CPU kernel layout;
+        `read(job, start, count)` gives K/V of a job's row from the paged cache."""
         key_cache, value_cache = self._split(kv_cache)
 
-        def read_past(job, count):
+        def read(job, start, count):
             layout = paged_layout(key_cache.dtype, self.kv_state.block_size, self.head_size,
                                   layer.isa)
-            return layout.read(key_cache, value_cache, plan.table(l)[job.row],
-                               job.phys_before[l], count)
+            return layout.read(key_cache, value_cache, plan.table(l)[job.row], start, count)
 
-        kept = compress_chunks(plan, l, query, key, value, read_past)
+        kept = compress(read)
         if kept is not None:
             ops.cpu_attn_reshape_and_cache(*kept[:2], key_cache, value_cache, kept[2],
                                            layer.isa, k_scale=layer._k_scale_float,

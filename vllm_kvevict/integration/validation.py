@@ -9,7 +9,8 @@ import os
 import sys
 
 from vllm_kvevict.config import KVPolicyError
-from vllm_kvevict.features import (PARALLEL_FLAGS, connector_error, kv_cache_dtype_error,
+from vllm_kvevict.features import (PARALLEL_FLAGS, connector_error, decode_eviction_error,
+                                     kv_cache_dtype_error,
                                      lora_error, model_error, model_runner_error,
                                      parallel_error,
                                      prefix_caching_error, prompt_embeds_error,
@@ -50,6 +51,7 @@ def validate_against_model(vllm_config, prefix_caching_requested: bool | None = 
                       parallel_error(cfg, sizes, served.shape.num_kv_heads),
                       kv_cache_dtype_error(cfg, str(cache_dtype)),
                       speculative_error(cfg, method), connector_error(cfg, users),
+                      decode_eviction_error(cfg, method, str(cache_dtype), sizes),
                       prompt_embeds_error(cfg, embeds),
                       prefix_caching_error(cfg, prefix_caching_requested),
                       lora_error(cfg, getattr(vllm_config, "lora_config", None) is not None),

@@ -57,6 +57,10 @@ class KVPolicy:
     def chunk_keep(self, layer: int, chunk_len: int, is_final: bool) -> ChunkKeep:
         return ChunkKeep(chunk_len=chunk_len, window=0, selected=chunk_len)
 
+    def decode_keep(self, layer: int, length: int) -> ChunkKeep | None:
+        """Decode-time eviction: what a layer holding `length` tokens keeps (None: all)."""
+        return None
+
     def describe(self) -> dict:
         """Policy and parameters as reported per request."""
         return {"policy": self.name, **self.config.to_dict()}

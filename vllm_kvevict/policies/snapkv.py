@@ -54,6 +54,23 @@ class SnapKVPolicy(KVPolicy):
         selected = min(self.layer_selection(layer, candidates, budget), candidates)
         return ChunkKeep(chunk_len=chunk_len, window=window, selected=max(selected, 0))
 
+    # -- decode-time eviction (`decode_budget`) ---------------------------------------------
+    def decode_budget(self, layer: int) -> int:
+        """Tokens per KV head layer `layer` is compressed back to during decode: the served
+        budget B, its last k decode tokens (the observation window) included."""
+        k = self.config.decode_obs_rows
+        return k + self.layer_selection(layer, 1 << 40, self.config.decode_budget - k)
+
+    def decode_keep(self, layer: int, length: int) -> ChunkKeep | None:
+        """What a layer holding `length` tokens keeps at a decode-time compression: its last k
+        tokens (the observation window) and the best-scored of the others up to the layer's
+        decode budget; None when it holds no more than that budget."""
+        budget = self.decode_budget(layer)
+        if length <= budget:
+            return None
+        k = self.config.decode_obs_rows
+        return ChunkKeep(chunk_len=length, window=k, selected=budget - k)
+
     def score(self, obs_queries: torch.Tensor, chunk_keys: torch.Tensor,
               obs_offset: int, window: int) -> torch.Tensor:
         """Scores of the chunk's candidate tokens, [num_kv_heads, chunk_len - window], float32.

@@ -14,7 +14,7 @@ Which key a query sees is decided by true token positions only (`policies/stream
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -80,6 +80,9 @@ class KVCache:
     """The whole model's cache: one `LayerKV` per decoder layer."""
 
     layers: list[LayerKV]
+    prompt_len: int = 0  # set by the prefill; decode tokens are the ones after it
+    # decode-time eviction: per layer, the queries [Hq, 1, d] of the last decode steps
+    decode_queries: list[list[torch.Tensor]] = field(default_factory=list)
 
     @classmethod
     def empty(cls, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

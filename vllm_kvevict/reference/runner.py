@@ -13,7 +13,10 @@ decoded greedily one by one. After each forward, each layer's cache is updated:
   layer keeps `policy.chunk_keep(layer, c, is_final)` of them per KV head (`eviction.py`);
   patched scoring appends the prompt's last k = obs_window tokens to every non-final chunk, at
   the positions right after it, runs them through every layer like real tokens, lets their
-  queries score and then drops their KVs and hidden states. Decode tokens are never evicted.
+  queries score and then drops their KVs and hidden states. Decode tokens are evicted only
+  with a `decode_budget` (decode-time eviction): after every `decode_interval`-th generated
+  token a layer holding more than its decode budget keeps, per KV head, the last k tokens
+  and the best-scored others, scored by the queries of the last k decode steps.
 - streaming heads (streaming, duo, prulong): cut to the sink + the last `window` positions.
   A head mask with a token policy evicts tokens of its full heads only; patched scoring's
   appended tokens see, on streaming heads, what the chunk's own tokens see (sink, the window
@@ -31,8 +34,9 @@ from typing import Callable, Iterable
 import torch
 
 from vllm_kvevict.policies.base import KVPolicy
-from vllm_kvevict.reference.attention import (KVCache, attend, chunked_streaming_visibility,
-                                              streaming_cut, visibility)
+from vllm_kvevict.reference.attention import (EMPTY, KVCache, attend,
+                                              chunked_streaming_visibility, streaming_cut,
+                                              visibility)
 from vllm_kvevict.reference.eviction import observation_scores, select_kept
 from vllm_kvevict.reference.quantization import cached_kv
 
@@ -189,6 +193,9 @@ class ReferenceRunner:
             keep &= streaming_cut(key_pos, step.start + step.chunk_len, self.streaming[index],
                                   self.config.sink, self.config.window)
             layer_kv.store(keys[:, :stored], values[:, :stored], key_pos, keep)
+            if not step.is_prefill and self.config.decode_budget is not None \
+                    and self.policy.evicts_tokens:
+                self.decode_eviction(cache, index, q, step.start + 1 - cache.prompt_len)
             in_chunk = (layer_kv.positions >= step.start) & \
                 (layer_kv.positions < step.start + step.chunk_len)
             kept[index] = in_chunk.sum(dim=1).cpu()
@@ -218,6 +225,33 @@ class ReferenceRunner:
         keep = torch.zeros(self.num_kv_heads, c, dtype=torch.bool, device=self.device)
         return keep.scatter(1, chosen.to(self.device), True)
 
+    def decode_eviction(self, cache: KVCache, layer: int, q: torch.Tensor,
+                        generated: int) -> None:
+        """After a decode step (`generated` tokens after the prompt now cached): remember its
+        query; every `decode_interval` tokens cut the layer back to its decode budget."""
+        k = self.config.decode_obs_rows
+        while len(cache.decode_queries) < self.num_layers:
+            cache.decode_queries.append([])
+        recent = cache.decode_queries[layer]
+        recent.append(q)
+        del recent[:-k]
+        if generated % self.config.decode_interval:
+            return
+        layer_kv = cache.layers[layer]
+        length = layer_kv.keys.shape[1]
+        assert bool((layer_kv.positions != EMPTY).all()), "token eviction keeps equal heads"
+        budget = self.policy.decode_keep(layer, length)
+        if budget is None:
+            return
+        obs_queries = torch.cat(recent, dim=1)  # [Hq, k, d], the last k tokens' queries
+        scores = observation_scores(obs_queries, layer_kv.keys, length - k,
+                                    num_candidates=length - budget.window,
+                                    pool_kernel=self.config.pool_kernel)
+        chosen = select_kept(scores, budget.selected, length, budget.window)
+        keep = torch.zeros(self.num_kv_heads, length, dtype=torch.bool, device=self.device)
+        layer_kv.store(layer_kv.keys, layer_kv.values, layer_kv.positions,
+                       keep.scatter(1, chosen.to(self.device), True))
+
     # -- prefill, decode, generate ----------------------------------------------------------
     def new_cache(self) -> KVCache:
         return KVCache.empty(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype,
@@ -231,6 +265,7 @@ class ReferenceRunner:
         boundaries = chunk_boundaries(n, chunk_size)
         appended = prompt_ids[-min(self.config.obs_window, n):] if self.config.patched else []
         cache = self.new_cache()
+        cache.prompt_len = n
         logits, kept = [], []
         for start, end in boundaries:
             is_final = end == n

@@ -12,7 +12,10 @@ from typing import Any, Callable
 
 import torch
 
-from vllm_kvevict.ledger import LayerGroups, eviction_chunk_len, group_evictions_of
+from vllm_kvevict.integration.token_eviction.decode_eviction import (DecodePlan,
+                                                                     plan_decode_row)
+from vllm_kvevict.ledger import (LayerGroups, decode_group_budgets, decode_group_evictions,
+                                 eviction_chunk_len, group_evictions_of)
 from vllm_kvevict.policies import KVPolicy
 
 @dataclass
@@ -61,6 +64,7 @@ class TokenStepPlan:
     question_positions: torch.Tensor | None = None  # long [Q]
     question_offset: int = 0               # where they sit in the model's token axis
     streaming: object = None  # a head mask with a token policy: its streaming heads' StepPlan
+    decode: DecodePlan = field(default_factory=DecodePlan)  # decode-time eviction
 
     @property
     def num_questions(self) -> int:
@@ -136,10 +140,20 @@ class TokenEvictionWorker:
         self.block_size = block_size
         self.groups = groups or LayerGroups.single(policy.num_layers)
         self.ledgers: dict[str, RequestLedger] = {}
+        self.decode_queries: dict[str, torch.Tensor] = {}  # req_id -> [L, k, Hq, d]
+        self._decode_budgets: dict[Any, list[int | None]] = {}
 
     def release(self, req_ids) -> None:
         for req_id in req_ids or ():
             self.ledgers.pop(req_id, None)
+            self.decode_queries.pop(req_id, None)
+
+    def decode_budgets(self, policy: KVPolicy) -> list[int | None]:
+        out = self._decode_budgets.get(policy.config)
+        if out is None:
+            out = self._decode_budgets[policy.config] = decode_group_budgets(policy,
+                                                                             self.groups)
+        return out
 
     def plan(self, req_ids: list[str], computed: list[int], query_lens: list[int],
              prompt_lens: list[int], block_ids: list[list[list[int]]],
@@ -148,7 +162,7 @@ class TokenEvictionWorker:
         prompt_ids(row) -> the row's prompt token ids (needed by patched scoring only);
         extra_args(row) -> the request's sampling extra_args (per-request overrides)."""
         L, bs, G = self.policy.num_layers, self.block_size, self.groups.num_groups
-        rows, jobs = len(req_ids), []
+        rows, jobs, decode = len(req_ids), [], DecodePlan()
         seq_lens = torch.zeros(L, rows, dtype=torch.int32)
         phys_before = torch.zeros(L, rows, dtype=torch.long)
         for r, (req_id, a, c, n) in enumerate(zip(req_ids, computed, query_lens, prompt_lens)):
@@ -160,6 +174,9 @@ class TokenEvictionWorker:
             phys_before[:, r] = before
             seq_lens[:, r] = (before + c).int()
             if a + c > n:  # decode
+                if self.policy.config.decode_budget is not None:  # (a server setting)
+                    plan_decode_row(self.policy_for(extra_args(r) if extra_args else None),
+                                    req_id, r, a + c, n, (before + c).tolist(), decode)
                 continue
             chunk_len = eviction_chunk_len(self.policy.config, a, c)  # raises on a crossing
             if self.policy.config.is_eviction_point(a + c, n):  # compress the chunk
@@ -186,7 +203,8 @@ class TokenEvictionWorker:
         pos = phys_before[:, token_row] + token_off            # [L, T]
         plan = TokenStepPlan(num_reqs=rows, query_start_loc=q_start, block_table=table,
                              seq_lens=seq_lens, slots=None, jobs=jobs, block_size=bs,
-                             layer_group=self.groups.of_layer, num_tokens=len(token_row))
+                             layer_group=self.groups.of_layer, num_tokens=len(token_row),
+                             decode=decode.at_tokens(q_start, self.decode_queries))
         patched = [j for j in jobs if j.question]
         if patched:
             self._add_questions(plan, patched, token_row, pos, phys_before)
@@ -239,7 +257,6 @@ class TokenEvictionWorker:
 
         request_block_ids(req_id) -> the request's block-id lists, one per group (mutable);
         row_block_counts[g]: the persistent batch's per-row block counts of group g (mutable)."""
-        bs = self.block_size
         for job in plan.jobs:
             led = self.ledgers[job.req_id]
             c, chunk_len = job.end - job.start, job.chunk_len
@@ -247,12 +264,29 @@ class TokenEvictionWorker:
             led.evicted = [e + chunk_len - k for e, k in zip(led.evicted, kept)]
             freed = group_evictions_of(kept, chunk_len, self.groups)
             led.allocation_evicted = [a + f for a, f in zip(led.allocation_evicted, freed)]
-            per_group = request_block_ids(job.req_id)
-            if per_group is None:
-                continue
-            for g, ids in enumerate(per_group):
-                own = -(-(job.computed + c - led.allocation_evicted[g]) // bs)
-                if len(ids) > own:
-                    del ids[own:]
-                    row_block_counts[g][job.row] = own
+            self._drop_tail_blocks(led, job.req_id, job.row, job.computed + c,
+                                   request_block_ids, row_block_counts)
+        for job in plan.decode.jobs:
+            led = self.ledgers[job.req_id]
+            end = job.end
+            led.evicted = [e if k is None else e + k.chunk_len - k.kept
+                           for e, k in zip(led.evicted, job.keep)]
+            freed = decode_group_evictions(self.decode_budgets(job.policy),
+                                           [end - a for a in led.allocation_evicted])
+            led.allocation_evicted = [a + f for a, f in zip(led.allocation_evicted, freed)]
+            self._drop_tail_blocks(led, job.req_id, job.row, end, request_block_ids,
+                                   row_block_counts)
+
+    def _drop_tail_blocks(self, led: RequestLedger, req_id: str, row: int, end: int,
+                          request_block_ids, row_block_counts) -> None:
+        """Drop, from vLLM's worker-side block lists of every group, the blocks past the
+        request's physical length after a step that ended at logical `end`."""
+        per_group = request_block_ids(req_id)
+        if per_group is None:
+            return
+        for g, ids in enumerate(per_group):
+            own = -(-(end - led.allocation_evicted[g]) // self.block_size)
+            if len(ids) > own:
+                del ids[own:]
+                row_block_counts[g][row] = own
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from vllm_kvevict.integration.admission import GrowthReserve
-from vllm_kvevict.ledger import (LayerGroups, cap_step_in_eviction_chunk, eviction_chunk_len,
-                                 group_evictions, peak_slots)
+from vllm_kvevict.ledger import (LayerGroups, cap_step_in_eviction_chunk,
+                                 decode_group_budgets, decode_group_evictions,
+                                 eviction_chunk_len, group_evictions, peak_slots)
 from vllm_kvevict.overrides import request_prompt_len
 from vllm_kvevict.policies import KVPolicy
 
@@ -30,8 +31,19 @@ class TokenEvictionLedger(GrowthReserve):
         self.chunk_size = chunk_size
         self.groups = groups or LayerGroups.single(policy.num_layers)
         self.allocation_evicted: dict[str, list[int]] = {}
+        # req_id -> (eviction chunk length, is_final, policy); chunk length 0: a decode-time
+        # compression
         self.pending: dict[str, tuple[int, bool, KVPolicy]] = {}
         self._evictions: dict[tuple, list[int]] = {}
+        self._decode_budgets: dict[Any, list[int | None]] = {}
+
+    def decode_budgets(self, policy: KVPolicy) -> list[int | None]:
+        """decode_group_budgets, memoised per (frozen) config."""
+        out = self._decode_budgets.get(policy.config)
+        if out is None:
+            out = self._decode_budgets[policy.config] = decode_group_budgets(policy,
+                                                                             self.groups)
+        return out
 
     def evictions(self, policy: KVPolicy, chunk_len: int, is_final: bool) -> list[int]:
         """group_evictions, memoised per setting (a frozen, hashable config)."""
@@ -71,7 +83,8 @@ class TokenEvictionLedger(GrowthReserve):
         its window cap, plus the patched question's slots reserved after a chunk."""
         policy = self.request_policy(request)
         peaks = peak_slots(policy, request_prompt_len(request), num_tokens, self.chunk_size,
-                           lambda chunk_len, final: self.evictions(policy, chunk_len, final))
+                           lambda chunk_len, final: self.evictions(policy, chunk_len, final),
+                           self.decode_budgets(policy))
         if self.scheduler is None:
             return peaks
         question = policy.config.question_rows(num_tokens)
@@ -93,8 +106,14 @@ class TokenEvictionLedger(GrowthReserve):
             if request is None or not any(held):
                 self.allocation_evicted.pop(req_id, None)
                 continue
-            freed = self.evictions(policy, chunk_len, is_final)
             evicted = self.allocation_evicted.setdefault(req_id, [0] * len(managers))
+            if chunk_len:
+                freed = self.evictions(policy, chunk_len, is_final)
+            else:  # decode-time compression, after the step that ended at num_computed
+                freed = decode_group_evictions(
+                    self.decode_budgets(policy),
+                    [self.physical(req_id, request.num_computed_tokens, g)
+                     for g in range(len(managers))])
             for g, (manager, blocks) in enumerate(zip(managers, held)):
                 evicted[g] += freed[g]
                 keep = -(-self.physical(req_id, request.num_computed_tokens, g)
@@ -122,6 +141,8 @@ class TokenEvictionLedger(GrowthReserve):
             if policy.config.is_eviction_point(before + c, n):
                 self.pending[req_id] = (eviction_chunk_len(policy.config, before, c),
                                         before + c == n, policy)
+            elif policy.config.is_decode_compression(before + c, n):
+                self.pending[req_id] = (0, True, policy)
 
     def step_cap(self, request, num_computed: int, num_new: int) -> int:
         """`replay_cap`, then keep the step inside its eviction chunk

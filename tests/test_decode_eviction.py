@@ -1,0 +1,71 @@
+"""Decode-time eviction (`--kv-decode-budget`, `--kv-decode-interval`): served tokens equal the
+reference's, and the generated tokens' blocks go back to vLLM's pool during the request.
+
+Three prompts at once with a 256-token budget: their prefills share steps with each other's
+decode rows (irregular chunk boundaries, given to the reference as kv_stats reports them), and
+every request compresses several times while others prefill or decode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from conftest import SERVED_NAME, start_server
+from test_policies_vllm import flags, reference, source_prompts
+from vllm_kvevict.config import KVPolicyConfig
+from vllm_kvevict.ledger import LayerGroups, decode_group_budgets
+from vllm_kvevict.policies import build_policy
+
+pytestmark = pytest.mark.server
+
+NEW_TOKENS, BLOCK = 100, 32
+DECODE = {"decode_budget": 64, "decode_interval": 32, "obs_window": 16}
+CASES = {
+    # one KV-cache group
+    "snapkv-naive-0.5": {"policy": "snapkv", "sparsity": 0.5, "eviction": "naive", **DECODE},
+    # one group per layer, each with its own decode budget (the pyramid's)
+    "pyramidkv-patched-0.7": {"policy": "pyramidkv", "sparsity": 0.7, "eviction": "patched",
+                              **DECODE},
+}
+
+
+async def complete_all(base_url: str, prompts: list[list[int]]) -> list[dict]:
+    async with httpx.AsyncClient(timeout=600) as client:
+        async def one(ids):
+            body = {"model": SERVED_NAME, "prompt": ids, "max_tokens": NEW_TOKENS,
+                    "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+            r = await client.post(base_url + "/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()
+        return await asyncio.gather(*(one(ids) for ids in prompts))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_decode_eviction_matches_reference(case, bundled_model_dir, tokenizer, hf_model):
+    policy = CASES[case]
+    server = start_server(bundled_model_dir, [*flags(policy, 256), "--block-size", str(BLOCK)])
+    prompts = source_prompts(tokenizer, (300, 700, 500))
+    results = asyncio.run(complete_all(server.base_url, prompts))
+    cfg = KVPolicyConfig.from_dict(policy)
+    budgets = decode_group_budgets(build_policy(cfg, 30, 3),
+                                   LayerGroups.single(30) if cfg.policy == "snapkv"
+                                   else LayerGroups(tuple(range(30))))
+    for prompt, served in zip(prompts, results):
+        stats = served["kv_stats"]
+        ends = stats["chunk_boundaries"]
+        ref = reference(hf_model, bundled_model_dir, policy, prompt, ends, NEW_TOKENS)
+        assert served["choices"][0]["token_ids"] == ref.token_ids, (case, len(prompt), ends)
+        # 99 decode steps (the last token is not fed back): compressions after 32, 64, 96
+        assert stats["decode_steps"] == NEW_TOKENS - 1
+        assert stats["decode_compressions"] == 3
+        # the blocks held at the last step are exactly what the reference's cache holds, per
+        # KV-cache group (a group's row is sized for its largest layer): the compressed
+        # tokens' blocks went back to the pool
+        lengths = ref.cache.lengths().max(dim=1).values.tolist()  # per layer
+        per_group = [max(lengths)] if len(budgets) == 1 else lengths
+        assert all(n <= b + 3 for n, b in zip(per_group, budgets)), (per_group, budgets)
+        assert stats["blocks_held_end"] == sum(-(-n // BLOCK) for n in per_group), stats
+        assert stats["blocks_freed"] > 0

@@ -1,0 +1,100 @@
+"""Worker side of decode-time eviction (snapkv, pyramidkv with `decode_budget`): after every
+`decode_interval`-th decode step of a request, each layer's whole KV is read back from the
+paged cache, scored by the queries of the request's last k decode steps (kept here between
+steps), and its kept tokens rewritten from physical slot 0 of the layer's block row. The
+scheduler frees the same tail blocks (`token_ledger.py`), the booking is in
+`token_eviction_worker.finish_step`, the shared maths in `vllm_kvevict/ledger.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from vllm_kvevict.policies import KVPolicy
+
+
+@dataclass
+class DecodeJob:
+    """A decode-time compression after this step's attention: each layer's whole KV
+    (`keep[l].chunk_len` tokens, this step's included) scored and cut to its decode budget."""
+
+    req_id: str
+    row: int
+    end: int                      # logical tokens after this step
+    keep: list                    # per layer: ChunkKeep, or None (the layer is within budget)
+    policy: KVPolicy
+
+
+@dataclass
+class DecodePlan:
+    """A step's decode-time eviction: the compressions after it, and the decode queries kept
+    for them (`observe`: (req_id, row or token index, slot); `observed[req_id][layer, slot]`
+    holds query [Hq, d] of one of the request's last k decode steps; `rows[req_id]` = k)."""
+
+    jobs: list[DecodeJob] = field(default_factory=list)
+    observe: list[tuple[str, int, int]] = field(default_factory=list)
+    rows: dict[str, int] = field(default_factory=dict)
+    observed: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.jobs or self.observe)
+
+    def at_tokens(self, query_start: torch.Tensor, observed: dict) -> "DecodePlan":
+        """`observe` by token index (each decode row's one token) over the worker's buffers."""
+        self.observe = [(req, int(query_start[row]), slot) for req, row, slot in self.observe]
+        self.observed = observed
+        return self
+
+
+def plan_decode_row(policy: KVPolicy, req_id: str, row: int, end: int, prompt_len: int,
+                    lengths: list[int], plan: DecodePlan) -> None:
+    """A decode row whose step ends at logical `end`, its layers then holding `lengths`: the
+    last k steps before a compression keep their queries; the compression step compresses."""
+    cfg = policy.config
+    k, interval = cfg.decode_obs_rows, cfg.decode_interval
+    since = (end - prompt_len - 1) % interval
+    if since >= interval - k:
+        plan.observe.append((req_id, row, since - (interval - k)))
+        plan.rows[req_id] = k
+    if cfg.is_decode_compression(end, prompt_len):
+        plan.jobs.append(DecodeJob(req_id=req_id, row=row, end=end, policy=policy,
+                                   keep=[policy.decode_keep(layer, n)
+                                         for layer, n in enumerate(lengths)]))
+
+
+def compress_decode(plan, layer: int, query: torch.Tensor,
+                    read_all: Callable[[DecodeJob, int], tuple]
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Decode-time eviction in one layer of a `TokenStepPlan`: keep this step's decode queries
+    that a compression will score with, then compress each job's KV back to the layer's
+    decode budget (the last k tokens always, the best-scored others): (K [n, H, d], V,
+    physical slots [n]) to write, from slot 0 of the request's row (None: nothing to write).
+    `read_all(job, count)` -> (K, V) [count, H, d]: the request's first `count` physical
+    tokens of this layer from the paged cache (this step's token written already)."""
+    decode = plan.decode
+    for req_id, token, slot in decode.observe:
+        buf = decode.observed.get(req_id)
+        if buf is None:
+            buf = decode.observed[req_id] = query.new_empty(
+                plan.seq_lens.shape[0], decode.rows[req_id], *query.shape[1:])
+        buf[layer, slot] = query[token]
+    out_k, out_v, out_slots = [], [], []
+    for job in decode.jobs:
+        keep = job.keep[layer]
+        if keep is None:
+            continue
+        keys, values = read_all(job, keep.chunk_len)
+        obs_q = decode.observed[job.req_id][layer].transpose(0, 1)        # [Hq, k, d]
+        scores = job.policy.score(obs_q, keys.transpose(0, 1),
+                                  obs_offset=keep.chunk_len - keep.window, window=keep.window)
+        idx = job.policy.select(scores, keep.selected, keep.chunk_len, keep.window)
+        heads = torch.arange(keys.shape[1])
+        out_k.append(keys[idx.T, heads])                                 # [kept, H, d]
+        out_v.append(values[idx.T, heads])
+        out_slots.append(plan.physical_slots(layer, job.row, torch.arange(idx.shape[1])))
+    if not out_k:
+        return None
+    return torch.cat(out_k), torch.cat(out_v), torch.cat(out_slots)
