@@ -23,8 +23,17 @@ COLUMNS = {
     "pyramidkv naive": "pyramidkv-naive-0.5-tiers3",
     "pyramidkv patched": "pyramidkv-patched-0.7",
     "prulong 0.5 + snapkv patched 0.5": "hybrid-prulong-0.5-snapkv-patched-0.5",
+    "snapkv naive + decode eviction": "snapkv-naive-0.5-decode",
 }
 HYBRID = "prulong 0.5 + snapkv patched 0.5"  # --kv-token-policy (tests/test_hybrid.py)
+# --kv-decode-budget 64 --kv-decode-interval 4 (tests/test_decode_eviction.py)
+DECODE = "snapkv naive + decode eviction"
+DECODE_TEST = "tests/test_decode_eviction.py::test_decode_eviction_matches_reference"
+DECODE_REFUSED = lambda why: Cell("refused", (
+    "tests/test_decode_eviction_unit.py::test_refusals_name_the_flag_and_the_valid_values",
+    f"tests/test_features.py::test_vllm_serve_refuses[decode-{why}]"),
+    "decode-time eviction is tested with one decode token per step, the model's cache dtype "
+    "and one rank so far: refused at start-up (--kv-decode-budget)")
 HEAD_MASKS = ("streaming", "duo 0.3", "prulong 0.7")  # prefix caching on (sink_window.py)
 
 EVICTING = [c for c in COLUMNS if c != "full"]
@@ -37,7 +46,7 @@ POOL_STORAGE = lambda c: (("" if c == "prulong 0.7" else "(s)")
 # column; CI runs the columns that cover each mechanism (full; head masks; token eviction in one
 # KV-cache group, patched; in tiers of groups, naive), the slow tier the other four.
 PATCHED_COLUMNS = ("snapkv patched", "pyramidkv patched", HYBRID)
-SLOW_COLUMNS = ("streaming", "duo 0.3", "snapkv naive", "pyramidkv patched", HYBRID)
+SLOW_COLUMNS = ("streaming", "duo 0.3", "snapkv naive", "pyramidkv patched", HYBRID, DECODE)
 STATUSES = ("exact", "refused", "n/a")
 # tests/test_tensor_parallel.py: one TP = 2 server per column on a 4-KV-head model
 TP_IDS = {"full": "kv4-full", "streaming": "kv4-streaming", "duo 0.3": "kv4-duo-0.3",
@@ -96,7 +105,10 @@ HYBRID_UNTESTED = ("not yet tested with a token policy on a head mask, so refuse
 
 ROWS = [
     Row("feature off (greedy, 128-token chunks)",
-        each("exact", C + "test_baseline_matches_reference[{id}]")),
+        {**each("exact", C + "test_baseline_matches_reference[{id}]"),
+         DECODE: Cell("exact", (f"(s){C}test_baseline_matches_reference[{COLUMNS[DECODE]}]",
+                                f"{DECODE_TEST}[snapkv-naive-0.5]",
+                                f"{DECODE_TEST}[pyramidkv-patched-0.7]"))}),
     Row("structured outputs (JSON schema)",
         each("exact", C + "test_structured_output_matches_constrained_reference[{id}]")),
     Row("`prompt_logprobs`",
@@ -135,7 +147,9 @@ ROWS = [
            for c in TESTED_ADMISSION},
         **{c: Cell("exact", (
             f"(s){ADMISSION}test_forced_preemption_replays_exactly[{ADMISSION_IDS[c]}]",))
-           for c in COLUMNS if c not in TESTED_ADMISSION}}),
+           for c in COLUMNS if c not in (*TESTED_ADMISSION, DECODE)},
+        DECODE: Cell("exact", (f"{ADMISSION}test_forced_preemption_replays_exactly"
+                               "[snapkv-decode]",))}),
     Row("prefix caching (vLLM's default)", {
         "full": Cell("exact", (C + "test_repeated_prompt_prefix_cache[full]",)),
         **{c: Cell("exact", (("(s)" if c in SLOW_COLUMNS else "") + C
@@ -178,7 +192,8 @@ ROWS = [
                  "against the reference quantizing its cache as vLLM's CPU kernels do; refused "
                  "with --kv-eviction-chunk (tests/test_features.py::test_vllm_serve_refuses"
                  "[fp8])")
-         for c in COLUMNS if c != HYBRID},
+         for c in COLUMNS if c not in (HYBRID, DECODE)},
+         DECODE: DECODE_REFUSED("fp8"),
          HYBRID: Cell("exact", ("(s)" + HYBRID_TEST + "test_hybrid_serves_the_reference_tokens"
                                               "[snapkv-patched-h0.5-t0.5-c128-fp8]",),
                       "against the reference quantizing its cache as vLLM's CPU kernels do; "
@@ -187,13 +202,14 @@ ROWS = [
     Row("compile mode (no `--enforce-eager`)", {
         **{c: Cell("exact", (("" if c == HYBRID else "(s)") + "tests/test_vllm_features.py::"
                              f"test_compiled_mode_matches_reference[{COLUMNS[c]}]",))
-           for c in ("prulong 0.7", "pyramidkv patched", HYBRID)},
+           for c in ("prulong 0.7", "pyramidkv patched", HYBRID, DECODE)},
         **{c: Cell("exact", ("(s)scripts/policy_matrix.py --compiled",))
-           for c in COLUMNS if c not in ("prulong 0.7", "pyramidkv patched", HYBRID)}}),
+           for c in COLUMNS if c not in ("prulong 0.7", "pyramidkv patched", HYBRID, DECODE)}}),
     Row("speculative decoding, ngram", {
         **{c: Cell("exact", (("(s)" if c in SLOW_SPEC else "") + "tests/test_speculative.py::"
                              f"test_ngram_speculation_matches_one_token_decode[{SPEC_IDS[c]}]",))
-           for c in COLUMNS if c != HYBRID},
+           for c in COLUMNS if c not in (HYBRID, DECODE)},
+        DECODE: DECODE_REFUSED("spec"),
         HYBRID: Cell("refused", (HYBRID_TEST + "test_hybrid_refuses_what_it_is_not_tested_with",),
                      HYBRID_UNTESTED)}),
     Row("speculative decoding, draft model / EAGLE / MTP / medusa / suffix",
@@ -226,7 +242,10 @@ ROWS = [
                     "caching on, tests/test_flex_vllm.py::"
                     "test_flex_prefix_cache_hits_match_reference); token eviction as on the "
                     "CPU path")
-            for c in COLUMNS if c != HYBRID},
+            for c in COLUMNS if c not in (HYBRID, DECODE)},
+         DECODE: Cell("exact", (f"{DECODE_TEST}[snapkv-naive-0.5-flex]",),
+                      "decode-time eviction on the flex path: three prompts at once, 100 tokens "
+                      "each, a compression every 32"),
          HYBRID: Cell("refused", ("tests/test_flex_vllm.py::test_flex_refusals_name_the_flag"
                                   "[hybrid]",
                                   "tests/test_flex_vllm.py::"
@@ -238,7 +257,8 @@ ROWS = [
                               f"test_tp2_serves_the_reference_tokens[{TP_IDS[c]}]",),
                     "when the ranks split the KV heads evenly (else refused: "
                     "tests/test_features.py::test_parallel_layouts)")
-            for c in COLUMNS if c != HYBRID},
+            for c in COLUMNS if c not in (HYBRID, DECODE)},
+         DECODE: DECODE_REFUSED("tp"),
          HYBRID: Cell("refused", (HYBRID_TEST + "test_hybrid_refuses_what_it_is_not_tested_with",
                                   f"tests/test_features.py::test_parallel_layouts"
                                   f"[{COLUMNS[HYBRID]}]"), HYBRID_UNTESTED)}),
@@ -249,7 +269,8 @@ ROWS = [
                               "tests/test_features.py::test_vllm_serve_refuses[dp-api-servers]"),
                     "one engine core per replica, kv_stats naming it; vLLM's default of one API "
                     "server per replica is refused (the kv_stats store lives in one)")
-            for c in COLUMNS if c != HYBRID},
+            for c in COLUMNS if c not in (HYBRID, DECODE)},
+         DECODE: DECODE_REFUSED("dp"),
          HYBRID: Cell("refused", (f"tests/test_features.py::test_parallel_layouts"
                                   f"[{COLUMNS[HYBRID]}]",), HYBRID_UNTESTED)}),
     Row("pipeline parallel (> 1)",
@@ -300,7 +321,11 @@ def render() -> str:
         "The last column is a head mask composed with token eviction (`--kv-policy prulong "
         "--kv-sparsity 0.5 --kv-token-policy snapkv --kv-token-sparsity 0.5`, sink 16 / window "
         "64, the shipped mask; its fp8 row on the tiny Qwen3 with a random mask); also tested "
-        "in tests/test_hybrid.py, tests/test_admission.py and tests/test_pool_no_leak.py.",
+        "in tests/test_hybrid.py, tests/test_admission.py and tests/test_pool_no_leak.py. "
+        "The column after it is snapkv naive 0.5 with decode-time eviction (`--kv-decode-budget "
+        "64 --kv-decode-interval 4`: a compression every 4 generated tokens, so the rows' short "
+        "generations compress too); also tested in tests/test_decode_eviction.py (pyramidkv, "
+        "per-request budgets, blocks returned) and tests/test_admission.py.",
         "",
         "| feature | " + " | ".join(names) + " |",
         "|---|" + "---|" * len(names),

@@ -84,6 +84,11 @@ SLOW = pytest.mark.slow  # the rest of the compatibility matrix's preemption row
     # prefill and in decode
     pytest.param({"policy": "snapkv", "sparsity": 0.9, "eviction": "patched"}, 64, 1024,
                  id="snapkv"),
+    # decode-time eviction: a preempted request's recompute compresses at the same generated
+    # lengths with the same decode queries
+    pytest.param({"policy": "snapkv", "sparsity": 0.5, "eviction": "naive",
+                  "decode_budget": 96, "decode_interval": 32, "obs_window": 16}, 64, 1024,
+                 id="snapkv-decode"),
     # stock vLLM's recompute (prefix caching on): 46 KiB of KV per token
     pytest.param({"policy": "full"}, 64, 1024, id="full", marks=SLOW),
     # a head mask (canonical chunks, prefix caching on): vLLM preempts and frees every

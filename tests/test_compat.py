@@ -45,7 +45,8 @@ COLUMNS = {  # column -> policy: test_policies_vllm's cases, and full
     **{name: CASES[name][0] for name in ("streaming", "duo-0.3", "prulong-0.7",
                                          "snapkv-naive-0.5", "snapkv-patched-0.5",
                                          "pyramidkv-naive-0.5-tiers3", "pyramidkv-patched-0.7",
-                                         "hybrid-prulong-0.5-snapkv-patched-0.5")},
+                                         "hybrid-prulong-0.5-snapkv-patched-0.5",
+                                         "snapkv-naive-0.5-decode")},
 }
 SLOW = {MATRIX_COLUMNS[c] for c in SLOW_COLUMNS}  # their per-request rows: slow tier
 LORA_NAME, LORA_RANK, LORA_ALPHA = "tiny-lora", 8, 16

@@ -29,43 +29,52 @@ CASES = {
     # one group per layer, each with its own decode budget (the pyramid's)
     "pyramidkv-patched-0.7": {"policy": "pyramidkv", "sparsity": 0.7, "eviction": "patched",
                               **DECODE},
+    # the FlexAttention path (reads the pool by physical position, writes through its own)
+    "snapkv-naive-0.5-flex": {"policy": "snapkv", "sparsity": 0.5, "eviction": "naive",
+                              "attention_backend": "flex", **DECODE},
 }
 
 
-async def complete_all(base_url: str, prompts: list[list[int]]) -> list[dict]:
+async def complete_all(base_url: str, prompts: list[list[int]], xargs: list[dict]) -> list[dict]:
     async with httpx.AsyncClient(timeout=600) as client:
-        async def one(ids):
+        async def one(ids, extra):
             body = {"model": SERVED_NAME, "prompt": ids, "max_tokens": NEW_TOKENS,
-                    "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+                    "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+                    **({"vllm_xargs": extra} if extra else {})}
             r = await client.post(base_url + "/v1/completions", json=body)
             assert r.status_code == 200, r.text
             return r.json()
-        return await asyncio.gather(*(one(ids) for ids in prompts))
+        return await asyncio.gather(*(one(ids, x) for ids, x in zip(prompts, xargs)))
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_decode_eviction_matches_reference(case, bundled_model_dir, tokenizer, hf_model):
     policy = CASES[case]
     server = start_server(bundled_model_dir, [*flags(policy, 256), "--block-size", str(BLOCK)])
-    prompts = source_prompts(tokenizer, (300, 700, 500))
-    results = asyncio.run(complete_all(server.base_url, prompts))
-    cfg = KVPolicyConfig.from_dict(policy)
-    budgets = decode_group_budgets(build_policy(cfg, 30, 3),
-                                   LayerGroups.single(30) if cfg.policy == "snapkv"
-                                   else LayerGroups(tuple(range(30))))
-    for prompt, served in zip(prompts, results):
+    prompts = source_prompts(tokenizer, (300, 700, 500, 400))
+    # the fourth request sets its own budget and interval (vllm_xargs)
+    xargs = [{}, {}, {}, {"kv_decode_budget": 40, "kv_decode_interval": 24}]
+    results = asyncio.run(complete_all(server.base_url, prompts, xargs))
+    for prompt, extra, served in zip(prompts, xargs, results):
+        own = {**policy, **{k.removeprefix("kv_"): v for k, v in extra.items()}}
+        cfg = KVPolicyConfig.from_dict(own)
+        budgets = decode_group_budgets(build_policy(cfg, 30, 3),
+                                       LayerGroups.single(30) if cfg.policy == "snapkv"
+                                       else LayerGroups(tuple(range(30))))
         stats = served["kv_stats"]
         ends = stats["chunk_boundaries"]
-        ref = reference(hf_model, bundled_model_dir, policy, prompt, ends, NEW_TOKENS)
+        ref = reference(hf_model, bundled_model_dir, own, prompt, ends, NEW_TOKENS)
         assert served["choices"][0]["token_ids"] == ref.token_ids, (case, len(prompt), ends)
-        # 99 decode steps (the last token is not fed back): compressions after 32, 64, 96
+        # 99 decode steps (the last token is not fed back): a compression every interval
         assert stats["decode_steps"] == NEW_TOKENS - 1
-        assert stats["decode_compressions"] == 3
+        assert stats["decode_compressions"] == 99 // cfg.decode_interval
+        assert stats["params"]["decode_budget"] == cfg.decode_budget
         # the blocks held at the last step are exactly what the reference's cache holds, per
         # KV-cache group (a group's row is sized for its largest layer): the compressed
         # tokens' blocks went back to the pool
         lengths = ref.cache.lengths().max(dim=1).values.tolist()  # per layer
         per_group = [max(lengths)] if len(budgets) == 1 else lengths
-        assert all(n <= b + 3 for n, b in zip(per_group, budgets)), (per_group, budgets)
+        tail = 99 % cfg.decode_interval
+        assert all(n <= b + tail for n, b in zip(per_group, budgets)), (per_group, budgets)
         assert stats["blocks_held_end"] == sum(-(-n // BLOCK) for n in per_group), stats
         assert stats["blocks_freed"] > 0

@@ -194,3 +194,25 @@ def test_refusals_name_the_flag_and_the_valid_values():
         "--tensor-parallel-size 2 is not supported with --kv-decode-budget")
     assert decode_eviction_error(KVPolicyConfig(policy="snapkv"), "ngram", "fp8",
                                  {"data_parallel_size": 2}) is None
+
+
+def test_per_request_budget_and_interval():
+    from vllm_kvevict.overrides import check_vllm_xargs, effective_config
+
+    good = {"kv_decode_budget": 40, "kv_decode_interval": 24}
+    assert check_vllm_xargs(good, "snapkv", 8192, decode_eviction=True) is None
+    off = check_vllm_xargs(good, "snapkv", 8192)
+    assert off.startswith("vllm_xargs key 'kv_decode_budget' needs a server started with "
+                          "--kv-decode-budget")
+    assert "only applies to token-eviction policies" in check_vllm_xargs(
+        good, "prulong", 8192, decode_eviction=True)
+    for bad in (0, -3, 2.5, True, "64"):
+        message = check_vllm_xargs({"kv_decode_interval": bad}, "pyramidkv", 8192,
+                                   decode_eviction=True)
+        assert message.startswith(f"vllm_xargs['kv_decode_interval'] = {bad!r} is invalid: "
+                                  "expected an integer >= 1"), message
+    served = KVPolicyConfig(policy="snapkv", decode_budget=96)
+    cfg, used = effective_config(served, good)
+    assert (cfg.decode_budget, cfg.decode_interval, used) == (40, 24, good)
+    # a server without decode-time eviction ignores them (the API server refused them already)
+    assert effective_config(KVPolicyConfig(policy="snapkv"), good)[1] == {}

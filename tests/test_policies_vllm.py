@@ -48,6 +48,10 @@ CASES = {
                                                "token_sparsity": 0.5, "eviction": "patched"},
                                               256),
     "snapkv-postfill-0.7": ({"policy": "snapkv", "sparsity": 0.7, "eviction": "naive"}, 4096),
+    # decode-time eviction, compressing every 4 generated tokens to 64 per KV head (so the
+    # compatibility matrix's short generations compress too; tests/test_decode_eviction.py)
+    "snapkv-naive-0.5-decode": ({"policy": "snapkv", "sparsity": 0.5, "eviction": "naive",
+                                 "decode_budget": 64, "decode_interval": 4}, 256),
 }
 PROMPT_LENGTHS = (700, 1600)
 

@@ -33,6 +33,7 @@ def complete(server, prompt, max_tokens: int = NEW_TOKENS):
 # compiled graph); a head mask alone and token eviction alone in the slow tier (CI's budget)
 @pytest.mark.parametrize("case", [pytest.param("prulong-0.7", marks=pytest.mark.slow),
                                   pytest.param("pyramidkv-patched-0.7", marks=pytest.mark.slow),
+                                  pytest.param("snapkv-naive-0.5-decode", marks=pytest.mark.slow),
                                   "hybrid-prulong-0.5-snapkv-patched-0.5"])
 def test_compiled_mode_matches_reference(case, bundled_model_dir, tokenizer, hf_model):
     """Without --enforce-eager vLLM compiles the model (torch.compile, piecewise around the

@@ -17,7 +17,14 @@ from vllm_kvevict.config import TOKEN_EVICTION_POLICIES as TOKEN_EVICTION
 OVERRIDE_KEYS = {
     "kv_sparsity": ("sparsity", "a number in [0, 1] (token sparsity p)"),
     "kv_obs_window": ("obs_window", "an integer >= 1 (observation window k, in tokens)"),
+    # decode-time eviction: on a server started with --kv-decode-budget only (its worker
+    # keeps decode queries and compresses during decode only then)
+    "kv_decode_budget": ("decode_budget", "an integer >= 1 (decode-time eviction: tokens per "
+                                          "KV head)"),
+    "kv_decode_interval": ("decode_interval", "an integer >= 1 (generated tokens between two "
+                                              "decode-time compressions)"),
 }
+DECODE_KEYS = ("kv_decode_budget", "kv_decode_interval")
 # Keys about the request itself, for every policy (not a policy setting).
 TEACHER_FORCED = "kv_teacher_forced"
 TEACHER_FORCED_TEXT = ("an integer >= 0: the prompt's last n tokens are a teacher-forced "
@@ -38,14 +45,17 @@ def _valid_keys_text(max_model_len: int | None) -> str:
     if max_model_len:
         window = f"an integer in [1, {max_model_len}] (observation window k, in tokens)"
     return (f"kv_sparsity ({OVERRIDE_KEYS['kv_sparsity'][1]}), kv_obs_window ({window}): "
-            f"only for policies {', '.join(TOKEN_EVICTION)}; {TEACHER_FORCED} "
-            f"({TEACHER_FORCED_TEXT}): every policy")
+            f"only for policies {', '.join(TOKEN_EVICTION)}; kv_decode_budget, "
+            f"kv_decode_interval (integers >= 1): the same, on a server started with "
+            f"--kv-decode-budget; {TEACHER_FORCED} ({TEACHER_FORCED_TEXT}): every policy")
 
 
 def override_error(key: str, value: Any, policy: str, max_model_len: int | None = None,
-                   obs_window_max: int | None = None) -> str | None:
+                   obs_window_max: int | None = None, decode_eviction: bool = False
+                   ) -> str | None:
     """Why `vllm_xargs[key] = value` is refused (None: accepted or not ours).
-    `obs_window_max`: the served `KVPolicyConfig.max_obs_window` (None: max_model_len)."""
+    `obs_window_max`: the served `KVPolicyConfig.max_obs_window` (None: max_model_len);
+    `decode_eviction`: the server runs with a decode budget."""
     valid = _valid_keys_text(max_model_len)
     if key in VLLM_OWN_XARGS:
         return None
@@ -71,7 +81,14 @@ def override_error(key: str, value: Any, policy: str, max_model_len: int | None 
         return (f"vllm_xargs key {key!r} only applies to token-eviction policies "
                 f"({', '.join(TOKEN_EVICTION)}); this server runs kv policy {policy!r}, whose KV "
                 f"layout is fixed at start-up. Per-request KV keys: {valid}.")
-    if key == "kv_sparsity":
+    if key in DECODE_KEYS:
+        if not decode_eviction:
+            return (f"vllm_xargs key {key!r} needs a server started with --kv-decode-budget "
+                    f"(decode-time eviction is off on this server). Per-request KV keys: "
+                    f"{valid}.")
+        expected = "an integer >= 1"
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    elif key == "kv_sparsity":
         expected = OVERRIDE_KEYS[key][1]
         ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
               and math.isfinite(value) and 0.0 <= value <= 1.0)
@@ -89,25 +106,28 @@ def override_error(key: str, value: Any, policy: str, max_model_len: int | None 
 
 
 def check_vllm_xargs(xargs: Any, policy: str, max_model_len: int | None = None,
-                     obs_window_max: int | None = None) -> str | None:
+                     obs_window_max: int | None = None, decode_eviction: bool = False
+                     ) -> str | None:
     """First refusal for a request's vllm_xargs (None: fine). Non-dicts are vLLM's to judge."""
     if not isinstance(xargs, dict):
         return None
     for key, value in xargs.items():
-        error = override_error(str(key), value, policy, max_model_len, obs_window_max)
+        error = override_error(str(key), value, policy, max_model_len, obs_window_max,
+                               decode_eviction)
         if error:
             return error
     return None
 
 
-def request_overrides(extra_args: Any, policy: str, obs_window_max: int | None = None
-                      ) -> dict[str, Any]:
+def request_overrides(extra_args: Any, policy: str, obs_window_max: int | None = None,
+                      decode_eviction: bool = False) -> dict[str, Any]:
     """The valid per-request overrides among sampling_params.extra_args (engine side: anything
     that slipped past the API check, e.g. from the offline API, is ignored, never fatal)."""
     if not isinstance(extra_args, dict):
         return {}
     return {key: extra_args[key] for key in OVERRIDE_KEYS if key in extra_args and
-            override_error(key, extra_args[key], policy, None, obs_window_max) is None}
+            override_error(key, extra_args[key], policy, None, obs_window_max,
+                           decode_eviction) is None}
 
 
 def teacher_forced(extra_args: Any) -> int:
@@ -132,7 +152,8 @@ def request_prompt_len(request) -> int:
 
 def effective_config(cfg, extra_args: Any):
     """(KVPolicyConfig with the request's overrides applied, the overrides used)."""
-    overrides = request_overrides(extra_args, cfg.policy, cfg.max_obs_window)
+    overrides = request_overrides(extra_args, cfg.policy, cfg.max_obs_window,
+                                  cfg.decode_budget is not None)
     if not overrides:
         return cfg, {}
     return cfg.replace(**{OVERRIDE_KEYS[k][0]: v for k, v in overrides.items()}), overrides

@@ -57,7 +57,8 @@ class ServerContext:
 
     def check_vllm_xargs(self, xargs: Any) -> str | None:
         """Why a request's `vllm_xargs` is refused (HTTP 400), or None."""
-        return check_vllm_xargs(xargs, self.policy, self.max_model_len, self.obs_window_max)
+        return check_vllm_xargs(xargs, self.policy, self.max_model_len, self.obs_window_max,
+                                self.params.get("decode_budget") is not None)
 
 
 _vllm_config = None  # the engine config this process created (create_engine_config)

@@ -30,6 +30,7 @@ from vllm_kvevict.flex.block_mask import (PagedQueries, chunk_starts, head_mask_
                                           paged_queries)
 from vllm_kvevict.integration.streaming.head_pages import HeadSlots, head_slots
 from vllm_kvevict.integration.streaming.sink_window import canonical_chunk
+from vllm_kvevict.integration.token_eviction.decode_eviction import compress_decode
 from vllm_kvevict.integration.token_eviction.token_eviction_worker import compress_chunks
 from vllm_kvevict.integration.worker import init_state
 from vllm_kvevict.overrides import policy_prompt_len
@@ -37,8 +38,7 @@ from vllm_kvevict.served import policy_config_of
 
 FLEX_BACKEND = "vllm_kvevict.integration.flex_attention.KVEvictFlexBackend"
 # vLLM's module sets 16 compilations of its compiled flex_attention; a head mask calls it with
-# each layer's count of full and of streaming heads (1 to the rank's KV heads each), each a
-# compilation (a few seconds each here, once per shape)
+# each layer's count of full and of streaming heads (each a compilation, once per shape)
 torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
 _runner = None  # this worker's model runner (`remember_runner`): prompt lengths
 
@@ -269,21 +269,23 @@ class KVEvictFlexImpl(FlexAttentionImpl):
         if plan.num_questions:
             off = plan.question_offset
             output[off:off + plan.num_questions] = out[n:]
-        if plan.valid and plan.jobs:
-            self._compress_chunks(layer, l, plan, query, key, value, kv_cache)
+        if plan.valid and (plan.jobs or plan.decode):
+            self._compress(l, plan, query, key, value, kv_cache)
         return output
 
-    def _compress_chunks(self, layer, l, plan, query, key, value, kv_cache) -> None:
+    def _compress(self, l, plan, query, key, value, kv_cache) -> None:
+        """Compress the step's chunks and decode-time jobs (K/V read back by position)."""
         cache, hs = self._slots(kv_cache), self.head_size
 
-        def read_past(job, count):
-            pos = job.phys_before[l] + torch.arange(count)
-            past = cache[plan.physical_slots(l, job.row, pos)]
+        def read(job, start, count):
+            past = cache[plan.physical_slots(l, job.row, start + torch.arange(count))]
             return past[..., :hs], past[..., hs:]
 
-        kept = compress_chunks(plan, l, query, key, value, read_past)
-        if kept is not None:
-            self._write(kv_cache, *kept)
+        for kept in (plan.jobs and compress_chunks(plan, l, query, key, value, lambda j, c:
+                                                   read(j, j.phys_before[l], c)),
+                     plan.decode and compress_decode(plan, l, query, lambda j, c: read(j, 0, c))):
+            if kept:
+                self._write(kv_cache, *kept)
 
 
 class KVEvictFlexBackend(FlexAttentionBackend):
