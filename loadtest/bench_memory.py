@@ -101,6 +101,9 @@ def summarize(label: str, result: dict) -> dict:
         "kv_bytes_peak_per_request": mean([s["kv_bytes_peak"] for s in stats]),
         "full_kv_bytes_peak_per_request": mean([s["full_kv_bytes_peak"] for s in stats]),
         "elapsed_s": result["elapsed_s"],
+        "output_tokens_per_s": sum(s.get("completion_tokens", 0) for s in stats)
+        / result["elapsed_s"] if result["elapsed_s"] else float("nan"),
+        "decode_compressions": mean([s.get("decode_compressions", 0) for s in stats]),
         "usage_samples": len(diffs),
         "usage_max_abs_diff_blocks": max((abs(d) for d in diffs), default=None),
         "usage_samples_within_bound": sum(abs(d) <= b for d, b in zip(diffs, bounds)),
@@ -134,8 +137,9 @@ def write_report(results: dict[str, dict], out_dir: Path) -> None:
         lines.append(f"- {label}: `{res.get('command', 'not recorded')}`")
     lines += ["", "| policy | ok | failed | max running | x full | preemptions | peak pool use | "
               "footprint (paper) | footprint, chunk held | measured footprint | measured / "
-              "paper | measured / chunk held | KV bytes peak/req | wall s | vLLM usage vs ours |",
-              "|" + "---|" * 15]
+              "paper | measured / chunk held | KV bytes peak/req | wall s | output tok/s | "
+              "decode compressions/req | vLLM usage vs ours |",
+              "|" + "---|" * 17]
     for r in rows:
         ratio = (r["max_running"] / base["max_running"]) if base and base["max_running"] else 0
         lines.append(
@@ -144,6 +148,7 @@ def write_report(results: dict[str, dict], out_dir: Path) -> None:
             f"{r['footprint_chunk_held']:.3f} | {r['measured_footprint']:.3f} | "
             f"{r['measured_over_idealized']:.3f} | {r['measured_over_chunk_held']:.3f} | "
             f"{r['kv_bytes_peak_per_request'] / 2**20:.0f} MiB | {r['elapsed_s']:.0f} | "
+            f"{r['output_tokens_per_s']:.1f} | {r['decode_compressions']:.0f} | "
             f"{_agreement(r)} |")
     (out_dir / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -152,14 +157,21 @@ def write_report(results: dict[str, dict], out_dir: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, (ax, per) = plt.subplots(1, 2, figsize=(13, 4))
     for label, res in results.items():
         tl = res["timeline"]
         ax.plot([p["t"] for p in tl], [p.get("running", 0) for p in tl], label=label)
+        # pool share per running request: flat where decode-time eviction bounds a request
+        shares = [(p["t"], 100 * p.get("kv_cache_usage", 0) / p["running"]) for p in tl
+                  if p.get("running")]
+        per.plot([t for t, _ in shares], [v for _, v in shares], label=label)
     ax.set_xlabel("seconds since the burst")
     ax.set_ylabel("requests running")
-    ax.set_title("Long requests running at once, same KV pool")
+    ax.set_title("Requests running at once, same KV pool")
     ax.legend()
+    per.set_xlabel("seconds since the burst")
+    per.set_ylabel("% of the pool per running request")
+    per.set_title("KV pool held per running request")
     fig.tight_layout()
     fig.savefig(out_dir / "running.png", dpi=120)
 

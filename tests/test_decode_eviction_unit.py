@@ -216,3 +216,23 @@ def test_per_request_budget_and_interval():
     assert (cfg.decode_budget, cfg.decode_interval, used) == (40, 24, good)
     # a server without decode-time eviction ignores them (the API server refused them already)
     assert effective_config(KVPolicyConfig(policy="snapkv"), good)[1] == {}
+
+
+def test_a_teacher_forced_tail_stops_at_each_compression_point():
+    """vLLM prefills a teacher-forced tail (decode tokens for the policy) in one step unless
+    capped: under decode-time eviction a step ends at the next compression point, where the
+    reference compresses between its forced decode steps."""
+    from vllm_kvevict.ledger import cap_step_in_eviction_chunk
+
+    policy, n = policy_of(interval=4), 300
+    assert cap_step_in_eviction_chunk(policy, n, n, 10) == 4
+    assert cap_step_in_eviction_chunk(policy, n, n + 4, 6) == 4
+    assert cap_step_in_eviction_chunk(policy, n, n + 9, 1) == 1
+    assert cap_step_in_eviction_chunk(policy, n, n + 6, 5) == 2
+    assert cap_step_in_eviction_chunk(policy_of(budget=None), n, n, 10) == 10
+    # the worker keeps the step's last k = 4 queries, token by token, and compresses after it
+    worker = TokenEvictionWorker(policy, 16, LayerGroups.single(30))
+    worker.plan(["r"], [0], [n], [n], [[list(range(1, 20))]])  # the prompt, one chunk
+    plan = worker.plan(["r"], [n], [4], [n], [[list(range(1, 20))]])
+    assert [(t, slot) for _, t, slot in plan.decode.observe] == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    assert [job.end for job in plan.decode.jobs] == [n + 4]

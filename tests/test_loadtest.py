@@ -563,9 +563,17 @@ def test_policy_parsing_and_server_command():
     assert tiered.tiers == 6 and tiered.slug == "pyramidkv-0.7-patched-t6"
     argv = build_server_command("m", tiered, kv_cache_bytes=1, max_batched_tokens=1)
     assert argv[argv.index("--kv-tiers") + 1] == "6"
-    for bad in ("pyramidkv:0.7:patched:6", "pyramidkv:0.7:patched:t0"):
+    for bad in ("pyramidkv:0.7:patched:6", "pyramidkv:0.7:patched:t0",
+                "snapkv:0.7:naive:d0", "snapkv:0.7:naive:d64e0", "snapkv:0.7:naive:e64"):
         with pytest.raises(ValueError):
             parse_policy(bad)
+    decode = parse_policy("snapkv:0.7:naive:d512e64")
+    assert decode.slug == "snapkv-0.7-naive-d512e64" and decode.decode_interval == 64
+    argv = build_server_command("m", decode, kv_cache_bytes=1, max_batched_tokens=1)
+    assert argv[argv.index("--kv-decode-budget") + 1] == "512"
+    assert argv[argv.index("--kv-decode-interval") + 1] == "64"
+    assert "--kv-decode-interval" not in build_server_command(
+        "m", parse_policy("snapkv:0.7:naive:d512"), kv_cache_bytes=1, max_batched_tokens=1)
     assert compare.parse_levels("1,4, 8,16") == [1, 4, 8, 16]
 
 

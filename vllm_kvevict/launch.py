@@ -10,6 +10,7 @@ process.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -47,6 +48,8 @@ class PolicySpec:
     tiers: int | None = None  # --kv-tiers (token eviction: KV-cache groups of layers)
     token_policy: str | None = None  # --kv-token-policy (a head mask's full heads evict)
     token_sparsity: float | None = None
+    decode_budget: int | None = None  # --kv-decode-budget (decode-time eviction)
+    decode_interval: int | None = None  # --kv-decode-interval
 
     @property
     def label(self) -> str:
@@ -63,6 +66,9 @@ class PolicySpec:
             parts.append(self.eviction)
         if self.tiers is not None:
             parts.append(f"t{self.tiers}")
+        if self.decode_budget is not None:
+            parts.append(f"d{self.decode_budget}" + (
+                "" if self.decode_interval is None else f"e{self.decode_interval}"))
         label = ":".join(parts)
         return label if self.token_policy is None else f"{head}+{label}"
 
@@ -73,8 +79,9 @@ class PolicySpec:
 
 
 def parse_policy(text: str) -> PolicySpec:
-    """`POLICY[:SPARSITY[:EVICTION[:tTIERS]]]`, e.g. `full`, `prulong:0.7`,
-    `snapkv:0.7:patched`, `pyramidkv:0.7:patched:t6` (6 KV-cache groups of layers), or a head
+    """`POLICY[:SPARSITY[:EVICTION[:tTIERS][:dBUDGET[eINTERVAL]]]]`, e.g. `full`, `prulong:0.7`,
+    `snapkv:0.7:patched`, `pyramidkv:0.7:patched:t6` (6 KV-cache groups of layers),
+    `snapkv:0.7:naive:d512e128` (decode-time eviction to 512 every 128 tokens), or a head
     mask with a token policy, `HEAD:SPARSITY+TOKEN:SPARSITY[:EVICTION]`, e.g.
     `prulong:0.5+snapkv:0.5:patched` (--kv-token-policy)."""
     if "+" in text:
@@ -86,15 +93,23 @@ def parse_policy(text: str) -> PolicySpec:
         return PolicySpec(head.policy, head.sparsity, token.eviction,
                           token_policy=token.policy, token_sparsity=token.sparsity)
     parts = text.split(":")
-    if not parts[0] or len(parts) > 4:
-        raise ValueError(f"policy must look like NAME[:SPARSITY[:EVICTION[:tTIERS]]], "
-                         f"got {text!r}")
-    sparsity = eviction = tiers = None
-    if len(parts) == 4:
-        if not (parts[3].startswith("t") and parts[3][1:].isdigit() and int(parts[3][1:]) > 0):
-            raise ValueError(f"tiers in {text!r} must look like t6 (a positive integer)")
-        tiers = int(parts[3][1:])
-        parts = parts[:3]
+    tiers = decode = interval = None
+    # trailing options after POLICY:SPARSITY:EVICTION: tTIERS, dBUDGET[eINTERVAL]
+    while len(parts) > 3:
+        option = parts.pop()
+        m = re.fullmatch(r"t(\d+)|d(\d+)(?:e(\d+))?", option)
+        if not m or int(m.group(1) or m.group(2)) <= 0 or (m.group(3) and
+                                                            int(m.group(3)) <= 0):
+            raise ValueError(f"{option!r} in {text!r} must look like t6 (tiers) or d512 / "
+                             f"d512e128 (decode budget / interval), positive integers")
+        if m.group(1):
+            tiers = int(m.group(1))
+        else:
+            decode, interval = int(m.group(2)), m.group(3) and int(m.group(3))
+    if not parts[0]:
+        raise ValueError(f"policy must look like NAME[:SPARSITY[:EVICTION[:tTIERS]"
+                         f"[:dBUDGET[eINTERVAL]]]], got {text!r}")
+    sparsity = eviction = None
     if len(parts) >= 2:
         try:
             sparsity = float(parts[1])
@@ -106,7 +121,8 @@ def parse_policy(text: str) -> PolicySpec:
         eviction = parts[2]
         if eviction not in EVICTION_MODES:
             raise ValueError(f"eviction in {text!r} must be one of {', '.join(EVICTION_MODES)}")
-    return PolicySpec(parts[0], sparsity, eviction, tiers)
+    return PolicySpec(parts[0], sparsity, eviction, tiers, decode_budget=decode,
+                      decode_interval=interval)
 
 
 def build_server_command(model: str, spec: PolicySpec, *, kv_cache_bytes: int,
@@ -116,7 +132,8 @@ def build_server_command(model: str, spec: PolicySpec, *, kv_cache_bytes: int,
     """argv of `vllm serve` for one policy; every policy gets the same pool and batch size."""
     policy = {"policy": spec.policy, "sparsity": spec.sparsity, "eviction": spec.eviction,
               "tiers": spec.tiers, "token_policy": spec.token_policy,
-              "token_sparsity": spec.token_sparsity}
+              "token_sparsity": spec.token_sparsity, "decode_budget": spec.decode_budget,
+              "decode_interval": spec.decode_interval}
     argv = [executable, "serve", model,
             *policy_flags({k: v for k, v in policy.items() if v is not None})]
     argv += ["--kv-cache-memory-bytes", str(kv_cache_bytes),

@@ -175,6 +175,10 @@ def cap_step_in_eviction_chunk(policy: KVPolicy, prompt_len: int, num_computed: 
     b or at most at b - obs_window (0 = wait for a step with budget for the rest)."""
     config, n = policy.config, prompt_len
     e, a = config.eviction_chunk, num_computed
+    if num_new > 0 and a >= n and config.decode_budget is not None:
+        # a teacher-forced tail (vLLM's prompt, decode for the policy): a step ends at the
+        # next decode-time compression at the latest, which follows the step's last token
+        return min(num_new, config.decode_interval - (a - n) % config.decode_interval)
     if num_new <= 0 or a >= n:
         return num_new
     if e is None:  # the prompt's end closes its last chunk (before a teacher-forced tail)

@@ -31,11 +31,11 @@ class DecodeJob:
 @dataclass
 class DecodePlan:
     """A step's decode-time eviction: the compressions after it, and the decode queries kept
-    for them (`observe`: (req_id, row or token index, slot); `observed[req_id][layer, slot]`
+    for them (`observe`: (req_id, token index in the step, slot); `observed[req_id][layer, slot]`
     holds query [Hq, d] of one of the request's last k decode steps; `rows[req_id]` = k)."""
 
     jobs: list[DecodeJob] = field(default_factory=list)
-    observe: list[tuple[str, int, int]] = field(default_factory=list)
+    observe: list[tuple] = field(default_factory=list)
     rows: dict[str, int] = field(default_factory=dict)
     observed: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -43,22 +43,27 @@ class DecodePlan:
         return bool(self.jobs or self.observe)
 
     def at_tokens(self, query_start: torch.Tensor, observed: dict) -> "DecodePlan":
-        """`observe` by token index (each decode row's one token) over the worker's buffers."""
-        self.observe = [(req, int(query_start[row]), slot) for req, row, slot in self.observe]
+        """`observe` by token index in the step (row start + offset), over the worker's
+        buffers."""
+        self.observe = [(req, int(query_start[row]) + j, slot)
+                        for req, row, j, slot in self.observe]
         self.observed = observed
         return self
 
 
-def plan_decode_row(policy: KVPolicy, req_id: str, row: int, end: int, prompt_len: int,
-                    lengths: list[int], plan: DecodePlan) -> None:
-    """A decode row whose step ends at logical `end`, its layers then holding `lengths`: the
-    last k steps before a compression keep their queries; the compression step compresses."""
+def plan_decode_row(policy: KVPolicy, req_id: str, row: int, start: int, end: int,
+                    prompt_len: int, lengths: list[int], plan: DecodePlan) -> None:
+    """A decode row whose step runs logical [start, end) (one generated token, or part of a
+    teacher-forced tail, which the scheduler never lets cross a compression point), its layers
+    then holding `lengths`: its tokens among the last k before a compression keep their
+    queries; a step ending at a compression point compresses."""
     cfg = policy.config
     k, interval = cfg.decode_obs_rows, cfg.decode_interval
-    since = (end - prompt_len - 1) % interval
-    if since >= interval - k:
-        plan.observe.append((req_id, row, since - (interval - k)))
-        plan.rows[req_id] = k
+    for j, position in enumerate(range(start, end)):
+        since = (position - prompt_len) % interval  # (generated in the cache after it) - 1
+        if since >= interval - k:
+            plan.observe.append((req_id, row, j, since - (interval - k)))
+            plan.rows[req_id] = k
     if cfg.is_decode_compression(end, prompt_len):
         plan.jobs.append(DecodeJob(req_id=req_id, row=row, end=end, policy=policy,
                                    keep=[policy.decode_keep(layer, n)

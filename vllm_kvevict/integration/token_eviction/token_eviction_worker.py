@@ -176,7 +176,7 @@ class TokenEvictionWorker:
             if a + c > n:  # decode
                 if self.policy.config.decode_budget is not None:  # (a server setting)
                     plan_decode_row(self.policy_for(extra_args(r) if extra_args else None),
-                                    req_id, r, a + c, n, (before + c).tolist(), decode)
+                                    req_id, r, a, a + c, n, (before + c).tolist(), decode)
                 continue
             chunk_len = eviction_chunk_len(self.policy.config, a, c)  # raises on a crossing
             if self.policy.config.is_eviction_point(a + c, n):  # compress the chunk
