@@ -5,6 +5,12 @@ footprint next to the paper's idealized one, per policy.
         pyramidkv:0.7:patched --input-len 8000 --output-len 64 --num-requests 16 \\
         --kv-cache-memory-bytes 1610612736 --chunk 1024 --out-dir docs/results/memory
 
+Long generations (decode-time eviction, `--kv-decode-budget`; policy `snapkv:0.7:naive:d256e128`):
+
+    python -m loadtest.bench_memory --policies full snapkv:0.7:naive snapkv:0.7:naive:d256e128 \
+        --input-len 256 --output-len 2048 --num-requests 8 --max-model-len 2560 \
+        --kv-cache-memory-bytes 251658240 --out-dir docs/results/decode-eviction/load
+
 For each policy it starts `vllm serve` on the bundled model with the same pool, sends
 `--num-requests` long prompts at once, samples vLLM's /metrics every 0.25 s (requests running /
 waiting, preemptions, pool usage) and keeps every response's `kv_stats`. Written: one JSON per
@@ -28,8 +34,7 @@ from loadtest.monitors import parse_vllm_metrics
 from vllm_kvevict.launch import ServerProcess, build_server_command, parse_policy
 from loadtest.workloads import exact_length_ids
 
-SERVE_EXTRA = ["--dtype", "float32", "--served-model-name", "bench", "--max-model-len", "8192",
-               "--max-num-seqs", "64"]
+SERVE_EXTRA = ["--dtype", "float32", "--served-model-name", "bench", "--max-num-seqs", "64"]
 
 
 async def run_policy(base_url: str, prompts: list[list[int]], output_len: int) -> dict:
@@ -187,6 +192,8 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=1536 << 20)
     ap.add_argument("--chunk", type=int, default=1024)
+    ap.add_argument("--max-model-len", type=int, default=8192,
+                    help="vLLM's --max-model-len (the pool must hold one such request)")
     ap.add_argument("--block-size", type=int, default=None,
                     help="vLLM KV block size in tokens (CPU: a multiple of 32; default vLLM's 128)")
     ap.add_argument("--prefill-step", type=int, default=None,
@@ -222,7 +229,8 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     base_url = f"http://127.0.0.1:{args.port}"
     command = "python -m loadtest.bench_memory " + " ".join(sys.argv[1:])
-    serve_extra = ["--block-size", str(args.block_size)] if args.block_size else []
+    serve_extra = ["--max-model-len", str(args.max_model_len)]
+    serve_extra += ["--block-size", str(args.block_size)] if args.block_size else []
     serve_extra += ["--no-enable-prefix-caching"] if args.no_prefix_caching else []
     serve_extra += ["--kv-attention-backend", args.attention_backend]
     admission = ["--kv-admission", args.admission] if args.admission else []

@@ -236,3 +236,32 @@ def test_a_teacher_forced_tail_stops_at_each_compression_point():
     plan = worker.plan(["r"], [n], [4], [n], [[list(range(1, 20))]])
     assert [(t, slot) for _, t, slot in plan.decode.observe] == [(0, 0), (1, 1), (2, 2), (3, 3)]
     assert [job.end for job in plan.decode.jobs] == [n + 4]
+
+
+def test_continuation_report_pairs_documents_with_full(tmp_path):
+    """The quality report: per setting the NLL difference from full attention, paired by
+    document, with a bootstrap interval that contains it; a PNG by position."""
+    import json
+    from types import SimpleNamespace
+
+    from vllm_kvevict.evaluation.continuation import report
+
+    rng = torch.Generator().manual_seed(0)
+    lines = []
+    for d in range(12):
+        base = (-torch.rand(60, generator=rng) * 3).tolist()
+        worse = [lp - 0.1 - 0.002 * i for i, lp in enumerate(base)]  # loss grows along it
+        for setting, lps, n in (("full", base, 0), ("snapkv:0.7:naive:d64e16", worse, 3)):
+            lines.append(json.dumps({"setting": setting, "document": f"doc{d}", "logprobs": lps,
+                                     "decode_compressions": n, "kv_bytes_peak": 10 + 90 * (not n),
+                                     "full_kv_bytes_peak": 100, "footprint": 0.5}))
+    (tmp_path / "results.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "command.txt").write_text("python -m vllm_kvevict.evaluation.continuation\n")
+    report(SimpleNamespace(out_dir=tmp_path, buckets=3))
+    table = (tmp_path / "table.md").read_text()
+    row = next(line for line in table.splitlines() if line.startswith("| snapkv"))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[1] == "12" and cells[3].startswith("+0.159 [+0.159, +0.159]"), row
+    assert cells[4] == "3" and cells[5] == "0.10"
+    assert "| full | 12 |" in table and "+0.000 [+0.000, +0.000]" in table
+    assert (tmp_path / "nll_by_position.png").stat().st_size > 1000
