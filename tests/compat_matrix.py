@@ -32,8 +32,8 @@ DECODE_TEST = "tests/test_decode_eviction.py::test_decode_eviction_matches_refer
 DECODE_REFUSED = lambda why: Cell("refused", (
     "tests/test_decode_eviction_unit.py::test_refusals_name_the_flag_and_the_valid_values",
     f"tests/test_features.py::test_vllm_serve_refuses[decode-{why}]"),
-    "decode-time eviction is tested with one decode token per step, the model's cache dtype "
-    "and one rank so far: refused at start-up (--kv-decode-budget)")
+    "decode-time eviction is tested with one decode token per step and the model's cache dtype "
+    "so far: refused at start-up (--kv-decode-budget)")
 HEAD_MASKS = ("streaming", "duo 0.3", "prulong 0.7")  # prefix caching on (sink_window.py)
 
 EVICTING = [c for c in COLUMNS if c != "full"]
@@ -53,12 +53,14 @@ TP_IDS = {"full": "kv4-full", "streaming": "kv4-streaming", "duo 0.3": "kv4-duo-
           "prulong 0.7": "kv4-prulong-0.7", "snapkv naive": "kv4-snapkv-naive-0.5",
           "snapkv patched": "kv4-snapkv-patched-0.5",
           "pyramidkv naive": "kv4-pyramidkv-naive-0.5-tiers2",
-          "pyramidkv patched": "kv4-pyramidkv-patched-0.7"}
+          "pyramidkv patched": "kv4-pyramidkv-patched-0.7",
+          DECODE: "kv4-snapkv-naive-0.5-decode"}
 TP_CI = ("prulong 0.7", "snapkv patched")
 # tests/test_data_parallel.py: the same tiny model and policies as tensor parallel
 DP_IDS = {column: test_id.removeprefix("kv4-") for column, test_id in TP_IDS.items()}
 DP_CI = TP_CI
 FP8_CI = ("prulong 0.7", "snapkv patched")  # tests/test_fp8.py: the same model and ids
+FP8_IDS = {c: i for c, i in TP_IDS.items() if c != DECODE}  # (refused with a decode budget)
 FLEX_CI = ("full", "prulong 0.7", "pyramidkv patched")  # tests/test_flex_vllm.py
 
 
@@ -257,8 +259,7 @@ ROWS = [
                               f"test_tp2_serves_the_reference_tokens[{TP_IDS[c]}]",),
                     "when the ranks split the KV heads evenly (else refused: "
                     "tests/test_features.py::test_parallel_layouts)")
-            for c in COLUMNS if c not in (HYBRID, DECODE)},
-         DECODE: DECODE_REFUSED("tp"),
+            for c in COLUMNS if c != HYBRID},
          HYBRID: Cell("refused", (HYBRID_TEST + "test_hybrid_refuses_what_it_is_not_tested_with",
                                   f"tests/test_features.py::test_parallel_layouts"
                                   f"[{COLUMNS[HYBRID]}]"), HYBRID_UNTESTED)}),
@@ -269,8 +270,7 @@ ROWS = [
                               "tests/test_features.py::test_vllm_serve_refuses[dp-api-servers]"),
                     "one engine core per replica, kv_stats naming it; vLLM's default of one API "
                     "server per replica is refused (the kv_stats store lives in one)")
-            for c in COLUMNS if c not in (HYBRID, DECODE)},
-         DECODE: DECODE_REFUSED("dp"),
+            for c in COLUMNS if c != HYBRID},
          HYBRID: Cell("refused", (f"tests/test_features.py::test_parallel_layouts"
                                   f"[{COLUMNS[HYBRID]}]",), HYBRID_UNTESTED)}),
     Row("pipeline parallel (> 1)",
@@ -354,7 +354,8 @@ def render() -> str:
                 if slow:
                     shown += (" (slow)" if "::" in test else
                               " (script run, `docs/results/policy_matrix-compiled/`)")
-                by_test.setdefault(shown, []).append(name)
+                if name not in by_test.setdefault(shown, []):
+                    by_test[shown].append(name)
         for shown, cols in by_test.items():
             lines.append(f"  - {shown}: {'all' if cols == names else ', '.join(cols)}")
     return "\n".join(lines) + "\n"

@@ -29,6 +29,12 @@ CASES = {
     # one group per layer, each with its own decode budget (the pyramid's)
     "pyramidkv-patched-0.7": {"policy": "pyramidkv", "sparsity": 0.7, "eviction": "patched",
                               **DECODE},
+    # a head mask whose full heads evict tokens (--kv-token-policy): their decode queries per
+    # layer (each layer holds its own number of full heads), streaming heads untouched
+    "hybrid-prulong-0.5-snapkv-naive-0.5": {"policy": "prulong", "sparsity": 0.5, "sink": 16,
+                                            "window": 64, "token_policy": "snapkv",
+                                            "token_sparsity": 0.5, "eviction": "naive",
+                                            **DECODE},
     # the FlexAttention path (reads the pool by physical position, writes through its own)
     "snapkv-naive-0.5-flex": {"policy": "snapkv", "sparsity": 0.5, "eviction": "naive",
                               "attention_backend": "flex", **DECODE},
@@ -52,15 +58,16 @@ def test_decode_eviction_matches_reference(case, bundled_model_dir, tokenizer, h
     policy = CASES[case]
     server = start_server(bundled_model_dir, [*flags(policy, 256), "--block-size", str(BLOCK)])
     prompts = source_prompts(tokenizer, (300, 700, 500, 400))
-    # the fourth request sets its own budget and interval (vllm_xargs)
-    xargs = [{}, {}, {}, {"kv_decode_budget": 40, "kv_decode_interval": 24}]
+    # the fourth request sets its own budget and interval (vllm_xargs; a head mask's server
+    # takes no per-request KV keys)
+    own = {} if "token_policy" in policy else {"kv_decode_budget": 40, "kv_decode_interval": 24}
+    xargs = [{}, {}, {}, own]
     results = asyncio.run(complete_all(server.base_url, prompts, xargs))
+    timeline = httpx.get(server.base_url + "/v1/kv_stats/timeline").json()
+    traces = {t["engine_request_id"]: t["points"] for t in timeline["requests"]}
     for prompt, extra, served in zip(prompts, xargs, results):
         own = {**policy, **{k.removeprefix("kv_"): v for k, v in extra.items()}}
         cfg = KVPolicyConfig.from_dict(own)
-        budgets = decode_group_budgets(build_policy(cfg, 30, 3),
-                                       LayerGroups.single(30) if cfg.policy == "snapkv"
-                                       else LayerGroups(tuple(range(30))))
         stats = served["kv_stats"]
         ends = stats["chunk_boundaries"]
         ref = reference(hf_model, bundled_model_dir, own, prompt, ends, NEW_TOKENS)
@@ -69,9 +76,18 @@ def test_decode_eviction_matches_reference(case, bundled_model_dir, tokenizer, h
         assert stats["decode_steps"] == NEW_TOKENS - 1
         assert stats["decode_compressions"] == 99 // cfg.decode_interval
         assert stats["params"]["decode_budget"] == cfg.decode_budget
+        # the live view saw the request's bytes fall (its first compression frees most of
+        # the prompt's kept tokens; it never holds as much again)
+        held = [bytes_held for _, bytes_held, _ in traces[stats["engine_request_id"]]]
+        assert max(held) > held[-1], held
+        if cfg.is_hybrid:  # (its streaming heads' groups hold sink + window blocks besides)
+            continue
         # the blocks held at the last step are exactly what the reference's cache holds, per
         # KV-cache group (a group's row is sized for its largest layer): the compressed
         # tokens' blocks went back to the pool
+        budgets = decode_group_budgets(build_policy(cfg, 30, 3),
+                                       LayerGroups.single(30) if cfg.policy == "snapkv"
+                                       else LayerGroups(tuple(range(30))))
         lengths = ref.cache.lengths().max(dim=1).values.tolist()  # per layer
         per_group = [max(lengths)] if len(budgets) == 1 else lengths
         tail = 99 % cfg.decode_interval

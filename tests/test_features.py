@@ -146,13 +146,7 @@ def test_lora_refused_with_patched_eviction(name):
     (["--kv-policy", "snapkv", "--kv-decode-budget", "64", "--speculative-config",
       '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}'],
      "--speculative-config is not supported with --kv-decode-budget"),
-    (["--kv-policy", "snapkv", "--kv-decode-budget", "64", "--tensor-parallel-size", "3"],
-     "--tensor-parallel-size 3 is not supported with --kv-decode-budget yet"),
-    (["--kv-policy", "snapkv", "--kv-decode-budget", "64", "--data-parallel-size", "2",
-      "--api-server-count", "1"],
-     "--data-parallel-size 2 is not supported with --kv-decode-budget yet"),
-], ids=["fp8", "pp", "lora", "prefix-caching", "dp-api-servers", "decode-fp8", "decode-spec",
-        "decode-tp", "decode-dp"])
+], ids=["fp8", "pp", "lora", "prefix-caching", "dp-api-servers", "decode-fp8", "decode-spec"])
 def test_vllm_serve_refuses(bundled_model_dir, argv, line):
     vllm = Path(sys.executable).parent / "vllm"
     proc = subprocess.run([str(vllm), "serve", str(bundled_model_dir), "--dtype", "float32",

@@ -16,7 +16,7 @@ import openai
 import pytest
 import torch
 
-from compat_matrix import FP8_CI, TP_IDS
+from compat_matrix import FP8_CI, FP8_IDS
 from conftest import SERVED_NAME, pool_width, skip_without_fp8_kv_cache, start_server
 from test_model_families_vllm import NEW_TOKENS, random_mask
 from test_policies_vllm import flags, source_prompts
@@ -76,7 +76,7 @@ CHUNK = 128
 PROMPT_LENGTHS = (300, 340)
 CASES = [pytest.param((column, "fp8"), id=test_id,
                       marks=[] if column in FP8_CI else [pytest.mark.slow])
-         for column, test_id in TP_IDS.items()]
+         for column, test_id in FP8_IDS.items()]
 CASES.append(pytest.param(("prulong 0.7", "fp8_e5m2"), id="kv4-prulong-0.7-e5m2",
                           marks=pytest.mark.slow))
 

@@ -89,6 +89,13 @@ def wait_for_idle_pool(base_url: str, timeout: float = 60) -> float:
     # one KV-cache group per layer: every group's blocks must come back
     (["--kv-policy", "pyramidkv", "--kv-sparsity", "0.7", "--kv-eviction", "patched",
       "--max-num-batched-tokens", "256"], 40, [{}, {"kv_sparsity": 0.5}]),
+    # decode-time eviction (every group compressed during decode, some requests cancelled
+    # after a compression, some with a teacher-forced tail split at compression points)
+    pytest.param(["--kv-policy", "pyramidkv", "--kv-sparsity", "0.7", "--kv-eviction", "naive",
+                  "--kv-decode-budget", "32", "--kv-decode-interval", "8", "--block-size", "32",
+                  "--max-num-batched-tokens", "256"], 40,
+                 [{}, {"kv_decode_budget": 16, "kv_decode_interval": 2},
+                  {"kv_teacher_forced": 20}], id="pyramidkv-decode"),
 ])
 def test_pool_is_whole_again_after_burst(bundled_model_dir, flags, num_requests, overrides):
     server = start_server(bundled_model_dir, flags)

@@ -87,6 +87,9 @@ TP_POLICIES = {
     "pyramidkv naive": {"policy": "pyramidkv", "sparsity": 0.5, "eviction": "naive",
                         "tiers": 2},
     "pyramidkv patched": {"policy": "pyramidkv", "sparsity": 0.7, "eviction": "patched"},
+    # decode-time eviction: each rank compresses its own KV heads with their own queries
+    "snapkv naive + decode eviction": {"policy": "snapkv", "sparsity": 0.5, "eviction": "naive",
+                                       "decode_budget": 64, "decode_interval": 4},
 }
 CASES = [pytest.param((4, TP_POLICIES[column]), id=test_id,
                       marks=[] if column in TP_CI else [pytest.mark.slow])

@@ -244,11 +244,10 @@ def validate(cfg: KVPolicyConfig) -> None:
     _check_int("decode_interval", cfg.decode_interval, 1)
     if cfg.decode_budget is not None:
         _check_int("decode_budget", cfg.decode_budget, 1)
-        if cfg.policy not in TOKEN_EVICTION_POLICIES:
+        if cfg.token_eviction is None:
             raise KVPolicyError(f"decode_budget only applies to "
-                                f"{', '.join(TOKEN_EVICTION_POLICIES)}, not {cfg.policy!r}"
-                                + (" with a token_policy (not built yet)" if cfg.token_policy
-                                   else ""), "decode_budget")
+                                f"{', '.join(TOKEN_EVICTION_POLICIES)} (or a head mask's "
+                                f"token_policy), not {cfg.policy!r}", "decode_budget")
     if cfg.token_policy is not None:
         if cfg.token_policy not in TOKEN_EVICTION_POLICIES:
             raise KVPolicyError(f"token_policy {cfg.token_policy!r} is unknown; valid: "

@@ -110,12 +110,12 @@ def api_servers_error(policy_config, count: int | None) -> str | None:
             "--data-parallel-size); valid: 1")
 
 
-def decode_eviction_error(policy_config, method: str | None, cache_dtype: str | None,
-                          sizes: dict[str, int]) -> str | None:
+def decode_eviction_error(policy_config, method: str | None, cache_dtype: str | None
+                          ) -> str | None:
     """Decode-time eviction (`--kv-decode-budget`) is tested against the reference with one
-    decode token per step, the model's cache dtype and one rank; the rest is refused until it
-    is (a verification step would compress in the middle of K + 1 queries; fp8 would score the
-    read-back codes; tensor and data parallel are untested)."""
+    decode token per step and the model's cache dtype (tensor and data parallel too); the rest
+    is refused until it is (a verification step would compress in the middle of K + 1
+    queries; fp8 would score the read-back codes)."""
     if getattr(policy_config, "decode_budget", None) is None:
         return None
     if method is not None:
@@ -124,11 +124,6 @@ def decode_eviction_error(policy_config, method: str | None, cache_dtype: str | 
     if (cache_dtype or "auto") != "auto":
         return (f"--kv-cache-dtype {cache_dtype} is not supported with --kv-decode-budget; "
                 "valid with --kv-decode-budget: auto")
-    for field, flag in PARALLEL_FLAGS:
-        size = int(sizes.get(field) or 1)
-        if size != 1:
-            return (f"{flag} {size} is not supported with --kv-decode-budget yet (not tested "
-                    "against the reference); valid: 1")
     return None
 
 

@@ -75,7 +75,8 @@ FLAGS = {
                             "chunk's KVs a full head evicts), while --kv-sparsity stays the "
                             f"head sparsity. In [0, 1]; default {DEFAULT_SPARSITY}."),
     "--kv-decode-budget": ("decode_budget", int,
-                           "snapkv/pyramidkv: decode-time eviction. Every --kv-decode-interval "
+                           "snapkv/pyramidkv (and --kv-token-policy's full heads): decode-time "
+                           "eviction. Every --kv-decode-interval "
                            "generated tokens each layer's KV is compressed back to this many "
                            "tokens per KV head (pyramidkv: spread over the layers as its prompt "
                            "budget), scored by the last min(--kv-obs-window, interval, budget) "

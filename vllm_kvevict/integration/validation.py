@@ -51,7 +51,7 @@ def validate_against_model(vllm_config, prefix_caching_requested: bool | None = 
                       parallel_error(cfg, sizes, served.shape.num_kv_heads),
                       kv_cache_dtype_error(cfg, str(cache_dtype)),
                       speculative_error(cfg, method), connector_error(cfg, users),
-                      decode_eviction_error(cfg, method, str(cache_dtype), sizes),
+                      decode_eviction_error(cfg, method, str(cache_dtype)),
                       prompt_embeds_error(cfg, embeds),
                       prefix_caching_error(cfg, prefix_caching_requested),
                       lora_error(cfg, getattr(vllm_config, "lora_config", None) is not None),

@@ -39,6 +39,13 @@ class HybridPolicy(HeadMaskPolicy):
         """What each full head of `layer` keeps of a chunk (streaming heads: sink + window)."""
         return self.token.chunk_keep(layer, chunk_len, is_final)
 
+    def decode_budget(self, layer: int) -> int:
+        """Decode-time eviction of the full heads (streaming heads: sink + window)."""
+        return self.token.decode_budget(layer)
+
+    def decode_keep(self, layer: int, length: int) -> ChunkKeep | None:
+        return self.token.decode_keep(layer, length)
+
     def score(self, obs_queries: torch.Tensor, chunk_keys: torch.Tensor, obs_offset: int,
               window: int) -> torch.Tensor:
         return self.token.score(obs_queries, chunk_keys, obs_offset, window)

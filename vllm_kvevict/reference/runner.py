@@ -238,19 +238,26 @@ class ReferenceRunner:
         if generated % self.config.decode_interval:
             return
         layer_kv = cache.layers[layer]
-        length = layer_kv.keys.shape[1]
-        assert bool((layer_kv.positions != EMPTY).all()), "token eviction keeps equal heads"
+        full = ~self.streaming[layer]  # a head mask's streaming heads keep sink + window
+        if not bool(full.any()):
+            return
+        lengths = (layer_kv.positions[full] != EMPTY).sum(dim=1)
+        assert bool((lengths == lengths[0]).all()), "token eviction keeps equal full heads"
+        length = int(lengths[0])
         budget = self.policy.decode_keep(layer, length)
         if budget is None:
             return
+        group = self.num_q_heads // self.num_kv_heads
         obs_queries = torch.cat(recent, dim=1)  # [Hq, k, d], the last k tokens' queries
-        scores = observation_scores(obs_queries, layer_kv.keys, length - k,
+        obs_queries = obs_queries[full.repeat_interleave(group)]  # the full heads' groups
+        scores = observation_scores(obs_queries, layer_kv.keys[full, :length], length - k,
                                     num_candidates=length - budget.window,
                                     pool_kernel=self.config.pool_kernel)
         chosen = select_kept(scores, budget.selected, length, budget.window)
-        keep = torch.zeros(self.num_kv_heads, length, dtype=torch.bool, device=self.device)
-        layer_kv.store(layer_kv.keys, layer_kv.values, layer_kv.positions,
-                       keep.scatter(1, chosen.to(self.device), True))
+        keep = torch.ones_like(layer_kv.positions, dtype=torch.bool)
+        keep[full] = False
+        keep[full.nonzero().squeeze(1).unsqueeze(1), chosen.to(self.device)] = True
+        layer_kv.store(layer_kv.keys, layer_kv.values, layer_kv.positions, keep)
 
     # -- prefill, decode, generate ----------------------------------------------------------
     def new_cache(self) -> KVCache:

@@ -31,13 +31,14 @@ class DecodeJob:
 @dataclass
 class DecodePlan:
     """A step's decode-time eviction: the compressions after it, and the decode queries kept
-    for them (`observe`: (req_id, token index in the step, slot); `observed[req_id][layer, slot]`
-    holds query [Hq, d] of one of the request's last k decode steps; `rows[req_id]` = k)."""
+    for them (`observe`: (req_id, token index in the step, slot); `observed[req_id][layer][slot]`
+    holds query [Hq, d] of one of the request's last k decode steps (the layer's full heads'
+    under a head mask); `rows[req_id]` = k)."""
 
     jobs: list[DecodeJob] = field(default_factory=list)
     observe: list[tuple] = field(default_factory=list)
     rows: dict[str, int] = field(default_factory=dict)
-    observed: dict[str, torch.Tensor] = field(default_factory=dict)
+    observed: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.jobs or self.observe)
@@ -81,11 +82,11 @@ def compress_decode(plan, layer: int, query: torch.Tensor,
     tokens of this layer from the paged cache (this step's token written already)."""
     decode = plan.decode
     for req_id, token, slot in decode.observe:
-        buf = decode.observed.get(req_id)
-        if buf is None:
-            buf = decode.observed[req_id] = query.new_empty(
-                plan.seq_lens.shape[0], decode.rows[req_id], *query.shape[1:])
-        buf[layer, slot] = query[token]
+        # per layer: a head mask's layers hold different numbers of full (query) heads
+        bufs = decode.observed.setdefault(req_id, {})
+        if layer not in bufs:
+            bufs[layer] = query.new_empty(decode.rows[req_id], *query.shape[1:])
+        bufs[layer][slot] = query[token]
     out_k, out_v, out_slots = [], [], []
     for job in decode.jobs:
         keep = job.keep[layer]

@@ -140,7 +140,7 @@ class TokenEvictionWorker:
         self.block_size = block_size
         self.groups = groups or LayerGroups.single(policy.num_layers)
         self.ledgers: dict[str, RequestLedger] = {}
-        self.decode_queries: dict[str, torch.Tensor] = {}  # req_id -> [L, k, Hq, d]
+        self.decode_queries: dict[str, dict] = {}  # req_id -> {layer: [k, Hq, d]}
         self._decode_budgets: dict[Any, list[int | None]] = {}
 
     def release(self, req_ids) -> None:
