@@ -174,7 +174,8 @@ def served_policy_builds(server: VLLMServer) -> dict[int, int]:
 LONGEST_FIRST = ("test_reliability.py", "test_admission.py", "test_policies_vllm.py",
                  "test_pool_storage.py", "test_pool_no_leak.py", "test_compat.py", "test_evaluation.py",
                  "test_vllm_features.py", "test_model_families_vllm.py", "test_serve_full.py",
-                 "test_speculative.py", "test_hybrid.py", "test_kv_stats.py",
+                 "test_decode_eviction.py", "test_speculative.py", "test_hybrid.py",
+                 "test_kv_stats.py",
                  "test_operator_view.py", "test_flex_vllm.py")
 
 
