@@ -94,3 +94,21 @@ def test_decode_eviction_matches_reference(case, bundled_model_dir, tokenizer, h
         assert all(n <= b + tail for n, b in zip(per_group, budgets)), (per_group, budgets)
         assert stats["blocks_held_end"] == sum(-(-n // BLOCK) for n in per_group), stats
         assert stats["blocks_freed"] > 0
+
+
+def test_a_bounded_policy_serves_a_longer_context_than_the_pool_holds_for_full(
+        bundled_model_dir):
+    """vLLM refuses to start when one request of --max-model-len would not fit: with a decode
+    budget the policy's own worst case is what must fit (here 160 MiB: 8192 tokens of full
+    attention need 0.35 GiB), and an 8000-token prompt is answered there."""
+    server = start_server(bundled_model_dir, [
+        *flags({"policy": "snapkv", "sparsity": 0.7, "decode_budget": 256}, 1024),
+        "--max-model-len", "8192", "--kv-cache-memory-bytes", str(160 << 20)])
+    ids = [100 + (7 * i) % 20000 for i in range(8000)]
+    r = httpx.post(server.base_url + "/v1/completions", timeout=600,
+                   json={"model": SERVED_NAME, "prompt": ids, "max_tokens": 150,
+                         "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    stats = r.json()["kv_stats"]
+    assert stats["completion_tokens"] == 150 and stats["decode_compressions"] == 1
+    assert stats["kv_bytes_peak"] <= 160 << 20 < stats["full_kv_bytes_peak"]

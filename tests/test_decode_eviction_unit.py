@@ -262,3 +262,24 @@ def test_continuation_report_pairs_documents_with_full(tmp_path):
     assert cells[4] == "3" and cells[5] == "0.10"
     assert "| full | 12 |" in table and "+0.000 [+0.000, +0.000]" in table
     assert (tmp_path / "nll_by_position.png").stat().st_size > 1000
+
+
+def test_worst_case_is_bounded_only_with_a_decode_budget():
+    """What vLLM's start-up check asks to fit ("one request of max_model_len"): with a decode
+    budget the largest peak over every prompt length, far below max_model_len; without, a
+    short prompt's generation is never evicted, so max_model_len itself."""
+    from vllm_kvevict.ledger import worst_case_slots
+
+    snap = build_policy(KVPolicyConfig(policy="snapkv", sparsity=0.7, decode_budget=256), 30, 3)
+    one = LayerGroups.single(30)
+    worst = worst_case_slots(snap, 8192, 1024, one)[0]
+    # the peak is a prompt's last chunk on top of what earlier chunks kept, plus its question
+    assert worst == max(peak_slots(snap, n, 8192, 1024,
+                                   lambda c, f: group_evictions(snap, c, f, one),
+                                   decode_group_budgets(snap, one))[0]
+                        for n in range(1, 8193))
+    assert 3000 < worst < 3300
+    assert worst_case_slots(policy_of(budget=None), 8192, 1024, one) == [8192]
+    pyr = policy_of("pyramidkv", p=0.7, budget=256)
+    per_layer = worst_case_slots(pyr, 8192, 1024, LayerGroups.tiers(30, 30))
+    assert per_layer == sorted(per_layer, reverse=True) and per_layer[0] < 8192

@@ -166,6 +166,29 @@ def peak_slots(policy: KVPolicy, prompt_len: int, num_tokens: int, chunk_size: i
             for p, k, b in zip(peak, kept, budgets)]
 
 
+def worst_case_slots(policy: KVPolicy, max_len: int, chunk_size: int,
+                     groups: LayerGroups) -> list[int]:
+    """Per group, the most slots any request of at most `max_len` tokens holds at once (the
+    start-up pool check's "one request of max_model_len"): the largest `peak_slots` over every
+    prompt length, the rest generated. Without a decode budget a short prompt's generation is
+    never evicted, so this is `max_len`."""
+    if policy.config.decode_budget is None:
+        return [max_len] * groups.num_groups
+    memo: dict = {}
+
+    def evictions(chunk_len: int, is_final: bool) -> list[int]:
+        if (chunk_len, is_final) not in memo:
+            memo[chunk_len, is_final] = group_evictions(policy, chunk_len, is_final, groups)
+        return memo[chunk_len, is_final]
+
+    budgets = decode_group_budgets(policy, groups)
+    worst = [0] * groups.num_groups
+    for n in range(1, max_len + 1):
+        worst = [max(w, p) for w, p in zip(worst, peak_slots(policy, n, max_len, chunk_size,
+                                                               evictions, budgets))]
+    return worst
+
+
 def cap_step_in_eviction_chunk(policy: KVPolicy, prompt_len: int, num_computed: int,
                                num_new: int) -> int:
     """A prefill step never crosses the prompt's end (the policy's: a teacher-forced tail after

@@ -9,20 +9,17 @@ heads only) and its streaming heads are a cache-only companion layer with a `Sin
 layer with no full head has no cache of its own: it is declared as sharing its companion's
 (vLLM's own cross-layer sharing), which gives it attention metadata without allocating.
 
-Per-tier block tables for token eviction: one vLLM KV-cache group per tier of layers. A group is
-a set of layers sharing one block table per request. With one group, a request holds in every
-layer the blocks of its largest layer; PyramidKV keeps far fewer tokens in high layers than in
-low ones, so that wastes most of its savings. vLLM's hybrid allocator already supports several
-groups whose layers have equal page sizes (used for models mixing full and sliding-window
-attention): every group has its own block table and allocates its own blocks, the groups' layer
-caches alias one backing buffer, and a block id of any group ties up one block's bytes of it.
-So each layer of tier t declares a `TierAttentionSpec` (vLLM's `FullAttentionSpec` plus the
-tier number). Specs of different tiers refuse to merge, so `get_kv_cache_groups` takes its
-hybrid path (`_get_kv_cache_groups_uniform_page_size`) and makes one group per tier, in layer
-order; tiers of equal layer counts need no padding layers. Every group gets vLLM's own
-`FullAttentionManager` (the registry walks the MRO to FullAttentionSpec), and with prefix
-caching off (always, for evicting policies) the coordinator is `KVCacheCoordinatorNoPrefixCache`,
-which takes any number of groups. The ledger counts evictions per group (`ledger.py`).
+Per-tier block tables for token eviction: one vLLM KV-cache group per tier of layers (a group
+shares one block table per request; with one group a request holds in every layer the blocks of
+its largest layer, which wastes most of PyramidKV's savings). vLLM's hybrid allocator supports
+several groups of equal page sizes (its full + sliding-window models): each has its own block
+table and allocator, their caches alias one buffer. Each layer of tier t declares a
+`TierAttentionSpec` (`FullAttentionSpec` plus the tier); specs of different tiers refuse to
+merge, so `get_kv_cache_groups` takes its hybrid path and makes one group per tier, in layer
+order. Each group gets vLLM's `FullAttentionManager` (the registry walks the MRO), and with
+prefix caching off the coordinator is `KVCacheCoordinatorNoPrefixCache` (any number of
+groups). With a decode budget the spec also carries the policy's bounded worst case, which
+vLLM's start-up check ("one request of max_model_len fits") then uses. Ledger: `ledger.py`.
 """
 
 from __future__ import annotations
@@ -38,7 +35,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from vllm_kvevict.integration.streaming.sink_window import (COMPANION_SUFFIX, PromptFullSpec,
                                                             SinkWindowSpec, prefix_retention)
-from vllm_kvevict.ledger import LayerGroups
+from vllm_kvevict.ledger import LayerGroups, worst_case_slots
 
 logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
 
@@ -125,6 +122,7 @@ class TierAttentionSpec(FullAttentionSpec):
     form one KV-cache group; layers of different tiers never merge."""
 
     tier: int = 0
+    max_tokens: int = 0  # a request's most tokens here (`ledger.worst_case_slots`); 0: stock
 
     @classmethod
     def merge(cls, specs):
@@ -133,7 +131,14 @@ class TierAttentionSpec(FullAttentionSpec):
         assert all(isinstance(spec, TierAttentionSpec) for spec in specs) and len(tiers) == 1, (
             "layers of different eviction tiers belong to different KV cache groups")
         merged = super().merge(specs)
-        return dataclasses.replace(merged, tier=tiers.pop())
+        return dataclasses.replace(merged, tier=tiers.pop(),
+                                   max_tokens=max(spec.max_tokens for spec in specs))
+
+    def max_memory_usage_bytes(self, vllm_config) -> int:
+        """vLLM's start-up check ("one request of max_model_len fits"), bounded by the policy."""
+        stock = super().max_memory_usage_bytes(vllm_config)
+        bound = -(-self.max_tokens // self.block_size) * self.page_size_bytes
+        return min(stock, bound) if self.max_tokens else stock
 
     def is_uniform_with_collection(self, kv_cache_specs) -> bool:
         # Otherwise UniformTypeKVCacheSpecs.from_specs would put every tier in one group.
@@ -152,11 +157,12 @@ def tier_of_layer(layer: int, num_layers: int, num_tiers: int) -> int:
     return layer // (num_layers // num_tiers)
 
 
-def tier_specs(specs: dict, layer_index: dict[str, int], num_layers: int, num_tiers: int) -> dict:
-    """The runner's per-layer specs with each layer tagged with its tier (one group per tier).
-    Leaves the specs alone (one group) when there is one tier or a layer is not plain full
-    attention (the grouping argument above holds for FullAttentionSpec only)."""
-    if num_tiers <= 1:
+def tier_specs(specs: dict, layer_index: dict[str, int], num_layers: int, num_tiers: int,
+               max_tokens: list[int] | None = None) -> dict:
+    """The runner's per-layer specs tagged with their tier (one group per tier) and, with
+    `max_tokens` (per tier), its bound. Left alone with one tier and no bound, or when a layer
+    is not plain full attention (the grouping argument holds for FullAttentionSpec only)."""
+    if num_tiers <= 1 and not max_tokens:
         return specs
     odd = [name for name, spec in specs.items() if type(spec) is not FullAttentionSpec]
     if odd:
@@ -166,8 +172,9 @@ def tier_specs(specs: dict, layer_index: dict[str, int], num_layers: int, num_ti
         return specs
     out = {}
     for name, spec in specs.items():
-        out[name] = retyped(spec, TierAttentionSpec,
-                            tier=tier_of_layer(layer_index[name], num_layers, num_tiers))
+        tier = tier_of_layer(layer_index[name], num_layers, num_tiers)
+        out[name] = retyped(spec, TierAttentionSpec, tier=tier,
+                            max_tokens=max_tokens[tier] if max_tokens else 0)
     logger.info("vllm-kvevict: %d layers in %d eviction tiers (one KV-cache group each)",
                 num_layers, num_tiers)
     return out
@@ -200,8 +207,7 @@ def layer_groups(kv_cache_config, num_layers: int) -> LayerGroups:
 
 def declare_specs(runner, stock_specs, state) -> dict:
     """vLLM's specs (`stock_specs()`) with a policy: a head mask's streaming heads in their
-    companions' groups, its full heads only in each layer's paged spec (below); for token
-    eviction alone one KV-cache group per tier of layers."""
+    companions' groups, its full heads in each layer's paged spec; token eviction: tiers."""
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention import Attention
     layers = get_layers_from_vllm_config(runner.vllm_config, Attention)
@@ -213,8 +219,14 @@ def declare_specs(runner, stock_specs, state) -> dict:
     if state.in_pool:
         return _declare_pool_specs(runner, stock_specs, state, layers, index)
     specs = stock_specs()  # (token eviction alone: every head is full)
-    num_layers = state.served.shape.num_layers
-    return tier_specs(specs, index, num_layers, state.config.num_tiers(num_layers))
+    num_layers, cfg, bound = state.served.shape.num_layers, state.config, None
+    tiers = cfg.num_tiers(num_layers)
+    if cfg.decode_budget is not None:  # the policy's worst case is bounded: tell vLLM
+        vc = runner.vllm_config
+        bound = worst_case_slots(state.served.policy, vc.model_config.max_model_len,
+                                 cfg.eviction_chunk or vc.scheduler_config.max_num_batched_tokens,
+                                 LayerGroups.tiers(num_layers, tiers))
+    return tier_specs(specs, index, num_layers, tiers, bound)
 
 
 class StreamingCacheLayer(torch.nn.Module, AttentionLayerBase):
