@@ -106,6 +106,22 @@ def decode_group_budgets(policy: KVPolicy, groups: LayerGroups) -> list[int | No
     return most
 
 
+_DECODE_BUDGETS: dict[tuple, list[int | None]] = {}
+
+
+def cached_decode_group_budgets(policy: KVPolicy, groups: LayerGroups) -> list[int | None]:
+    """`decode_group_budgets`, memoised per (frozen config, groups): the scheduler and the
+    worker ask once per compression (the groups are part of the key: the worker learns them
+    from vLLM's KV-cache config after its first plans)."""
+    key = (policy.config, groups)
+    out = _DECODE_BUDGETS.get(key)
+    if out is None:
+        if len(_DECODE_BUDGETS) > 256:
+            _DECODE_BUDGETS.clear()
+        out = _DECODE_BUDGETS[key] = decode_group_budgets(policy, groups)
+    return out
+
+
 def decode_group_evictions(budgets: list[int | None], physical: list[int]) -> list[int]:
     """Slots each group gives back at a decode-time compression, from its physical length
     (the step's token included): every layer keeps min(its length, its budget), so the group

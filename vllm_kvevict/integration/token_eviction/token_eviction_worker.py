@@ -14,7 +14,7 @@ import torch
 
 from vllm_kvevict.integration.token_eviction.decode_eviction import (DecodePlan,
                                                                      plan_decode_row)
-from vllm_kvevict.ledger import (LayerGroups, decode_group_budgets, decode_group_evictions,
+from vllm_kvevict.ledger import (LayerGroups, cached_decode_group_budgets, decode_group_evictions,
                                  eviction_chunk_len, group_evictions_of)
 from vllm_kvevict.policies import KVPolicy
 
@@ -141,19 +141,12 @@ class TokenEvictionWorker:
         self.groups = groups or LayerGroups.single(policy.num_layers)
         self.ledgers: dict[str, RequestLedger] = {}
         self.decode_queries: dict[str, dict] = {}  # req_id -> {layer: [k, Hq, d]}
-        self._decode_budgets: dict[Any, list[int | None]] = {}
 
     def release(self, req_ids) -> None:
         for req_id in req_ids or ():
             self.ledgers.pop(req_id, None)
             self.decode_queries.pop(req_id, None)
 
-    def decode_budgets(self, policy: KVPolicy) -> list[int | None]:
-        out = self._decode_budgets.get(policy.config)
-        if out is None:
-            out = self._decode_budgets[policy.config] = decode_group_budgets(policy,
-                                                                             self.groups)
-        return out
 
     def plan(self, req_ids: list[str], computed: list[int], query_lens: list[int],
              prompt_lens: list[int], block_ids: list[list[list[int]]],
@@ -271,7 +264,7 @@ class TokenEvictionWorker:
             end = job.end
             led.evicted = [e if k is None else e + k.chunk_len - k.kept
                            for e, k in zip(led.evicted, job.keep)]
-            freed = decode_group_evictions(self.decode_budgets(job.policy),
+            freed = decode_group_evictions(cached_decode_group_budgets(job.policy, self.groups),
                                            [end - a for a in led.allocation_evicted])
             led.allocation_evicted = [a + f for a, f in zip(led.allocation_evicted, freed)]
             self._drop_tail_blocks(led, job.req_id, job.row, end, request_block_ids,

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from vllm_kvevict.integration.admission import GrowthReserve
 from vllm_kvevict.ledger import (LayerGroups, cap_step_in_eviction_chunk,
-                                 decode_group_budgets, decode_group_evictions,
+                                 cached_decode_group_budgets, decode_group_evictions,
                                  eviction_chunk_len, group_evictions, peak_slots)
 from vllm_kvevict.overrides import request_prompt_len
 from vllm_kvevict.policies import KVPolicy
@@ -35,15 +35,7 @@ class TokenEvictionLedger(GrowthReserve):
         # compression
         self.pending: dict[str, tuple[int, bool, KVPolicy]] = {}
         self._evictions: dict[tuple, list[int]] = {}
-        self._decode_budgets: dict[Any, list[int | None]] = {}
 
-    def decode_budgets(self, policy: KVPolicy) -> list[int | None]:
-        """decode_group_budgets, memoised per (frozen) config."""
-        out = self._decode_budgets.get(policy.config)
-        if out is None:
-            out = self._decode_budgets[policy.config] = decode_group_budgets(policy,
-                                                                             self.groups)
-        return out
 
     def evictions(self, policy: KVPolicy, chunk_len: int, is_final: bool) -> list[int]:
         """group_evictions, memoised per setting (a frozen, hashable config)."""
@@ -84,7 +76,7 @@ class TokenEvictionLedger(GrowthReserve):
         policy = self.request_policy(request)
         peaks = peak_slots(policy, request_prompt_len(request), num_tokens, self.chunk_size,
                            lambda chunk_len, final: self.evictions(policy, chunk_len, final),
-                           self.decode_budgets(policy))
+                           cached_decode_group_budgets(policy, self.groups))
         if self.scheduler is None:
             return peaks
         question = policy.config.question_rows(num_tokens)
@@ -111,7 +103,7 @@ class TokenEvictionLedger(GrowthReserve):
                 freed = self.evictions(policy, chunk_len, is_final)
             else:  # decode-time compression, after the step that ended at num_computed
                 freed = decode_group_evictions(
-                    self.decode_budgets(policy),
+                    cached_decode_group_budgets(policy, self.groups),
                     [self.physical(req_id, request.num_computed_tokens, g)
                      for g in range(len(managers))])
             for g, (manager, blocks) in enumerate(zip(managers, held)):
