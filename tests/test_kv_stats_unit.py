@@ -59,6 +59,7 @@ def test_record_chunks_bytes_and_timing():
     assert stats["decode_steps"] == 3 and stats["tokens_processed"] == 703
     assert stats["blocks_freed"] == 0 and stats["blocks_held_end"] == 6
     assert stats["full_blocks_end"] == 6
+    assert stats["kv_bytes_end"] == exp_bytes[-1] and stats["full_kv_bytes_end"] == exp_full[-1]
     assert stats["ttft_s"] == pytest.approx(4.0)
     assert stats["queue_s"] == pytest.approx(1.0)
     assert stats["prefill_tokens_per_s"] == pytest.approx(700 / 3.0)

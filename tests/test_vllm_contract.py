@@ -162,6 +162,49 @@ def test_tier_specs_make_one_kv_cache_group_per_tier():
             range(tiers))
 
 
+def test_start_up_check_and_auto_fit_use_the_policy_worst_case_at_each_length():
+    """TierAttentionSpec.max_tokens bounds vLLM's "one request of max_model_len fits" by the
+    policy's worst case at that length: vLLM's estimate (its refusal message and the
+    `--max-model-len -1` auto-fit) sets model_config.max_model_len to each trial length and
+    sums the specs' max_memory_usage_bytes, so a pool that holds 3K tokens of full attention
+    serves snapkv 0.7 with a 256-token decode budget at more than twice that length."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_kvevict.config import KVPolicyConfig
+    from vllm_kvevict.integration.kv_cache_specs import tier_specs
+    from vllm_kvevict.ledger import LayerGroups, worst_case_by_length, worst_case_slots
+    from vllm_kvevict.policies import build_policy
+
+    estimate = resolve(f"{KV_CACHE_PLANNING}.estimate_max_model_len")
+    policy = build_policy(KVPolicyConfig(policy="snapkv", sparsity=0.7, decode_budget=256), 30, 3)
+    one = LayerGroups.tiers(30, 1)
+    table = worst_case_by_length(policy, 8192, 1024, one)
+    assert [n for n, _ in table] == list(range(1024, 8193, 1024))
+    assert all(t == worst_case_slots(policy, n, 1024, one) for n, t in table)
+    specs = {f"model.layers.{i}.self_attn.attn": FullAttentionSpec(
+        block_size=128, num_kv_heads=3, head_size=64, dtype=torch.float32) for i in range(30)}
+    tagged = tier_specs(specs, {name: i for i, name in enumerate(specs)}, 30, 1, table)
+    vllm_config = VllmConfig()
+    vllm_config.model_config = SimpleNamespace(max_model_len=8192)
+    spec = next(iter(tagged.values()))
+    for n, (length, (tokens,)) in zip((1000, 2048, 4100, 8192), (table[0], table[1], table[4],
+                                                                 table[7])):
+        vllm_config.model_config.max_model_len = n
+        assert spec.max_memory_usage_bytes(vllm_config) == min(
+            -(-n // 128), -(-tokens // 128)) * spec.page_size_bytes, (n, length)
+    per_token = 30 * 2 * 3 * 64 * 4
+    pool = 3072 * per_token
+    vllm_config.model_config.max_model_len = 8192
+    full_len = estimate(vllm_config, specs, pool)
+    vllm_config.model_config.max_model_len = 8192
+    snap_len = estimate(vllm_config, tagged, pool)
+    assert full_len == 3072 and snap_len > 2 * full_len, (full_len, snap_len)
+
+
 def test_tensor_parallel_ranks_must_declare_equal_specs():
     """kv_cache_specs.layer_heads pads each rank's full heads to the most any rank holds in the
     layer because vLLM refuses per-rank specs that differ; if this starts passing unequal specs,

@@ -183,14 +183,14 @@ def peak_slots(policy: KVPolicy, prompt_len: int, num_tokens: int, chunk_size: i
 
 
 def worst_case_slots(policy: KVPolicy, max_len: int, chunk_size: int,
-                     groups: LayerGroups) -> list[int]:
+                     groups: LayerGroups, memo: dict | None = None) -> list[int]:
     """Per group, the most slots any request of at most `max_len` tokens holds at once (the
     start-up pool check's "one request of max_model_len"): the largest `peak_slots` over every
     prompt length, the rest generated. Without a decode budget a short prompt's generation is
     never evicted, so this is `max_len`."""
     if policy.config.decode_budget is None:
         return [max_len] * groups.num_groups
-    memo: dict = {}
+    memo = {} if memo is None else memo  # (chunk length, is final) -> group evictions
 
     def evictions(chunk_len: int, is_final: bool) -> list[int]:
         if (chunk_len, is_final) not in memo:
@@ -203,6 +203,16 @@ def worst_case_slots(policy: KVPolicy, max_len: int, chunk_size: int,
         worst = [max(w, p) for w, p in zip(worst, peak_slots(policy, n, max_len, chunk_size,
                                                                evictions, budgets))]
     return worst
+
+
+def worst_case_by_length(policy: KVPolicy, max_len: int, chunk_size: int, groups: LayerGroups,
+                         every: int = 1024) -> list[tuple[int, list[int]]]:
+    """`worst_case_slots` at every multiple of `every` up to `max_len` (and at `max_len`), as
+    (length, per-group slots): vLLM's start-up check and its `--max-model-len -1` auto-fit ask
+    for one request of a trial length; a length between two entries is bounded by the next one
+    (the worst case never falls as the length grows)."""
+    lengths, memo = sorted({*range(every, max_len, every), max_len}), {}
+    return [(n, worst_case_slots(policy, n, chunk_size, groups, memo)) for n in lengths]
 
 
 def cap_step_in_eviction_chunk(policy: KVPolicy, prompt_len: int, num_computed: int,

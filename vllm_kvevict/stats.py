@@ -197,6 +197,9 @@ class RequestRecord:
             "full_kv_bytes_integral": self.full_bytes_integral,
             "measured_footprint": _ratio(self.bytes_integral, self.full_bytes_integral),
             "kv_bytes_saved": self.full_bytes_peak - self.bytes_peak,
+            # held at the request's last step: what each of its last decode steps reads
+            "kv_bytes_end": self.bytes_now,
+            "full_kv_bytes_end": self.full_bytes_now,
             "block_size": self.layout.block_size,
             "blocks_held_peak": self.blocks_held_peak,
             "blocks_held_end": self.blocks_held,

@@ -22,7 +22,9 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
                                                  CPUAttentionMetadataBuilder)
 
 from vllm_kvevict.integration.fp8 import is_fp8
-from vllm_kvevict.integration.paged_layout import POOL_LAYOUTS, lay_out_from_pool, paged_layout
+from vllm_kvevict.integration.paged_layout import (POOL_LAYOUTS, decode_window,
+                                                   lay_out_from_pool, paged_layout)
+from vllm_kvevict.integration.streaming.step_plan import decode_attention
 from vllm_kvevict.integration.token_eviction.decode_eviction import compress_decode
 from vllm_kvevict.integration.token_eviction.token_eviction_worker import compress_chunks
 from vllm_kvevict.integration.worker import get_state, init_state
@@ -117,6 +119,12 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
         if not plan.valid:  # profiling / warm-up runs without real requests
             return out
         keys, values = key[:, stream_kv], value[:, stream_kv]
+        if plan.decode_pos is not None and not is_fp8(self.kv_cache_dtype) \
+                and self.alibi_slopes is None and not self.logits_soft_cap \
+                and self.sliding_window in (None, -1):
+            # one decode query per row: attention on the window read back, no scratch cache
+            k, v = decode_window(self, layer, plan, keys, values)
+            return decode_attention(query[:, stream_q], k, v, self.scale)
         scales = (layer._k_scale_float, layer._v_scale_float)
         laid_k, laid_v = lay_out_from_pool(self, layer, plan, keys, values)
         # fp8: the laid-out values are already the codes' grid values (step_plan.py)

@@ -35,7 +35,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from vllm_kvevict.integration.streaming.sink_window import (COMPANION_SUFFIX, PromptFullSpec,
                                                             SinkWindowSpec, prefix_retention)
-from vllm_kvevict.ledger import LayerGroups, worst_case_slots
+from vllm_kvevict.ledger import LayerGroups, worst_case_by_length
 
 logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
 
@@ -89,9 +89,8 @@ def layer_heads(streaming: torch.Tensor, queries_per_kv: int, rank: int = 0,
 
     vLLM requires every rank to declare the same KV-cache spec per layer
     (`get_kv_cache_configs`), but a mask gives ranks different numbers of full heads in a
-    layer: each rank declares the most any rank holds there, and a rank with fewer leaves the
-    padding heads of its paged cache unused. So for the streaming heads' companion caches of
-    pool storage."""
+    layer: each rank declares the most any rank holds there (full heads, and the streaming
+    heads' companion caches), and a rank with fewer leaves the padding heads unused."""
     num_kv = streaming.shape[1]
     if num_kv % world:
         raise ValueError(f"{world} tensor-parallel ranks do not divide {num_kv} KV heads")
@@ -99,14 +98,12 @@ def layer_heads(streaming: torch.Tensor, queries_per_kv: int, rank: int = 0,
     slices = streaming.view(streaming.shape[0], world, per_rank)
     padded = (~slices).sum(dim=2).max(dim=1).values.tolist()
     padded_streaming = slices.sum(dim=2).max(dim=1).values.tolist()
-    out = []
-    for layer, row in enumerate(slices[:, rank].tolist()):
-        out.append(LayerHeads(
-            layer=layer, num_kv_heads=per_rank, queries_per_kv=queries_per_kv,
-            full_kv=tuple(h for h, s in enumerate(row) if not s),
-            streaming_kv=tuple(h for h, s in enumerate(row) if s),
-            paged_kv=int(padded[layer]), pool_streaming_kv=int(padded_streaming[layer])))
-    return out
+    return [LayerHeads(layer=layer, num_kv_heads=per_rank, queries_per_kv=queries_per_kv,
+                       full_kv=tuple(h for h, s in enumerate(row) if not s),
+                       streaming_kv=tuple(h for h, s in enumerate(row) if s),
+                       paged_kv=int(padded[layer]),
+                       pool_streaming_kv=int(padded_streaming[layer]))
+            for layer, row in enumerate(slices[:, rank].tolist())]
 
 
 def paged_spec(spec, heads: LayerHeads):
@@ -122,23 +119,24 @@ class TierAttentionSpec(FullAttentionSpec):
     form one KV-cache group; layers of different tiers never merge."""
 
     tier: int = 0
-    max_tokens: int = 0  # a request's most tokens here (`ledger.worst_case_slots`); 0: stock
+    # (max_model_len, a request's most tokens here) pairs, `ledger.worst_case_by_length`
+    max_tokens: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def merge(cls, specs):
-        tiers = {getattr(spec, "tier", None) for spec in specs}
+        tiers = {getattr(s, "tier", None) for s in specs}
+        bounds = {getattr(s, "max_tokens", None) for s in specs}
         # AssertionError is what vLLM's grouping code catches as "not mergeable".
-        assert all(isinstance(spec, TierAttentionSpec) for spec in specs) and len(tiers) == 1, (
-            "layers of different eviction tiers belong to different KV cache groups")
-        merged = super().merge(specs)
-        return dataclasses.replace(merged, tier=tiers.pop(),
-                                   max_tokens=max(spec.max_tokens for spec in specs))
+        assert all(isinstance(spec, TierAttentionSpec) for spec in specs) and len(tiers) == 1 \
+            and len(bounds) == 1, "layers of different eviction tiers belong to different groups"
+        return dataclasses.replace(super().merge(specs), tier=tiers.pop(), max_tokens=bounds.pop())
 
     def max_memory_usage_bytes(self, vllm_config) -> int:
-        """vLLM's start-up check ("one request of max_model_len fits"), bounded by the policy."""
-        stock = super().max_memory_usage_bytes(vllm_config)
-        bound = -(-self.max_tokens // self.block_size) * self.page_size_bytes
-        return min(stock, bound) if self.max_tokens else stock
+        """vLLM's start-up check ("one request of max_model_len fits") and its auto-fit, bounded
+        by the policy's worst case at the first tabulated length >= max_model_len."""
+        stock, n = super().max_memory_usage_bytes(vllm_config), vllm_config.model_config
+        t = next((t for length, t in self.max_tokens if length >= n.max_model_len), None)
+        return stock if t is None else min(stock, -(-t // self.block_size) * self.page_size_bytes)
 
     def is_uniform_with_collection(self, kv_cache_specs) -> bool:
         # Otherwise UniformTypeKVCacheSpecs.from_specs would put every tier in one group.
@@ -148,8 +146,8 @@ class TierAttentionSpec(FullAttentionSpec):
 
 def retyped(spec, cls, **extra):
     """`spec`'s fields as a `cls` (a subclass of its spec type), plus `extra` fields."""
-    return cls(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.init},
-               **extra)
+    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.init}
+    return cls(**fields, **extra)
 
 
 def tier_of_layer(layer: int, num_layers: int, num_tiers: int) -> int:
@@ -158,10 +156,10 @@ def tier_of_layer(layer: int, num_layers: int, num_tiers: int) -> int:
 
 
 def tier_specs(specs: dict, layer_index: dict[str, int], num_layers: int, num_tiers: int,
-               max_tokens: list[int] | None = None) -> dict:
-    """The runner's per-layer specs tagged with their tier (one group per tier) and, with
-    `max_tokens` (per tier), its bound. Left alone with one tier and no bound, or when a layer
-    is not plain full attention (the grouping argument holds for FullAttentionSpec only)."""
+               max_tokens: list[tuple[int, list[int]]] | None = None) -> dict:
+    """The runner's per-layer specs tagged with their tier (one group per tier) and the bound
+    `max_tokens` ((length, per-tier tokens) pairs). Left alone with one tier and no bound, or
+    when a layer is not plain full attention (the grouping holds for FullAttentionSpec only)."""
     if num_tiers <= 1 and not max_tokens:
         return specs
     odd = [name for name, spec in specs.items() if type(spec) is not FullAttentionSpec]
@@ -174,7 +172,7 @@ def tier_specs(specs: dict, layer_index: dict[str, int], num_layers: int, num_ti
     for name, spec in specs.items():
         tier = tier_of_layer(layer_index[name], num_layers, num_tiers)
         out[name] = retyped(spec, TierAttentionSpec, tier=tier,
-                            max_tokens=max_tokens[tier] if max_tokens else 0)
+                            max_tokens=tuple((n, t[tier]) for n, t in max_tokens or ()))
     logger.info("vllm-kvevict: %d layers in %d eviction tiers (one KV-cache group each)",
                 num_layers, num_tiers)
     return out
@@ -223,9 +221,10 @@ def declare_specs(runner, stock_specs, state) -> dict:
     tiers = cfg.num_tiers(num_layers)
     if cfg.decode_budget is not None:  # the policy's worst case is bounded: tell vLLM
         vc = runner.vllm_config
-        bound = worst_case_slots(state.served.policy, vc.model_config.max_model_len,
-                                 cfg.eviction_chunk or vc.scheduler_config.max_num_batched_tokens,
-                                 LayerGroups.tiers(num_layers, tiers))
+        bound = worst_case_by_length(
+            state.served.policy, vc.model_config.max_model_len,
+            cfg.eviction_chunk or vc.scheduler_config.max_num_batched_tokens,
+            LayerGroups.tiers(num_layers, tiers))
     return tier_specs(specs, index, num_layers, tiers, bound)
 
 

@@ -163,3 +163,43 @@ def lay_out_from_pool(impl, layer, plan, keys, values):
     return tuple(lay_out_visible(plan, p, x[plan.chunk_src], scale, fp8)
                  for p, x, scale in zip(past, (keys, values),
                                         (layer._k_scale_float, layer._v_scale_float)))
+
+
+def decode_window(impl, layer, plan, keys, values):
+    """A `decode_pos` step (one decode query per row, rows of equal length): K and V
+    [H, B, P + 1, d] of each row's sink + window, then its own token, read back with one
+    gather per layer. The storage offsets of the elements read (K then V, heads outer) are
+    computed once per step and KV-cache group (its layers share block table and strides;
+    each layer gathers relative to its own cache); the step's K/V are written to the pool
+    first, as in `lay_out_from_pool`, and each row's own token is taken from the forward."""
+    from vllm.forward_context import get_forward_context
+
+    context = get_forward_context()
+    name = layer.layer_name + COMPANION_SUFFIX
+    meta = context.attn_metadata[name]
+    n, h = meta.num_actual_tokens, keys.shape[1]
+    key_cache, value_cache = impl._split(context.no_compile_layers[name].kv_cache)
+    ops.cpu_attn_reshape_and_cache(keys[:n], values[:n], key_cache[:, :h], value_cache[:, :h],
+                                   meta.slot_mapping[:n], layer.isa,
+                                   k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
+                                   kv_cache_dtype=impl.kv_cache_dtype)
+    B, L = plan.decode_pos.shape
+    key = ("window", id(meta.block_table), key_cache.stride(0), key_cache.stride(1), h,
+           value_cache.storage_offset() - key_cache.storage_offset())
+    at = plan.kernel_schedules.get(key)
+    if at is None:
+        block_size = key_cache.shape[2]
+        layout = paged_layout(key_cache.dtype, block_size, impl.head_size, layer.isa)
+        pos, rows = plan.decode_pos.view(-1), torch.arange(B).repeat_interleave(L)
+        slots = meta.block_table.long()[rows, pos // block_size] * block_size + pos % block_size
+        offsets = layout.offsets(key_cache, value_cache, slots).transpose(0, 1)  # [2, n, d]
+        heads = torch.arange(h) * key_cache.stride(1)
+        at = plan.kernel_schedules[key] = (offsets[:, None] + heads[None, :, None, None]
+                                           ).contiguous().view(-1)
+    storage = torch.as_strided(key_cache, (key_cache.untyped_storage().nbytes()
+                                           // key_cache.element_size(),), (1,), 0)
+    kv = storage[key_cache.storage_offset():].index_select(0, at).view(2, h, B, L, -1)
+    k, v = kv[0], kv[1]
+    # the decode rows' own tokens are the step's tokens in batch order (`chunk_src`)
+    k[:, :, -1], v[:, :, -1] = keys[:B].transpose(0, 1), values[:B].transpose(0, 1)
+    return k, v

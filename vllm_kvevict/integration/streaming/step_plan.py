@@ -47,6 +47,9 @@ class StepPlan:
     chunk_src: torch.Tensor         # long: their token indices in the batch
     max_seq_len: int
     valid: bool = True
+    # every kernel row is one decode query seeing the same number of tokens: [B, P + 1]
+    # positions, its sink + window then itself (`decode_attention`, no scratch cache); or None
+    decode_pos: torch.Tensor | None = None
     # vLLM kernel work schedules for this step, per streaming-head count (filled lazily)
     kernel_schedules: dict = field(default_factory=dict)
 
@@ -100,6 +103,7 @@ def build_step_plan(computed: list[int], query_lens: list[int], sink: int, windo
         laid += n
 
     token_base, row_tokens = 0, []  # first batch token of this row; the rows' tokens
+    decode_only, query_pos = not questions, []
     for r, (a, c) in enumerate(zip(computed, query_lens)):
         in_prompt = prompt_lens is None or a < prompt_lens[r]
         anchor = a // chunk * chunk if chunk and in_prompt else a
@@ -119,6 +123,8 @@ def build_step_plan(computed: list[int], query_lens: list[int], sink: int, windo
             lo = hi
         if m and not chunk:
             kernel_row(r, past, tokens[:m], m)
+        decode_only &= m == 0 and c == 1
+        query_pos.append(a)
         for i in range(m, c):  # decode queries: a row each, with their own window
             lo = p[i] - window
             seen = (past < sink) | (past >= lo)
@@ -135,12 +141,17 @@ def build_step_plan(computed: list[int], query_lens: list[int], sink: int, windo
     for r, b in enumerate(blocks):
         table[r, : len(b)] = torch.tensor(b, dtype=torch.int32)
     cat = lambda xs: torch.cat(xs).long() if xs else torch.zeros(0, dtype=torch.long)
+    decode_pos = None
+    if decode_only and num_rows and len(set(seq_lens)) == 1:
+        decode_pos = torch.cat([cat(prefix_pos).view(num_rows, -1),
+                                torch.tensor(query_pos)[:, None]], dim=1)
     return StepPlan(num_reqs=num_rows, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
                     query_start_loc=torch.tensor(q_start, dtype=torch.int32),
                     block_table=table, scratch_slots=cat(scratch_slots),
                     prefix_dst=cat(prefix_dst), prefix_pos=cat(prefix_pos),
                     prefix_row=cat(prefix_row), chunk_dst=cat(chunk_dst),
-                    chunk_src=cat(chunk_src), max_seq_len=max(seq_lens, default=0))
+                    chunk_src=cat(chunk_src), max_seq_len=max(seq_lens, default=0),
+                    decode_pos=decode_pos)
 
 
 def lay_out_rows(plan: StepPlan, past: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
@@ -161,3 +172,19 @@ def lay_out_visible(plan: StepPlan, past: torch.Tensor, step: torch.Tensor, scal
         past = grid_values(past, fp8, step.dtype)
         step = grid_values(quantize(step, scale, fp8), fp8, step.dtype)
     return lay_out_rows(plan, past, step)
+
+
+
+
+def decode_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Streaming heads' attention of a `decode_pos` step without a scratch cache: row r's
+    query [Hq, d] over k, v [Hkv, B, P + 1, d] (its sink + window, then itself), query heads
+    grouped by KV head (GQA); scores and softmax in float32, as vLLM's CPU kernel."""
+    B, Hq, d = query.shape
+    Hkv, _, L, _ = k.shape
+    g = Hq // Hkv
+    q = query.view(B, Hkv, g, d).transpose(0, 1).reshape(Hkv * B, g, d).float()
+    scores = torch.bmm(q, k.view(Hkv * B, L, d).transpose(1, 2).float()) * scale
+    out = torch.bmm(torch.softmax(scores, dim=-1), v.view(Hkv * B, L, d).float())
+    return out.view(Hkv, B, g, d).transpose(0, 1).reshape(B, Hq, d).to(query.dtype)
