@@ -338,6 +338,32 @@ def test_canonical_chunks_split_a_step_that_crosses_one():
     assert pos[20:] == [0, 1, 2, 3, *range(92, 100)] and lens[2] == 4 + 8 + 1
 
 
+def test_a_uniform_decode_step_gets_its_rows_windows_and_their_attention():
+    """step_plan.decode_pos: a step whose rows are all one decode query seeing as many tokens
+    gives each row its sink + window then itself (the fast path of
+    `paged_layout.decode_window`); a prefill row, a multi-query row or rows of unequal length
+    give None (the kernel path). decode_attention equals plain softmax attention per query
+    head over its KV head's keys (GQA: query head j reads KV head j // group)."""
+    from vllm_kvevict.integration.streaming.step_plan import build_step_plan, decode_attention
+
+    plan = build_step_plan([100, 200], [1, 1], sink=4, window=8, block_size=32,
+                           prompt_lens=[50, 60], chunk=16)
+    assert plan.decode_pos.tolist() == [[0, 1, 2, 3, *range(92, 100), 100],
+                                        [0, 1, 2, 3, *range(192, 200), 200]]
+    assert plan.chunk_src.tolist() == [0, 1]
+    assert build_step_plan([100, 10], [1, 1], 4, 8, 32, [50, 5], chunk=16).decode_pos is None
+    assert build_step_plan([100, 20], [1, 4], 4, 8, 32, [50, 60], chunk=16).decode_pos is None
+    assert build_step_plan([100, 200], [1, 3], 4, 8, 32, [50, 60], chunk=16).decode_pos is None
+    torch.manual_seed(0)
+    B, hkv, g, L, d = 3, 2, 3, 13, 64
+    q, k, v = torch.randn(B, hkv * g, d), torch.randn(hkv, B, L, d), torch.randn(hkv, B, L, d)
+    out = decode_attention(q, k, v, 0.125)
+    for b in range(B):
+        for j in range(hkv * g):
+            w = torch.softmax(k[j // g, b] @ q[b, j] * 0.125, dim=0)
+            torch.testing.assert_close(out[b, j], w @ v[j // g, b])
+
+
 @pytest.mark.served_release
 def test_vllm_cpu_kernel_reads_a_block_outer_cache_exactly():
     """Pool storage declares vLLM's block-outer layout (BLHNC): a layer's blocks are strided by
