@@ -29,6 +29,7 @@ class EngineWatch:
         self.client = None
         self.stop_requested = False  # shutdown() was called while the engine was alive
         self.died: str | None = None  # why, once the engine died unrequested
+        self.stopped = False  # vLLM's shutdown() returned: the engine reports nothing more
         self._task: asyncio.Task | None = None
 
     @property
@@ -51,11 +52,20 @@ class EngineWatch:
                     self._on_death()
                 else:
                     self.stop_requested = True
-            return stock_shutdown(*args, **kwargs)
+            try:
+                return stock_shutdown(*args, **kwargs)
+            finally:
+                self.stopped = True
 
         client.shutdown = shutdown  # this one object's method: registration.RELIED_ON
         atexit.register(self._exit_status)
         self._task = asyncio.get_running_loop().create_task(self._watch())
+
+    @property
+    def engine_gone(self) -> bool:
+        """No stats will come from the engine any more: stopped, or dead."""
+        return self.stopped or self.died is not None or (
+            self.client is not None and bool(self.client.errored))
 
     async def _watch(self) -> None:
         while not self.stop_requested and self.died is None:

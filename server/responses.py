@@ -43,6 +43,8 @@ async def settled(response_id: str | None) -> None:
         return
     deadline = time.monotonic() + STATS_WAIT_S
     while state.owes_stats(response_id):
+        if WATCH.engine_gone:  # e.g. a request vLLM refused while draining: never scheduled
+            return
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             state.stats_wait_timeouts += 1
@@ -51,7 +53,9 @@ async def settled(response_id: str | None) -> None:
                            STATS_WAIT_S)
             return
         try:
-            await asyncio.wait_for(state.next_recorded(), min(remaining, 5.0))  # re-check
+            # re-check (sooner once a shutdown is under way: the engine may stop meanwhile)
+            await asyncio.wait_for(state.next_recorded(),
+                                   min(remaining, 1.0 if WATCH.stop_requested else 5.0))
         except asyncio.TimeoutError:
             pass
 

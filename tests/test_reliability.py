@@ -22,6 +22,7 @@ import os
 import random
 import re
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -103,7 +104,8 @@ async def chat_burst(base_url: str, rng: random.Random, n: int = 30) -> tuple[in
     return n, missing
 
 
-@pytest.mark.parametrize("round_", [1, 2, 3])
+@pytest.mark.parametrize("round_", [1, pytest.param(2, marks=pytest.mark.slow),
+                                    pytest.param(3, marks=pytest.mark.slow)])
 def test_every_response_carries_kv_stats_on_a_saturated_engine(head_mask_server, round_):
     server = head_mask_server
     before = kv_stats_summary(server)["aggregates"].get("requests_per_finish_reason", {})
@@ -242,22 +244,53 @@ async def in_flight(base_url: str, n: int, started: asyncio.Event) -> list:
         return await asyncio.gather(*tasks)
 
 
+def engine_holds(base_url: str, n: int, timeout_s: float = 300.0) -> None:
+    """Wait until vLLM's engine has n requests (running or waiting)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = metrics(base_url)
+        held = (metric_sum(m, "vllm:num_requests_running") or 0) + (
+            metric_sum(m, "vllm:num_requests_waiting") or 0)
+        if held >= n:
+            return
+        assert time.monotonic() < deadline, f"the engine holds {held} of {n} requests"
+        time.sleep(0.2)
+
+
 def test_sigterm_under_load_drains_and_exits_zero(bundled_model_dir):
+    """SIGTERM with 8 requests in the engine: they finish with their kv_stats (vLLM's drain);
+    2 more sent during the drain are refused by vLLM's engine (finish_reason abort, never
+    scheduled, so no kv_stats): their responses must not wait for stats that cannot come
+    (they did, and the server never exited, on a machine slow enough to SIGTERM before every
+    request had reached the engine); then the server exits 0."""
     server = start_server(bundled_model_dir, [*HEAD_MASK, "--shutdown-timeout", "120"])
 
     async def scenario():
         started = asyncio.Event()
         work = asyncio.create_task(in_flight(server.base_url, 8, started))
         await started.wait()
+        await asyncio.to_thread(engine_holds, server.base_url, 8)
         os.kill(server.pid, signal.SIGTERM)  # the API server process, as `kill` would
-        return await work
+        late = asyncio.create_task(in_flight(server.base_url, 2, asyncio.Event()))
+        return await work, await late
 
-    results = asyncio.run(scenario())
-    code = server.proc.wait(180)
+    results, late = asyncio.run(asyncio.wait_for(scenario(), 600))
+    try:
+        code = server.proc.wait(120)
+    except subprocess.TimeoutExpired:
+        server.stop()
+        pytest.fail(f"no exit 120 s after the last response; late: {late}\n{server.log_tail()}")
     assert code == 0, server.log_tail()
     assert all(status == 200 for status, _ in results), results
     assert all(body["kv_stats"] is not None and body["choices"][0]["finish_reason"] == "length"
                for _, body in results)
+    # late: refused by vLLM while draining (or not accepted once the drain had ended)
+    for status, body in late:
+        if status == 200:
+            assert body["choices"][0]["finish_reason"] == "abort", body
+            assert body["kv_stats"] is None, body
+        else:
+            assert status is None and "ConnectError" in body, body
 
 
 @pytest.mark.parametrize("process", ["Worker", "EngineCore"])
