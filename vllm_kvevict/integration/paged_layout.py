@@ -127,12 +127,10 @@ def paged_layout(dtype: torch.dtype, block_size: int, head_dim: int, isa: str,
 POOL_LAYOUTS = (KVCacheLayout.BLHNC,)
 
 
-def lay_out_from_pool(impl, layer, plan, keys, values):
-    """One layer's streaming heads in a step (`impl`: the attention impl of `layer`): write the
-    step's K/V at their logical slots in the companion layer's cache (vLLM's slot mapping of
-    its KV-cache group; the manager above frees what leaves sink + window), then read each
-    kernel row's visible past back from the group's blocks and lay it out before the step's
-    tokens (fp8: as the codes' grid values)."""
+def store_step(impl, layer, keys, values):
+    """Write the step's K/V of `layer`'s streaming heads at their logical slots in the
+    companion layer's cache (vLLM's slot mapping of its KV-cache group; the manager above frees
+    what leaves sink + window). Returns the group's metadata and this rank's K and V caches."""
     from vllm.forward_context import get_forward_context
 
     context = get_forward_context()
@@ -141,13 +139,22 @@ def lay_out_from_pool(impl, layer, plan, keys, values):
     key_cache, value_cache = impl._split(context.no_compile_layers[name].kv_cache)
     # tensor parallel: this rank's streaming heads first, the companion's padding heads unused
     key_cache, value_cache = key_cache[:, :keys.shape[1]], value_cache[:, :keys.shape[1]]
-    # (a patched question's rows follow the batch's: laid out from here, never stored)
-    n, block_size = meta.num_actual_tokens, key_cache.shape[2]
+    n = meta.num_actual_tokens
     ops.cpu_attn_reshape_and_cache(keys[:n], values[:n], key_cache, value_cache,
-                                   meta.slot_mapping[:n],
-                                   layer.isa, k_scale=layer._k_scale_float,
-                                   v_scale=layer._v_scale_float,
+                                   meta.slot_mapping[:n], layer.isa,
+                                   k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
                                    kv_cache_dtype=impl.kv_cache_dtype)
+    return meta, key_cache, value_cache
+
+
+def lay_out_from_pool(impl, layer, plan, keys, values):
+    """One layer's streaming heads in a step (`impl`: the attention impl of `layer`): write the
+    step's K/V to the pool (`store_step`), then read each kernel row's visible past back from
+    the group's blocks and lay it out before the step's tokens (fp8: as the codes' grid
+    values)."""
+    meta, key_cache, value_cache = store_step(impl, layer, keys, values)
+    # (a patched question's rows follow the batch's: laid out from here, never stored)
+    block_size = key_cache.shape[2]
     fp8 = impl.kv_cache_dtype if is_fp8(impl.kv_cache_dtype) else None
     layout = paged_layout(key_cache.dtype, block_size, impl.head_size, layer.isa, fp8 or "auto")
     # the past's storage offsets, once per step and group (its layers share table and strides)
@@ -171,18 +178,9 @@ def decode_window(impl, layer, plan, keys, values):
     gather per layer. The storage offsets of the elements read (K then V, heads outer) are
     computed once per step and KV-cache group (its layers share block table and strides;
     each layer gathers relative to its own cache); the step's K/V are written to the pool
-    first, as in `lay_out_from_pool`, and each row's own token is taken from the forward."""
-    from vllm.forward_context import get_forward_context
-
-    context = get_forward_context()
-    name = layer.layer_name + COMPANION_SUFFIX
-    meta = context.attn_metadata[name]
-    n, h = meta.num_actual_tokens, keys.shape[1]
-    key_cache, value_cache = impl._split(context.no_compile_layers[name].kv_cache)
-    ops.cpu_attn_reshape_and_cache(keys[:n], values[:n], key_cache[:, :h], value_cache[:, :h],
-                                   meta.slot_mapping[:n], layer.isa,
-                                   k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
-                                   kv_cache_dtype=impl.kv_cache_dtype)
+    first (`store_step`), and each row's own token is taken from the forward."""
+    meta, key_cache, value_cache = store_step(impl, layer, keys, values)
+    h = keys.shape[1]
     B, L = plan.decode_pos.shape
     key = ("window", id(meta.block_table), key_cache.stride(0), key_cache.stride(1), h,
            value_cache.storage_offset() - key_cache.storage_offset())
