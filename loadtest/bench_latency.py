@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from vllm_kvevict.launch import PolicySpec, ServerProcess, build_server_command, parse_policy
+from vllm_kvevict.launch import ServerProcess, server_launch
 from loadtest.workloads import exact_length_ids
 
 SERVE_EXTRA = ["--dtype", "float32", "--served-model-name", "bench", "--max-model-len", "8192"]
@@ -79,15 +79,9 @@ def main() -> None:
     base_url = f"http://127.0.0.1:{args.port}"
     rows = []
     for text in args.policies:
-        stock = text == "stock"
-        spec = PolicySpec("full") if stock else parse_policy(text)
-        extra = list(SERVE_EXTRA)
-        argv = build_server_command(model, spec, kv_cache_bytes=args.kv_cache_memory_bytes,
-                                    max_batched_tokens=args.chunk, port=args.port,
-                                    extra_args=extra, eager=not args.compiled)
-        if stock:  # without our plugin the --kv-policy flag does not exist
-            argv = [a for a in argv if a not in ("--kv-policy", "full")]
-        env = {"VLLM_PLUGINS": "no-such-plugin"} if stock else {}
+        argv, env = server_launch(model, text, kv_cache_bytes=args.kv_cache_memory_bytes,
+                                  max_batched_tokens=args.chunk, port=args.port,
+                                  extra_args=list(SERVE_EXTRA), eager=not args.compiled)
         if args.reserved_cpus:
             env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = args.reserved_cpus
         with ServerProcess(argv, args.out_dir / f"server_{text.replace(':', '-')}.log",

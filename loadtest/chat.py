@@ -233,24 +233,18 @@ def server_argv(model: str, text: str, *, kv_cache_bytes: int, chunk: int, port:
                 max_model_len: int) -> tuple[list[str], dict[str, str]]:
     """`vllm serve` argv and env of a policy label (`stock`, `full`, `prulong:0.7`, any of
     them with `/nopc`: --no-enable-prefix-caching)."""
-    from vllm_kvevict.launch import PolicySpec, build_server_command, parse_policy
+    from vllm_kvevict.launch import server_launch
 
     name, *options = text.split("/")
     if set(options) - {"nopc"}:
         raise ValueError(f"policy {text!r}: the option after '/' is nopc "
                          "(--no-enable-prefix-caching)")
-    stock = name == "stock"
-    spec = PolicySpec("full") if stock else parse_policy(name)
     extra = ["--dtype", "float32", "--served-model-name", "chat", "--max-model-len",
              str(max_model_len), "--enable-prompt-tokens-details"]
     if "nopc" in options:
         extra.append("--no-enable-prefix-caching")
-    argv = build_server_command(model, spec, kv_cache_bytes=kv_cache_bytes,
-                                max_batched_tokens=chunk, port=port, extra_args=extra)
-    if stock:  # without our plugin the --kv-policy flag does not exist
-        argv = [a for a in argv if a not in ("--kv-policy", "full")]
-    env = {"VLLM_PLUGINS": "no-such-plugin"} if stock else {}
-    return argv, env
+    return server_launch(model, name, kv_cache_bytes=kv_cache_bytes, max_batched_tokens=chunk,
+                         port=port, extra_args=extra)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vllm_kvevict.launch import PolicySpec, ServerProcess, build_server_command, parse_policy
+from vllm_kvevict.launch import STOCK, ServerProcess, server_launch
 from loadtest.client import make_http_client, send_request
 from loadtest.workloads import Prompt, exact_length_ids
 
@@ -124,16 +124,12 @@ def prompts_of(tok, rng, n: int, length: int, output_len: int, kind: str) -> lis
 
 
 def measure_server(text: str, args, model: str, tok, seed: int) -> dict:
-    stock = text == "stock"
-    spec = PolicySpec("full") if stock else parse_policy(text)
-    argv = build_server_command(
-        model, spec, kv_cache_bytes=args.kv_cache_memory_bytes, max_batched_tokens=args.chunk,
+    stock = text == STOCK
+    argv, env = server_launch(
+        model, text, kv_cache_bytes=args.kv_cache_memory_bytes, max_batched_tokens=args.chunk,
         port=args.port, eager=True,
         extra_args=["--dtype", "float32", "--served-model-name", MODEL_NAME,
                     "--max-model-len", str(args.max_model_len)])
-    if stock:  # without our plugin the --kv-policy flag does not exist
-        argv = [a for a in argv if a not in ("--kv-policy", "full")]
-    env = {"VLLM_PLUGINS": "no-such-plugin"} if stock else {}
     env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = args.reserved_cpus
     base = f"http://127.0.0.1:{args.port}"
     rng = np.random.default_rng(seed)  # the same prompts for every server

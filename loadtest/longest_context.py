@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from vllm_kvevict.launch import PolicySpec, ServerProcess, build_server_command, parse_policy
+from vllm_kvevict.launch import ServerProcess, server_launch
 from loadtest.workloads import exact_length_ids
 
 DEFAULT_POLICIES = ["full", "prulong:0.7", "snapkv:0.7", "snapkv:0.7:patched:d256",
@@ -28,17 +28,11 @@ DEFAULT_POLICIES = ["full", "prulong:0.7", "snapkv:0.7", "snapkv:0.7:patched:d25
 
 
 def measure(text: str, args, model: str, tok) -> dict:
-    stock = text == "stock"
-    spec = PolicySpec("full") if stock else parse_policy(text)
-    argv = build_server_command(model, spec, kv_cache_bytes=args.pool_mib << 20,
-                                max_batched_tokens=args.chunk, port=args.port, eager=True,
-                                extra_args=["--dtype", "float32", "--served-model-name", "bench",
-                                            "--max-model-len", "-1"])
-    if stock:
-        argv = [a for a in argv if a not in ("--kv-policy", "full")]
-    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
-    if stock:
-        env["VLLM_PLUGINS"] = "no-such-plugin"
+    argv, env = server_launch(model, text, kv_cache_bytes=args.pool_mib << 20,
+                              max_batched_tokens=args.chunk, port=args.port, eager=True,
+                              extra_args=["--dtype", "float32", "--served-model-name", "bench",
+                                          "--max-model-len", "-1"])
+    env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
     base = f"http://127.0.0.1:{args.port}"
     log = args.out_dir / "logs" / f"server_{text.replace(':', '-')}.log"
     log.parent.mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from vllm_kvevict.launch import STOCK, STOCK_ENV
+
 PHASES = {  # vLLM's own log lines -> seconds (the last match in a log)
     "weights": re.compile(r"Loading weights took ([\d.]+) seconds"),
     "engine_init": re.compile(r"init engine \(profile, create kv cache, warmup model\) took "
@@ -71,9 +73,7 @@ def main(argv=None) -> int:
     runs: list[dict] = []
     for i in range(args.repeats):
         for variant in args.variants:
-            env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
-            if variant == "stock":
-                env["VLLM_PLUGINS"] = "no-such-plugin"
+            env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", **(STOCK_ENV if variant == STOCK else {})}
             log = Path(f"/tmp/startup_{variant}_{i}.log")
             run = {"variant": variant, "repeat": i,
                    **time_start(serve_argv(model, variant, args.port, args.compiled), env, log,

@@ -142,6 +142,22 @@ def build_server_command(model: str, spec: PolicySpec, *, kv_cache_bytes: int,
     return argv + list(extra_args)
 
 
+# vLLM without this package: VLLM_PLUGINS names no installed plugin, so none loads
+STOCK = "stock"
+STOCK_ENV = {"VLLM_PLUGINS": "no-such-plugin"}
+
+
+def server_launch(model: str, text: str, **kwargs) -> tuple[list[str], dict[str, str]]:
+    """argv and environment of `vllm serve` for a benchmark's policy text (`parse_policy`), or
+    for "stock": vLLM without the plugin, where --kv-policy does not exist. The keyword
+    arguments are `build_server_command`'s."""
+    if text != STOCK:
+        return build_server_command(model, parse_policy(text), **kwargs), {}
+    argv = build_server_command(model, PolicySpec("full"), **kwargs)
+    at = argv.index("--kv-policy")
+    return argv[:at] + argv[at + 2:], dict(STOCK_ENV)
+
+
 def port_in_use(host: str, port: int) -> bool:
     """True if something already listens there: benchmarking it instead would be silent."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
