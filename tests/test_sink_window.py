@@ -351,6 +351,11 @@ def test_a_uniform_decode_step_gets_its_rows_windows_and_their_attention():
     assert plan.decode_pos.tolist() == [[0, 1, 2, 3, *range(92, 100), 100],
                                         [0, 1, 2, 3, *range(192, 200), 200]]
     assert plan.chunk_src.tolist() == [0, 1]
+    for prompt_lens in ([50, 60], None):  # prefix caching off: no canonical chunks
+        assert torch.equal(build_step_plan([100, 200], [1, 1], 4, 8, 32, prompt_lens).decode_pos,
+                           plan.decode_pos)
+    # a 1-token piece of a canonical chunk sees the chunk's window, not its own
+    assert build_step_plan([100, 200], [1, 1], 4, 8, 32, [150, 260], chunk=16).decode_pos is None
     assert build_step_plan([100, 10], [1, 1], 4, 8, 32, [50, 5], chunk=16).decode_pos is None
     assert build_step_plan([100, 20], [1, 4], 4, 8, 32, [50, 60], chunk=16).decode_pos is None
     assert build_step_plan([100, 200], [1, 3], 4, 8, 32, [50, 60], chunk=16).decode_pos is None

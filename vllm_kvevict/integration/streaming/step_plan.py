@@ -123,7 +123,9 @@ def build_step_plan(computed: list[int], query_lens: list[int], sink: int, windo
             lo = hi
         if m and not chunk:
             kernel_row(r, past, tokens[:m], m)
-        decode_only &= m == 0 and c == 1
+        # one query seeing [sink | window | itself]: a decode token, or any 1-token row
+        # without canonical chunks (its chunk is itself)
+        decode_only &= c == 1 and (m == 0 or not chunk)
         query_pos.append(a)
         for i in range(m, c):  # decode queries: a row each, with their own window
             lo = p[i] - window
