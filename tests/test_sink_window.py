@@ -296,6 +296,14 @@ def test_gather_reads_any_slots_back_exactly():
     # a tensor-parallel rank's first heads of a padded companion
     got_k, got_v = layout.gather(key_cache[:, :2], value_cache[:, :2], slots[order])
     assert torch.equal(got_k, k[order, :2]) and torch.equal(got_v, v[order, :2])
+    got_k, got_v = layout.gather(key_cache, value_cache, slots[:0])  # a first chunk: no past
+    assert got_k.shape == got_v.shape == (0, heads, d)
+    # the decode fast path's flat offsets ([2, H, n, d]), all heads and a rank's first two
+    for h in (heads, 2):
+        at = layout.flat_offsets(key_cache[:, :h], value_cache[:, :h], slots[order])
+        got = layout.gather_flat(key_cache[:, :h], at).view(2, h, 100, d)
+        assert torch.equal(got[0], k[order, :h].transpose(0, 1))
+        assert torch.equal(got[1], v[order, :h].transpose(0, 1))
 
 
 def test_head_masks_serve_prefix_caching_token_eviction_does_not():

@@ -74,6 +74,9 @@ class PagedLayout:
         self.value_from = torch.empty_like(value_at)
         self.value_from[value_at] = torch.arange(value_at.numel())
         self.block_size, self.head_dim = block_size, head_dim
+        # [2, bs, d]: K's then V's raw position of (slot in block, dim), both index dtypes
+        table = torch.stack([self.key_from, self.value_from]).view(2, block_size, head_dim)
+        self._table = {torch.long: table, torch.int32: table.to(torch.int32)}
 
     def read(self, key_cache: torch.Tensor, value_cache: torch.Tensor, block_row: torch.Tensor,
              start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,32 +89,37 @@ class PagedLayout:
     def gather(self, key_cache: torch.Tensor, value_cache: torch.Tensor,
                slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [n, H, d] at flat pool slots (block id * block_size + offset), any order."""
-        return self.gather_at(key_cache, self.offsets(key_cache, value_cache, slots))
+        return self.split(self.gather_flat(key_cache,
+                                           self.flat_offsets(key_cache, value_cache, slots)),
+                          key_cache.shape[1], len(slots))
 
-    def offsets(self, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                slots: torch.Tensor) -> torch.Tensor:
-        """[n, 2, d] storage offsets of each slot's K and V elements in head 0 of a cache laid
-        out as `key_cache` and `value_cache` (views of one [blocks, H, 2 bs, d] tensor, any
-        block and head strides), relative to `key_cache`'s first element. The layers of a
-        KV-cache group share them (same block table, same strides)."""
-        bs, d = self.block_size, self.head_dim
-        block = (slots // bs * key_cache.stride(0))[:, None]
-        offset = slots % bs
-        value_shift = value_cache.storage_offset() - key_cache.storage_offset()
-        return torch.stack([block + self.key_from.view(bs, d)[offset],
-                            block + self.value_from.view(bs, d)[offset] + value_shift], dim=1)
+    def flat_offsets(self, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     slots: torch.Tensor) -> torch.Tensor:
+        """Storage offsets, relative to `key_cache`'s first element, of K then V of every head
+        of `key_cache` (views of one [blocks, H, 2 bs, d] tensor, any block and head strides)
+        at flat pool `slots`, in [2, H, n, d] order: one broadcast add over the block's
+        packing table, int32 where the storage allows. The layers of a KV-cache group share
+        them (same block table, same strides)."""
+        numel = key_cache.untyped_storage().nbytes() // key_cache.element_size()
+        dtype = torch.int32 if numel < 2**31 else torch.long
+        shift = value_cache.storage_offset() - key_cache.storage_offset()
+        heads = torch.arange(key_cache.shape[1]) * key_cache.stride(1)
+        base = ((slots // self.block_size * key_cache.stride(0))[None, None] + heads[None, :, None]
+                + torch.tensor([0, shift])[:, None, None]).to(dtype)     # [2, H, n]
+        return (self._table[dtype][:, None, slots % self.block_size] + base[..., None]).view(-1)
 
     @staticmethod
-    def gather_at(key_cache: torch.Tensor, offsets: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V [n, H, d] at `offsets` (from `offsets`): one gather of exactly the elements
-        read (unpacking whole blocks instead cost 6x more per decode step)."""
-        heads = key_cache.storage_offset() + torch.arange(key_cache.shape[1]) * key_cache.stride(1)
-        storage = torch.as_strided(
-            key_cache, (key_cache.untyped_storage().nbytes() // key_cache.element_size(),), (1,), 0)
-        at = offsets[:, None] + heads[None, :, None, None]          # [n, H, 2, d]
-        kv = storage.index_select(0, at.view(-1)).view(at.shape)
-        return kv[:, :, 0], kv[:, :, 1]
+    def gather_flat(key_cache: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        """The elements at `flat_offsets` (one gather of exactly the elements read: unpacking
+        whole blocks instead cost 6x more per decode step)."""
+        storage = torch.as_strided(key_cache, (key_cache.untyped_storage().nbytes()
+                                               // key_cache.element_size(),), (1,), 0)
+        return storage[key_cache.storage_offset():].index_select(0, at)
+
+    def split(self, flat: torch.Tensor, heads: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`gather_flat`'s result as K and V [n, H, d] (views)."""
+        kv = flat.view(2, heads, n, self.head_dim).transpose(1, 2)
+        return kv[0], kv[1]
 
 
 @functools.lru_cache(maxsize=None)
@@ -158,15 +166,16 @@ def lay_out_from_pool(impl, layer, plan, keys, values):
     fp8 = impl.kv_cache_dtype if is_fp8(impl.kv_cache_dtype) else None
     layout = paged_layout(key_cache.dtype, block_size, impl.head_size, layer.isa, fp8 or "auto")
     # the past's storage offsets, once per step and group (its layers share table and strides)
-    key = ("pool", id(meta.block_table), key_cache.stride(0),
-           value_cache.storage_offset() - key_cache.storage_offset())
+    key = ("pool", id(meta.block_table), key_cache.stride(0), key_cache.stride(1),
+           key_cache.shape[1], value_cache.storage_offset() - key_cache.storage_offset())
     offsets = plan.kernel_schedules.get(key)
     if offsets is None:
         pos = plan.prefix_pos
         table = meta.block_table.long()
         slots = table[plan.prefix_row, pos // block_size] * block_size + pos % block_size
-        offsets = plan.kernel_schedules[key] = layout.offsets(key_cache, value_cache, slots)
-    past = layout.gather_at(key_cache, offsets)
+        offsets = plan.kernel_schedules[key] = layout.flat_offsets(key_cache, value_cache, slots)
+    past = layout.split(layout.gather_flat(key_cache, offsets), key_cache.shape[1],
+                        len(plan.prefix_pos))
     return tuple(lay_out_visible(plan, p, x[plan.chunk_src], scale, fp8)
                  for p, x, scale in zip(past, (keys, values),
                                         (layer._k_scale_float, layer._v_scale_float)))
@@ -184,19 +193,14 @@ def decode_window(impl, layer, plan, keys, values):
     B, L = plan.decode_pos.shape
     key = ("window", id(meta.block_table), key_cache.stride(0), key_cache.stride(1), h,
            value_cache.storage_offset() - key_cache.storage_offset())
+    layout = paged_layout(key_cache.dtype, key_cache.shape[2], impl.head_size, layer.isa)
     at = plan.kernel_schedules.get(key)
     if at is None:
-        block_size = key_cache.shape[2]
-        layout = paged_layout(key_cache.dtype, block_size, impl.head_size, layer.isa)
+        block_size = layout.block_size
         pos, rows = plan.decode_pos.view(-1), torch.arange(B).repeat_interleave(L)
         slots = meta.block_table.long()[rows, pos // block_size] * block_size + pos % block_size
-        offsets = layout.offsets(key_cache, value_cache, slots).transpose(0, 1)  # [2, n, d]
-        heads = torch.arange(h) * key_cache.stride(1)
-        at = plan.kernel_schedules[key] = (offsets[:, None] + heads[None, :, None, None]
-                                           ).contiguous().view(-1)
-    storage = torch.as_strided(key_cache, (key_cache.untyped_storage().nbytes()
-                                           // key_cache.element_size(),), (1,), 0)
-    kv = storage[key_cache.storage_offset():].index_select(0, at).view(2, h, B, L, -1)
+        at = plan.kernel_schedules[key] = layout.flat_offsets(key_cache, value_cache, slots)
+    kv = layout.gather_flat(key_cache, at).view(2, h, B, L, -1)
     k, v = kv[0], kv[1]
     # the decode rows' own tokens are the step's tokens in batch order (`chunk_src`)
     k[:, :, -1], v[:, :, -1] = keys[:B].transpose(0, 1), values[:B].transpose(0, 1)
