@@ -44,6 +44,7 @@ def test_flex_matches_reference(case, bundled_model_dir, tokenizer, hf_model):
 
 
 @pytest.mark.server
+@pytest.mark.slow  # 340 s on a slow CI machine; the CPU path's mixed batch runs in CI
 def test_flex_mixed_batch_equals_each_alone(bundled_model_dir, tokenizer, hf_model):
     """Prefill rows beside other requests' decode rows in one step: each token's chunk start
     travels in the metadata (a per-request one would give decodes their row's prefill start)."""

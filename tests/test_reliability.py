@@ -109,11 +109,11 @@ async def chat_burst(base_url: str, rng: random.Random, n: int = 30) -> tuple[in
 def test_every_response_carries_kv_stats_on_a_saturated_engine(head_mask_server, round_):
     server = head_mask_server
     before = kv_stats_summary(server)["aggregates"].get("requests_per_finish_reason", {})
-    done, missing = asyncio.run(chat_burst(server.base_url, random.Random(round_)))
+    done, missing = asyncio.run(chat_burst(server.base_url, random.Random(round_), n=20))
     assert missing == [], f"{len(missing)} of {done} responses without kv_stats: {missing}"
     after = kv_stats_summary(server)
     reasons = after["aggregates"]["requests_per_finish_reason"]
-    assert reasons.get("stop", 0) - before.get("stop", 0) >= 15  # the stop strings, as stop
+    assert reasons.get("stop", 0) - before.get("stop", 0) >= done // 2  # stop strings, as stop
     assert after["stats_owed"] == 0 and after["stats_wait_timeouts"] == 0
 
 
@@ -187,7 +187,7 @@ SOAKS = {  # mechanism -> (server flags, vllm_xargs the override requests use, l
                 "--max-num-seqs", "16", "--kv-cache-memory-bytes", SMALL_POOL],
                [{"kv_teacher_forced": 4}], 1500),
 }
-CI_SOAK_REQUESTS, SLOW_SOAK_REQUESTS = 60, 1000
+CI_SOAK_REQUESTS, SLOW_SOAK_REQUESTS = 40, 1000
 RESULTS = REPO / "docs" / "results" / "soak"
 
 
