@@ -155,6 +155,21 @@ def store_step(impl, layer, keys, values):
     return meta, key_cache, value_cache
 
 
+def step_offsets(plan, tag: str, meta, layout, key_cache, value_cache, rows, pos):
+    """`flat_offsets` of rows' positions `pos` in a KV-cache group's blocks, computed once per
+    step and group (its layers share block table and strides; each layer gathers relative to
+    its own cache) and kept in the step plan under `tag`."""
+    key = (tag, id(meta.block_table), key_cache.stride(0), key_cache.stride(1),
+           key_cache.shape[1], value_cache.storage_offset() - key_cache.storage_offset())
+    at = plan.kernel_schedules.get(key)
+    if at is None:
+        bs = layout.block_size
+        slots = meta.block_table.long()[rows, pos // bs] * bs + pos % bs
+        at = plan.kernel_schedules[key] = layout.flat_offsets(key_cache, value_cache,
+                                                              slots.reshape(-1))
+    return at
+
+
 def lay_out_from_pool(impl, layer, plan, keys, values):
     """One layer's streaming heads in a step (`impl`: the attention impl of `layer`): write the
     step's K/V to the pool (`store_step`), then read each kernel row's visible past back from
@@ -165,15 +180,8 @@ def lay_out_from_pool(impl, layer, plan, keys, values):
     block_size = key_cache.shape[2]
     fp8 = impl.kv_cache_dtype if is_fp8(impl.kv_cache_dtype) else None
     layout = paged_layout(key_cache.dtype, block_size, impl.head_size, layer.isa, fp8 or "auto")
-    # the past's storage offsets, once per step and group (its layers share table and strides)
-    key = ("pool", id(meta.block_table), key_cache.stride(0), key_cache.stride(1),
-           key_cache.shape[1], value_cache.storage_offset() - key_cache.storage_offset())
-    offsets = plan.kernel_schedules.get(key)
-    if offsets is None:
-        pos = plan.prefix_pos
-        table = meta.block_table.long()
-        slots = table[plan.prefix_row, pos // block_size] * block_size + pos % block_size
-        offsets = plan.kernel_schedules[key] = layout.flat_offsets(key_cache, value_cache, slots)
+    offsets = step_offsets(plan, "pool", meta, layout, key_cache, value_cache,
+                           plan.prefix_row, plan.prefix_pos)
     past = layout.split(layout.gather_flat(key_cache, offsets), key_cache.shape[1],
                         len(plan.prefix_pos))
     return tuple(lay_out_visible(plan, p, x[plan.chunk_src], scale, fp8)
@@ -184,22 +192,15 @@ def lay_out_from_pool(impl, layer, plan, keys, values):
 def decode_window(impl, layer, plan, keys, values):
     """A `decode_pos` step (one decode query per row, rows of equal length): K and V
     [H, B, P + 1, d] of each row's sink + window, then its own token, read back with one
-    gather per layer. The storage offsets of the elements read (K then V, heads outer) are
-    computed once per step and KV-cache group (its layers share block table and strides;
-    each layer gathers relative to its own cache); the step's K/V are written to the pool
-    first (`store_step`), and each row's own token is taken from the forward."""
+    gather per layer at offsets computed once per step and group (`step_offsets`); the step's
+    K/V are written to the pool first (`store_step`), each row's own token is taken from the
+    forward."""
     meta, key_cache, value_cache = store_step(impl, layer, keys, values)
     h = keys.shape[1]
     B, L = plan.decode_pos.shape
-    key = ("window", id(meta.block_table), key_cache.stride(0), key_cache.stride(1), h,
-           value_cache.storage_offset() - key_cache.storage_offset())
     layout = paged_layout(key_cache.dtype, key_cache.shape[2], impl.head_size, layer.isa)
-    at = plan.kernel_schedules.get(key)
-    if at is None:
-        block_size = layout.block_size
-        pos, rows = plan.decode_pos.view(-1), torch.arange(B).repeat_interleave(L)
-        slots = meta.block_table.long()[rows, pos // block_size] * block_size + pos % block_size
-        at = plan.kernel_schedules[key] = layout.flat_offsets(key_cache, value_cache, slots)
+    at = step_offsets(plan, "window", meta, layout, key_cache, value_cache,
+                      torch.arange(B)[:, None], plan.decode_pos)
     kv = layout.gather_flat(key_cache, at).view(2, h, B, L, -1)
     k, v = kv[0], kv[1]
     # the decode rows' own tokens are the step's tokens in batch order (`chunk_src`)

@@ -1,0 +1,49 @@
+"""Decode-step profile in one process (`LLM` class, no server): the time of every decode-only
+step (`execute_model`) and of each part of the attention (our backend's methods, timed by
+wrapping them), per step. Prefix caching off, prulong 0.7 on the bundled model.
+
+    python scripts/decode_profile.py BATCH PROMPT_TOKENS NEW_TOKENS    # e.g. 8 2000 40
+"""
+import collections
+import os
+import sys
+import time
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+import vllm_kvevict.integration.backend as be
+T = collections.defaultdict(float); C = collections.Counter(); ON = [False]
+def wrap(owner, name, label):
+    f = getattr(owner, name)
+    def w(*a, **k):
+        if not ON[0]: return f(*a, **k)
+        t = time.perf_counter(); r = f(*a, **k); T[label] += time.perf_counter() - t; C[label] += 1; return r
+    setattr(owner, name, w)
+I = be.KVEvictAttentionImpl
+wrap(I, "forward", "forward"); wrap(I, "_kernel", "kernel"); wrap(I, "_streaming", "streaming")
+wrap(I, "do_kv_cache_update", "kv_update")
+wrap(be, "decode_window", "decode_window"); wrap(be, "decode_attention", "decode_attention")
+wrap(be.KVEvictMetadataBuilder, "build", "meta_build")
+from vllm import LLM, SamplingParams
+from vllm_kvevict.model import ensure_bundled_model
+B = int(sys.argv[1]); N = int(sys.argv[2]); S = int(sys.argv[3])
+llm = LLM(model=str(ensure_bundled_model()), enforce_eager=True, dtype="float32", max_model_len=8192,
+          kv_cache_memory_bytes=2 << 30, seed=0, max_num_batched_tokens=8192, skip_tokenizer_init=True,
+          enable_prefix_caching=False, max_num_seqs=B, additional_config={"kv_policy": {"policy": "prulong", "sparsity": 0.7}})
+import vllm.v1.worker.cpu_model_runner as cmr
+Runner = cmr.CPUModelRunner
+orig = Runner.execute_model
+steps = {"n": 0, "t": 0.0}
+def ex(self, scheduler_output, *a, **k):
+    decode = scheduler_output.total_num_scheduled_tokens == len(scheduler_output.num_scheduled_tokens) and not scheduler_output.scheduled_new_reqs
+    ON[0] = decode
+    t = time.perf_counter(); r = orig(self, scheduler_output, *a, **k)
+    if decode: steps["n"] += 1; steps["t"] += time.perf_counter() - t
+    ON[0] = False
+    return r
+Runner.execute_model = ex
+prompts = [{"prompt_token_ids": [100 + (j * 7 + i) % 5000 for j in range(N)]} for i in range(B)]
+llm.generate(prompts, SamplingParams(temperature=0, max_tokens=S, ignore_eos=True, detokenize=False), use_tqdm=False)
+n = steps["n"]
+print(f"RESULT B={B} N={N} decode steps {n}: execute_model {steps['t']/n*1000:.1f} ms/step")
+for k, v in sorted(T.items(), key=lambda x: -x[1]):
+    print(f"RESULT   {k:18s} {v/n*1000:7.2f} ms/step  ({C[k]//n} calls/step)")
