@@ -124,12 +124,16 @@ def prompts_of(tok, rng, n: int, length: int, output_len: int, kind: str) -> lis
 
 
 def measure_server(text: str, args, model: str, tok, seed: int) -> dict:
-    stock = text == STOCK
+    """`text`: a policy (`launch.parse_policy`) or stock, with `@bN` for `--block-size N`
+    (e.g. `prulong:0.7@b64`: the bundled masks' 64-token sink in whole blocks)."""
+    policy, _, block = text.partition("@b")
+    stock = policy == STOCK
     argv, env = server_launch(
-        model, text, kv_cache_bytes=args.kv_cache_memory_bytes, max_batched_tokens=args.chunk,
+        model, policy, kv_cache_bytes=args.kv_cache_memory_bytes, max_batched_tokens=args.chunk,
         port=args.port, eager=True,
         extra_args=["--dtype", "float32", "--served-model-name", MODEL_NAME,
-                    "--max-model-len", str(args.max_model_len)])
+                    "--max-model-len", str(args.max_model_len),
+                    *(["--block-size", block] if block else [])])
     env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = args.reserved_cpus
     base = f"http://127.0.0.1:{args.port}"
     rng = np.random.default_rng(seed)  # the same prompts for every server

@@ -1,15 +1,26 @@
 """Decode-step profile in one process (`LLM` class, no server): the time of every decode-only
 step (`execute_model`) and of each part of the attention (our backend's methods, timed by
-wrapping them), per step. Prefix caching off, prulong 0.7 on the bundled model.
+wrapping them), per step. prulong 0.7 on the bundled model by default.
 
-    python scripts/decode_profile.py BATCH PROMPT_TOKENS NEW_TOKENS    # e.g. 8 2000 40
+    python scripts/decode_profile.py BATCH PROMPT_TOKENS NEW_TOKENS [--policy stock|prulong:0.7]
+        [--block-size 128] [--prefix-caching]                        # e.g. 8 2000 40
 """
+import argparse
 import collections
 import os
-import sys
 import time
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+ap = argparse.ArgumentParser()
+ap.add_argument("batch", type=int); ap.add_argument("prompt_tokens", type=int); ap.add_argument("new_tokens", type=int)
+ap.add_argument("--policy", default="prulong:0.7"); ap.add_argument("--block-size", type=int, default=128)
+ap.add_argument("--prefix-caching", action="store_true")
+args = ap.parse_args()
+B, N, S = args.batch, args.prompt_tokens, args.new_tokens
+name, _, sparsity = args.policy.partition(":")
+extra = {} if name == "stock" else {"additional_config": {"kv_policy": {"policy": name, **({"sparsity": float(sparsity)} if sparsity else {})}}}
+if name == "stock":
+    os.environ["VLLM_PLUGINS"] = "no-such-plugin"  # (set before vLLM loads its plugins)
 import vllm_kvevict.integration.backend as be
 T = collections.defaultdict(float); C = collections.Counter(); ON = [False]
 def wrap(owner, name, label):
@@ -22,13 +33,17 @@ I = be.KVEvictAttentionImpl
 wrap(I, "forward", "forward"); wrap(I, "_kernel", "kernel"); wrap(I, "_streaming", "streaming")
 wrap(I, "do_kv_cache_update", "kv_update")
 wrap(be, "decode_window", "decode_window"); wrap(be, "decode_attention", "decode_attention")
+wrap(be, "store_step", "store_step")
 wrap(be.KVEvictMetadataBuilder, "build", "meta_build")
+import vllm.v1.attention.backends.cpu_attn as cpu_attn
+wrap(cpu_attn.CPUAttentionBackendImpl, "forward", "vllm_forward")  # (stock; a head mask's all-full layers)
+import vllm.model_executor.layers.attention.attention as attention_layer
+wrap(attention_layer.Attention, "forward", "attention_layer")  # everything a layer does for attention
 from vllm import LLM, SamplingParams
 from vllm_kvevict.model import ensure_bundled_model
-B = int(sys.argv[1]); N = int(sys.argv[2]); S = int(sys.argv[3])
 llm = LLM(model=str(ensure_bundled_model()), enforce_eager=True, dtype="float32", max_model_len=8192,
           kv_cache_memory_bytes=2 << 30, seed=0, max_num_batched_tokens=8192, skip_tokenizer_init=True,
-          enable_prefix_caching=False, max_num_seqs=B, additional_config={"kv_policy": {"policy": "prulong", "sparsity": 0.7}})
+          enable_prefix_caching=args.prefix_caching, max_num_seqs=B, block_size=args.block_size, **extra)
 import vllm.v1.worker.cpu_model_runner as cmr
 Runner = cmr.CPUModelRunner
 orig = Runner.execute_model
@@ -44,6 +59,6 @@ Runner.execute_model = ex
 prompts = [{"prompt_token_ids": [100 + (j * 7 + i) % 5000 for j in range(N)]} for i in range(B)]
 llm.generate(prompts, SamplingParams(temperature=0, max_tokens=S, ignore_eos=True, detokenize=False), use_tqdm=False)
 n = steps["n"]
-print(f"RESULT B={B} N={N} decode steps {n}: execute_model {steps['t']/n*1000:.1f} ms/step")
+print(f"RESULT {args.policy} bs={args.block_size} pc={args.prefix_caching} B={B} N={N} decode steps {n}: execute_model {steps['t']/n*1000:.1f} ms/step")
 for k, v in sorted(T.items(), key=lambda x: -x[1]):
     print(f"RESULT   {k:18s} {v/n*1000:7.2f} ms/step  ({C[k]//n} calls/step)")

@@ -610,6 +610,7 @@ def test_a_record_cut_by_a_smaller_budget_is_superseded(tmp_path, builder):
 # -------------------------------------------------------------------- through vllm serve
 
 @pytest.mark.server
+@pytest.mark.slow  # 249 s on a slow CI machine: tooling, not serving (its parts are unit-tested)
 def test_smoke_run_through_real_servers_resumes_and_reports(bundled_model_dir, tmp_path,
                                                             builder, hf_model):
     """Two tiny server configs (full; snapkv patched at two per-request sparsities), one

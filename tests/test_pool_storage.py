@@ -28,8 +28,9 @@ pytestmark = pytest.mark.server
 BLOCK = 32
 CASES = {
     "prulong-0.7": {"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64},
-    # the canonical chunk below the step budget (--kv-eviction-chunk 256, budget 320)
-    "prulong-0.7-e256": {"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64,
+    # the canonical chunk below the step budget (--kv-eviction-chunk 256, budget 320); a sink
+    # of whole blocks: decode runs vLLM's kernel in place over the pool (`window_rows`)
+    "prulong-0.7-e256": {"policy": "prulong", "sparsity": 0.7, "sink": 32, "window": 64,
                          "eviction_chunk": 256},
     # vLLM's --prefix-cache-retention-interval None: every position stored, hits at any block
     "prulong-0.7-dense": {"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64,

@@ -378,6 +378,59 @@ def test_a_uniform_decode_step_gets_its_rows_windows_and_their_attention():
 
 
 @pytest.mark.served_release
+@pytest.mark.parametrize("sink,window,bs", [(64, 256, 64), (32, 64, 32), (0, 96, 32),
+                                            (128, 128, 128)])
+def test_window_rows_run_the_streaming_decode_in_place(sink, window, bs):
+    """step_plan.window_rows: vLLM's CPU kernel over the pool's own blocks, with the virtual
+    block rows and seq_lens it builds and a sliding window of sink + window + 1, gives each
+    decode query exactly plain softmax attention over [0, sink), [q - W, q) and q (GQA); rows
+    of any length in one call, short rows (q - W <= sink: all of [0, q]) among them, blocks
+    scattered in the pool, every other slot of a row's blocks holding other numbers."""
+    from vllm import _custom_ops as ops
+    from vllm import envs
+
+    from vllm_kvevict.integration.streaming.step_plan import build_step_plan, window_rows
+
+    torch.manual_seed(0)
+    heads, g, d, n = 3, 3, 64, 1100
+    qs = [window + sink - 5, window + sink, window + sink + 1, window + 2 * bs - 1, 700, 1099]
+    plan = build_step_plan(qs, [1] * len(qs), sink, window, bs, [q - 3 for q in qs], chunk=256)
+    assert plan.decode_q.tolist() == qs
+    nb = -(-n // bs)
+    table = (torch.randperm(2 * nb * len(qs))[:nb * len(qs)] + 1).view(len(qs), nb).to(torch.int32)
+    cache = torch.randn(2 * nb * len(qs) + 1, heads, 2 * bs, d)  # slots not written: noise
+    key_cache, value_cache = cache.chunk(2, dim=2)
+    K, V = torch.randn(len(qs), n, heads, d), torch.randn(len(qs), n, heads, d)
+    for r in range(len(qs)):
+        slots = table[r, torch.arange(qs[r] + 1) // bs].long() * bs + torch.arange(qs[r] + 1) % bs
+        ops.cpu_attn_reshape_and_cache(K[r, :qs[r] + 1], V[r, :qs[r] + 1], key_cache,
+                                       value_cache, slots, "vec", k_scale=1.0, v_scale=1.0,
+                                       kv_cache_dtype="auto")
+    cols, seq_lens = window_rows(plan.decode_q, sink, window, bs)
+    rows = torch.gather(table, 1, cols).contiguous()
+    query = torch.randn(len(qs), heads * g, d)
+    win, q_start = sink + window + 1, plan.query_start_loc
+    sched = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(qs), num_heads=heads * g, num_kv_heads=heads, head_dim=d,
+        seq_lens=seq_lens, dtype=torch.float32, query_start_loc=q_start, causal=True,
+        sliding_window_size=win, isa="vec", enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+        dynamic_causal=None, kv_cache_dtype="auto")
+    out = torch.empty_like(query)
+    ops.cpu_attention_with_kv_cache(
+        query=query, key_cache=key_cache, value_cache=value_cache, output=out,
+        query_start_loc=q_start, seq_lens=seq_lens, scale=d ** -0.5, causal=True,
+        alibi_slopes=None, sliding_window=win, block_table=rows, softcap=0.0,
+        scheduler_metadata=sched, s_aux=None, dynamic_causal=None)
+    for r, q in enumerate(qs):
+        p = torch.arange(q + 1)
+        seen = p[(p < sink) | (p >= q - window)]
+        for j in range(heads * g):
+            w = torch.softmax(K[r, seen, j // g] @ query[r, j] * d ** -0.5, dim=0)
+            torch.testing.assert_close(out[r, j], w @ V[r, seen, j // g], atol=1e-5, rtol=1e-5,
+                                       msg=lambda m: f"row {r} q {q}: {m}")
+
+
+@pytest.mark.served_release
 def test_vllm_cpu_kernel_reads_a_block_outer_cache_exactly():
     """Pool storage declares vLLM's block-outer layout (BLHNC): a layer's blocks are strided by
     the whole block (every layer's pages), not by its own page. vLLM's CPU reshape-and-cache

@@ -5,7 +5,9 @@ is vLLM's own, so `full` is stock vLLM bit for bit. With a head mask, per layer:
   - full heads: vLLM's kernel over the paged cache, which holds only those heads;
   - streaming heads: vLLM's kernel over a scratch paged cache laid out as
     [sink | window | chunk] per request from their blocks in vLLM's pool (`step_plan.py`,
-    `paged_layout.lay_out_from_pool`);
+    `paged_layout.lay_out_from_pool`); a decode step whose sink is whole blocks runs the kernel
+    in place over the pool's blocks instead (`step_plan.window_rows`), one with a partial sink
+    block attends over its window read back (`paged_layout.decode_window`);
   - a layer whose heads are all full takes the stock path unchanged.
 With token eviction (snapkv, pyramidkv, or a head mask's full heads under `--kv-token-policy`)
 the paged heads attend over their compacted past and each prefill chunk is compressed after.
@@ -23,8 +25,8 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
 
 from vllm_kvevict.integration.fp8 import is_fp8
 from vllm_kvevict.integration.paged_layout import (POOL_LAYOUTS, decode_window,
-                                                   lay_out_from_pool, paged_layout)
-from vllm_kvevict.integration.streaming.step_plan import decode_attention
+                                                   lay_out_from_pool, paged_layout, store_step)
+from vllm_kvevict.integration.streaming.step_plan import decode_attention, window_rows
 from vllm_kvevict.integration.token_eviction.decode_eviction import compress_decode
 from vllm_kvevict.integration.token_eviction.token_eviction_worker import compress_chunks
 from vllm_kvevict.integration.worker import get_state, init_state
@@ -119,9 +121,30 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
         if not plan.valid:  # profiling / warm-up runs without real requests
             return out
         keys, values = key[:, stream_kv], value[:, stream_kv]
-        if plan.decode_pos is not None and not is_fp8(self.kv_cache_dtype) \
-                and self.alibi_slopes is None and not self.logits_soft_cap \
-                and self.sliding_window in (None, -1):
+        plain = not is_fp8(self.kv_cache_dtype) and self.alibi_slopes is None \
+            and not self.logits_soft_cap and self.sliding_window in (None, -1)
+        config, bs = state.config, state.block_size
+        if plan.decode_q is not None and plain and config.sink % bs == 0 \
+                and config.window >= bs:
+            # one decode query per row, sink in whole blocks: vLLM's kernel in place over the
+            # pool's blocks (`step_plan.window_table`), nothing read back
+            meta, key_cache, value_cache = store_step(self, layer, keys, values)
+            cache = plan.kernel_schedules
+            if "window-rows" not in cache:  # once per step
+                cache["window-rows"] = window_rows(plan.decode_q, config.sink, config.window, bs)
+            cols, seq_lens = cache["window-rows"]
+            table = cache.get(("window-table", id(meta.block_table)))  # once per group
+            if table is None:
+                table = cache[("window-table", id(meta.block_table))] = torch.gather(
+                    meta.block_table[:len(cols)], 1, cols).contiguous()
+            window = config.sink + config.window + 1
+            sched = self._schedule(layer, cache, ("window-kernel", len(stream_kv)), plan.num_reqs,
+                                   len(stream_q), len(stream_kv), seq_lens,
+                                   plan.query_start_loc, query.dtype, window)
+            self._kernel(layer, query[:, stream_q], (key_cache, value_cache), out,
+                         plan.query_start_loc, seq_lens, table, sched, window)
+            return out
+        if plan.decode_pos is not None and plain:
             # one decode query per row: attention on the window read back, no scratch cache
             k, v = decode_window(self, layer, plan, keys, values)
             return decode_attention(query[:, stream_q], k, v, self.scale)
@@ -220,12 +243,16 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
         return kv_cache.view(num_blocks, num_kv_heads, block_size * 2, -1).chunk(2, dim=2)
 
     def _kernel(self, layer, query, kv_cache, out, query_start_loc, seq_lens, block_table,
-                scheduler_metadata) -> None:
-        key_cache, value_cache = self._split(kv_cache)
+                scheduler_metadata, sliding_window: int | None = None) -> None:
+        """vLLM's CPU kernel; `kv_cache`: the layer's cache or an already split (K, V)
+        pair; `sliding_window`: the layer's by default."""
+        key_cache, value_cache = kv_cache if isinstance(kv_cache, tuple) else \
+            self._split(kv_cache)
         ops.cpu_attention_with_kv_cache(
             query=query, key_cache=key_cache, value_cache=value_cache, output=out,
             query_start_loc=query_start_loc, seq_lens=seq_lens, scale=self.scale, causal=True,
-            alibi_slopes=self.alibi_slopes, sliding_window=self.sliding_window,
+            alibi_slopes=self.alibi_slopes,
+            sliding_window=self.sliding_window if sliding_window is None else sliding_window,
             block_table=block_table, softcap=self.logits_soft_cap,
             scheduler_metadata=scheduler_metadata, s_aux=None, dynamic_causal=None,
             k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
@@ -243,7 +270,7 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
         return cache
 
     def _schedule(self, layer, cache: dict, key, num_reqs, num_q_heads, num_kv_heads, seq_lens,
-                  query_start_loc, dtype):
+                  query_start_loc, dtype, sliding_window: int | None = None):
         """vLLM's kernel work split for these rows and head counts, built once per `key` in
         `cache` (a step's plan or metadata)."""
         sched = cache.get(key)
@@ -252,7 +279,8 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
                 num_reqs=num_reqs, num_heads=num_q_heads, num_kv_heads=num_kv_heads,
                 head_dim=self.head_size, seq_lens=seq_lens, dtype=dtype,
                 query_start_loc=query_start_loc, causal=True,
-                sliding_window_size=self.sliding_window, isa=layer.isa,
+                sliding_window_size=self.sliding_window if sliding_window is None
+                else sliding_window, isa=layer.isa,
                 enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None,
                 kv_cache_dtype=self.kv_cache_dtype)
         return sched

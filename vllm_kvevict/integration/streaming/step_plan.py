@@ -18,6 +18,10 @@ streaming companion, its blocks freed as the window moves). Each step, per layer
      runs causally over it: it places query i at seq_len - q_len + i. A prefill chunk is one
      row of its c queries (exactly the chunk's streaming mask); each decode query of a
      multi-query step is a row of its own with one query, holding only what that query sees.
+A step of decode queries only skips both when the sink is whole blocks: vLLM's kernel then
+reads the pool's blocks in place through a virtual block row per query and a sliding window
+(`window_rows`); otherwise the window is read back and attended without a scratch cache
+(`paged_layout.decode_window`, `decode_attention`).
 The index bookkeeping (`StepPlan`) is computed once per engine step and shared by all layers.
 """
 
@@ -50,6 +54,8 @@ class StepPlan:
     # every kernel row is one decode query seeing the same number of tokens: [B, P + 1]
     # positions, its sink + window then itself (`decode_attention`, no scratch cache); or None
     decode_pos: torch.Tensor | None = None
+    # every kernel row is one decode query: its position (rows of any length), or None
+    decode_q: torch.Tensor | None = None
     # vLLM kernel work schedules for this step, per streaming-head count (filled lazily)
     kernel_schedules: dict = field(default_factory=dict)
 
@@ -143,17 +149,48 @@ def build_step_plan(computed: list[int], query_lens: list[int], sink: int, windo
     for r, b in enumerate(blocks):
         table[r, : len(b)] = torch.tensor(b, dtype=torch.int32)
     cat = lambda xs: torch.cat(xs).long() if xs else torch.zeros(0, dtype=torch.long)
-    decode_pos = None
-    if decode_only and num_rows and len(set(seq_lens)) == 1:
-        decode_pos = torch.cat([cat(prefix_pos).view(num_rows, -1),
-                                torch.tensor(query_pos)[:, None]], dim=1)
+    decode_pos = decode_q = None
+    if decode_only and num_rows:
+        decode_q = torch.tensor(query_pos)
+        if len(set(seq_lens)) == 1:
+            decode_pos = torch.cat([cat(prefix_pos).view(num_rows, -1), decode_q[:, None]], dim=1)
     return StepPlan(num_reqs=num_rows, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
                     query_start_loc=torch.tensor(q_start, dtype=torch.int32),
                     block_table=table, scratch_slots=cat(scratch_slots),
                     prefix_dst=cat(prefix_dst), prefix_pos=cat(prefix_pos),
                     prefix_row=cat(prefix_row), chunk_dst=cat(chunk_dst),
                     chunk_src=cat(chunk_src), max_seq_len=max(seq_lens, default=0),
-                    decode_pos=decode_pos)
+                    decode_pos=decode_pos, decode_q=decode_q)
+
+
+def window_rows(q: torch.Tensor, sink: int, window: int,
+                block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block columns [rows, n] and seq_lens [rows] with which vLLM's CPU kernel, given a
+    sliding window of `sink + window + 1` tokens, computes exactly a decode query's streaming
+    attention in place over the pool's blocks (no copy): row r's kernel block row is its block
+    table at these columns (the same for every KV-cache group of the step). Needs
+    `sink % block_size == 0` and `window >= block_size`.
+
+    Row r's query at position q sees [0, sink), [q - W, q) and itself. If q - W <= sink that is
+    [0, q]: the row's own blocks, seq_len q + 1. Otherwise the virtual row is
+    [block of q - W | the sink's blocks | the blocks after, up to q's]: every block whole but
+    the first (its tokens before q - W are left of the window: the kernel's sliding window,
+    counted from the query as the row's last token, masks exactly them, since o + sink + W + 1
+    tokens with o = (q - W) % block_size precede and include the query) and the last, q's
+    own (W >= block_size: not the first; seq_len stops at q). The kernel's softmax does not
+    depend on the order of the keys."""
+    bs, ns = block_size, sink // block_size
+    lo = q - window
+    long_row = lo > sink
+    b0, last = lo.clamp(min=0) // bs, q // bs
+    seq = torch.where(long_row, lo % bs + sink + window + 1, q + 1)
+    count = torch.where(long_row, 1 + ns + last - b0, last + 1)
+    j = torch.arange(int(count.max()))[None, :]
+    cols = torch.where(long_row[:, None],
+                       torch.where(j == 0, b0[:, None],
+                                   torch.where(j <= ns, j - 1, b0[:, None] + j - ns)), j)
+    # past a row's count: any block of its own (the kernel reads no block past seq_len)
+    return torch.minimum(cols, last[:, None]), seq.to(torch.int32)
 
 
 def lay_out_rows(plan: StepPlan, past: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
