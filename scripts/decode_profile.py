@@ -33,7 +33,7 @@ I = be.KVEvictAttentionImpl
 wrap(I, "forward", "forward"); wrap(I, "_kernel", "kernel"); wrap(I, "_streaming", "streaming")
 wrap(I, "do_kv_cache_update", "kv_update")
 wrap(be, "decode_window", "decode_window"); wrap(be, "decode_attention", "decode_attention")
-wrap(be, "store_step", "store_step")
+wrap(be, "decode_in_place", "decode_in_place")
 wrap(be.KVEvictMetadataBuilder, "build", "meta_build")
 import vllm.v1.attention.backends.cpu_attn as cpu_attn
 wrap(cpu_attn.CPUAttentionBackendImpl, "forward", "vllm_forward")  # (stock; a head mask's all-full layers)

@@ -346,6 +346,20 @@ def test_canonical_chunks_split_a_step_that_crosses_one():
     assert pos[20:] == [0, 1, 2, 3, *range(92, 100)] and lens[2] == 4 + 8 + 1
 
 
+def test_the_start_up_hint_names_the_block_size_that_decodes_in_place():
+    """worker.in_place_hint: silent when the sink is whole blocks and the window at least one;
+    otherwise it says why and names a block size that would do (none if none would)."""
+    from vllm_kvevict.integration.worker import in_place_hint
+
+    assert in_place_hint(64, 256, 64) is None and in_place_hint(128, 1024, 128) is None
+    assert in_place_hint(0, 256, 128) is None
+    hint = in_place_hint(64, 256, 128)
+    assert "sink (64) is not whole 128-token blocks" in hint and "--block-size 64" in hint
+    assert "--block-size 32" in in_place_hint(32, 32, 128)
+    assert "window (64) is shorter than a 128-token block" in in_place_hint(128, 64, 128)
+    assert "--block-size" not in in_place_hint(16, 64, 32)
+
+
 def test_a_uniform_decode_step_gets_its_rows_windows_and_their_attention():
     """step_plan.decode_pos: a step whose rows are all one decode query seeing as many tokens
     gives each row its sink + window then itself (the fast path of

@@ -24,12 +24,13 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
                                                  CPUAttentionMetadataBuilder)
 
 from vllm_kvevict.integration.fp8 import is_fp8
-from vllm_kvevict.integration.paged_layout import (POOL_LAYOUTS, decode_window,
-                                                   lay_out_from_pool, paged_layout, store_step)
-from vllm_kvevict.integration.streaming.step_plan import decode_attention, window_rows
+from vllm_kvevict.integration.paged_layout import (POOL_LAYOUTS, decode_in_place,
+                                                   decode_window, lay_out_from_pool,
+                                                   paged_layout)
+from vllm_kvevict.integration.streaming.step_plan import decode_attention
 from vllm_kvevict.integration.token_eviction.decode_eviction import compress_decode
 from vllm_kvevict.integration.token_eviction.token_eviction_worker import compress_chunks
-from vllm_kvevict.integration.worker import get_state, init_state
+from vllm_kvevict.integration.worker import get_state, in_place_hint, init_state
 
 
 def _layer_index(layer) -> int:
@@ -123,26 +124,12 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
         keys, values = key[:, stream_kv], value[:, stream_kv]
         plain = not is_fp8(self.kv_cache_dtype) and self.alibi_slopes is None \
             and not self.logits_soft_cap and self.sliding_window in (None, -1)
-        config, bs = state.config, state.block_size
-        if plan.decode_q is not None and plain and config.sink % bs == 0 \
-                and config.window >= bs:
+        if plan.decode_q is not None and plain and in_place_hint(
+                state.config.sink, state.config.window, state.block_size) is None:
             # one decode query per row, sink in whole blocks: vLLM's kernel in place over the
-            # pool's blocks (`step_plan.window_table`), nothing read back
-            meta, key_cache, value_cache = store_step(self, layer, keys, values)
-            cache = plan.kernel_schedules
-            if "window-rows" not in cache:  # once per step
-                cache["window-rows"] = window_rows(plan.decode_q, config.sink, config.window, bs)
-            cols, seq_lens = cache["window-rows"]
-            table = cache.get(("window-table", id(meta.block_table)))  # once per group
-            if table is None:
-                table = cache[("window-table", id(meta.block_table))] = torch.gather(
-                    meta.block_table[:len(cols)], 1, cols).contiguous()
-            window = config.sink + config.window + 1
-            sched = self._schedule(layer, cache, ("window-kernel", len(stream_kv)), plan.num_reqs,
-                                   len(stream_q), len(stream_kv), seq_lens,
-                                   plan.query_start_loc, query.dtype, window)
-            self._kernel(layer, query[:, stream_q], (key_cache, value_cache), out,
-                         plan.query_start_loc, seq_lens, table, sched, window)
+            # pool's blocks, nothing read back
+            decode_in_place(self, layer, plan, state.config, query[:, stream_q], keys, values,
+                            out)
             return out
         if plan.decode_pos is not None and plain:
             # one decode query per row: attention on the window read back, no scratch cache

@@ -22,7 +22,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from vllm_kvevict.integration.fp8 import grid_values, is_fp8
 from vllm_kvevict.integration.streaming.sink_window import COMPANION_SUFFIX
-from vllm_kvevict.integration.streaming.step_plan import lay_out_visible
+from vllm_kvevict.integration.streaming.step_plan import lay_out_visible, window_rows
 
 
 # Index digits written per probe pass: small integers, exact in the model's float dtypes (base
@@ -206,3 +206,27 @@ def decode_window(impl, layer, plan, keys, values):
     # the decode rows' own tokens are the step's tokens in batch order (`chunk_src`)
     k[:, :, -1], v[:, :, -1] = keys[:B].transpose(0, 1), values[:B].transpose(0, 1)
     return k, v
+
+
+def decode_in_place(impl, layer, plan, config, query, keys, values, out) -> None:
+    """A `decode_q` step (one decode query per row, rows of any length) whose sink is whole
+    blocks: the step's K/V written to the pool (`store_step`), then vLLM's kernel in place over
+    the group's pool blocks into `out`, through `step_plan.window_rows`'s virtual block rows
+    (columns once per step, each group's rows once per step) and a sliding window of
+    sink + W + 1 tokens; nothing is read back."""
+    meta, key_cache, value_cache = store_step(impl, layer, keys, values)
+    cache = plan.kernel_schedules
+    if "window-rows" not in cache:
+        cache["window-rows"] = window_rows(plan.decode_q, config.sink, config.window,
+                                           key_cache.shape[2])
+    cols, seq_lens = cache["window-rows"]
+    table = cache.get(("window-table", id(meta.block_table)))
+    if table is None:
+        table = cache[("window-table", id(meta.block_table))] = torch.gather(
+            meta.block_table[:len(cols)], 1, cols).contiguous()
+    window, heads = config.sink + config.window + 1, keys.shape[1]
+    sched = impl._schedule(layer, cache, ("window-kernel", heads), plan.num_reqs,
+                           query.shape[1], heads, seq_lens, plan.query_start_loc, query.dtype,
+                           window)
+    impl._kernel(layer, query, (key_cache, value_cache), out, plan.query_start_loc, seq_lens,
+                 table, sched, window)

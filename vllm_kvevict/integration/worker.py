@@ -195,7 +195,23 @@ def init_state(vllm_config) -> WorkerState | None:
         chunk=canonical_chunk(vllm_config), flex=served.config.attention_backend == "flex",
         token=TokenEvictionWorker(served.policy, block_size, for_request=served.for_request)
         if served.policy.evicts_tokens else None)
+    hint = in_place_hint(served.config.sink, served.config.window, block_size)
+    if _state.in_pool and not _state.flex and hint and rank == 0:
+        logger.info("vllm-kvevict: %s", hint)
     return _state
+
+
+def in_place_hint(sink: int, window: int, block_size: int) -> str | None:
+    """What to pass for the streaming heads' decode to run in place over the pool
+    (`step_plan.window_rows`: sink in whole blocks, window >= a block), when it does not."""
+    if sink % block_size == 0 and window >= block_size:
+        return None
+    fits = [b for b in (128, 64, 32) if sink % b == 0 and window >= b]
+    why = (f"the sink ({sink}) is not whole {block_size}-token blocks" if sink % block_size
+           else f"the window ({window}) is shorter than a {block_size}-token block")
+    return (f"decode reads each streaming head's sink + window back from the pool every step: "
+            f"{why}" + (f"; --block-size {fits[0]} lets vLLM's kernel read them in place"
+                        if fits else ""))
 
 
 # -- the model runner (vLLM's CPU worker builds its runner inline: KVEvictWorker.init_device
