@@ -30,7 +30,7 @@ from vllm_kvevict.integration.paged_layout import (POOL_LAYOUTS, decode_in_place
 from vllm_kvevict.integration.streaming.step_plan import decode_attention
 from vllm_kvevict.integration.token_eviction.decode_eviction import compress_decode
 from vllm_kvevict.integration.token_eviction.token_eviction_worker import compress_chunks
-from vllm_kvevict.integration.worker import get_state, in_place_hint, init_state
+from vllm_kvevict.integration.worker import get_state, init_state
 
 
 def _layer_index(layer) -> int:
@@ -124,8 +124,7 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
         keys, values = key[:, stream_kv], value[:, stream_kv]
         plain = not is_fp8(self.kv_cache_dtype) and self.alibi_slopes is None \
             and not self.logits_soft_cap and self.sliding_window in (None, -1)
-        if plan.decode_q is not None and plain and in_place_hint(
-                state.config.sink, state.config.window, state.block_size) is None:
+        if plan.decode_q is not None and plain and state.in_place:
             # one decode query per row, sink in whole blocks: vLLM's kernel in place over the
             # pool's blocks, nothing read back
             decode_in_place(self, layer, plan, state.config, query[:, stream_q], keys, values,

@@ -32,6 +32,7 @@ class WorkerState:
     block_size: int
     chunk: int = 0  # the canonical prefill chunk (sink_window.canonical_chunk; 0: the step)
     flex: bool = False  # --kv-attention-backend flex (integration/flex_attention.py)
+    in_place: bool = False  # decode runs in place over the pool (`in_place_hint` is None)
     step: int = 0
     runner: object = None
     token: TokenEvictionWorker | None = None
@@ -196,6 +197,7 @@ def init_state(vllm_config) -> WorkerState | None:
         token=TokenEvictionWorker(served.policy, block_size, for_request=served.for_request)
         if served.policy.evicts_tokens else None)
     hint = in_place_hint(served.config.sink, served.config.window, block_size)
+    _state.in_place = hint is None
     if _state.in_pool and not _state.flex and hint and rank == 0:
         logger.info("vllm-kvevict: %s", hint)
     return _state
