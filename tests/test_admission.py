@@ -49,8 +49,9 @@ async def complete_all(base_url: str, prompts: list[list[int]]) -> list[dict]:
 @pytest.mark.parametrize("policy, pool_mib", [
     # 64 MiB with the shipped 0.7 mask: vLLM would admit all 6 prompts (their prompt blocks
     # fit), their growth does not fit in every group
+    # (slow tier: CI's budget; CI runs a head mask's forced preemption below)
     pytest.param({"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64}, 64,
-                 id="prulong"),
+                 id="prulong", marks=pytest.mark.slow),
     # token eviction: 100 MiB = 17 blocks of all 30 layers x 3 KV heads (vLLM's minimum for
     # the 2048-token model length); a request needs 4 blocks at its largest
     # (slow tier: CI runs token eviction's forced preemption below)
@@ -82,13 +83,15 @@ SLOW = pytest.mark.slow  # the rest of the compatibility matrix's preemption row
 @pytest.mark.parametrize("policy, pool_mib, max_len", [
     # 11 blocks (vLLM's minimum for 1024 tokens is 8): several requests preempted, in
     # prefill and in decode
+    # (slow tier, with decode-time eviction's: CI's budget; test_reliability's token-eviction
+    # soak preempts in CI)
     pytest.param({"policy": "snapkv", "sparsity": 0.9, "eviction": "patched"}, 64, 1024,
-                 id="snapkv"),
+                 id="snapkv", marks=SLOW),
     # decode-time eviction: a preempted request's recompute compresses at the same generated
     # lengths with the same decode queries
     pytest.param({"policy": "snapkv", "sparsity": 0.5, "eviction": "naive",
                   "decode_budget": 96, "decode_interval": 32, "obs_window": 16}, 64, 1024,
-                 id="snapkv-decode"),
+                 id="snapkv-decode", marks=SLOW),
     # stock vLLM's recompute (prefix caching on): 46 KiB of KV per token
     pytest.param({"policy": "full"}, 64, 1024, id="full", marks=SLOW),
     # a head mask (canonical chunks, prefix caching on): vLLM preempts and frees every

@@ -27,9 +27,9 @@ PROMPT_LENGTHS = (700, 1600)
 
 @pytest.mark.server
 @pytest.mark.parametrize("case", [  # CI: one per mechanism; the rest in the slow tier (and
-    "full", "prulong-0.7", "pyramidkv-patched-0.7",  # docs/results/flex's policy matrix)
+    "prulong-0.7", "pyramidkv-patched-0.7",  # docs/results/flex's policy matrix)
     *(pytest.param(c, marks=pytest.mark.slow) for c in (
-        "streaming", "duo-0.3", "snapkv-naive-0.5", "snapkv-patched-0.5",
+        "full", "streaming", "duo-0.3", "snapkv-naive-0.5", "snapkv-patched-0.5",
         "pyramidkv-naive-0.5-tiers3"))])
 def test_flex_matches_reference(case, bundled_model_dir, tokenizer, hf_model):
     policy, chunk = CASES[case]

@@ -129,9 +129,11 @@ def test_chunked_mixed_batch_matches_reference_at_served_boundaries(case, bundle
     assert irregular, "the batch never split a chunk: this test checked nothing new"
 
 
-# (snapkv naive in a mixed batch: test_eviction_chunk_over_several_steps_matches_reference)
-@pytest.mark.parametrize("case", ["prulong-0.7", pytest.param(  # pyramidkv's batch: chunked test
-    "pyramidkv-patched-0.7", marks=pytest.mark.slow)])
+# (snapkv naive in a mixed batch: test_eviction_chunk_over_several_steps_matches_reference;
+# prulong in the slow tier: CI's budget, test_pool_storage batches it in CI)
+@pytest.mark.parametrize("case", [pytest.param("prulong-0.7", marks=pytest.mark.slow),
+                                  pytest.param(  # pyramidkv's batch: chunked test
+                                      "pyramidkv-patched-0.7", marks=pytest.mark.slow)])
 def test_mixed_batch_equals_each_alone(case, bundled_model_dir, tokenizer, hf_model):
     policy, _ = CASES[case]
     check_mixed_batch(start_server(bundled_model_dir, flags(policy, 8192)), policy,
@@ -175,7 +177,9 @@ def served_top_logprobs(base_url: str, prompt, k: int = 20) -> tuple[str, dict[i
             r.model_extra["kv_stats"])
 
 
-@pytest.mark.parametrize("case", list(DECOUPLED))
+# (pyramidkv in the slow tier: CI's budget; its patched chunks run in the chunked test above)
+@pytest.mark.parametrize("case", [c if c == "snapkv-naive-0.7" else
+                                  pytest.param(c, marks=pytest.mark.slow) for c in DECOUPLED])
 def test_eviction_chunk_over_several_steps_matches_reference(case, bundled_model_dir, tokenizer,
                                                              hf_model):
     policy, budget = DECOUPLED[case], 128

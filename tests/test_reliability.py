@@ -104,8 +104,8 @@ async def chat_burst(base_url: str, rng: random.Random, n: int = 30) -> tuple[in
     return n, missing
 
 
-@pytest.mark.parametrize("round_", [1, pytest.param(2, marks=pytest.mark.slow),
-                                    pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.slow  # CI's budget (286 s on CI): test_operator_view's concurrent cancellations run in CI
+@pytest.mark.parametrize("round_", [1, 2, 3])
 def test_every_response_carries_kv_stats_on_a_saturated_engine(head_mask_server, round_):
     server = head_mask_server
     before = kv_stats_summary(server)["aggregates"].get("requests_per_finish_reason", {})
@@ -202,9 +202,9 @@ def soak(mechanism, bundled_model_dir, request, num_requests: int, seed: int):
                     long_tokens=long_tokens, progress=False)
 
 
-# (the hybrid's soak, 226 s on a slow CI machine, in the slow tier: it runs the code of both
-# mechanisms soaked in CI)
-@pytest.mark.parametrize("mechanism", [m if m != "hybrid" else
+# (CI soaks token eviction, ~200 s on a CI machine; the head-mask and hybrid soaks are in the
+# slow tier: CI's budget)
+@pytest.mark.parametrize("mechanism", [m if m == "token-eviction" else
                                        pytest.param(m, marks=pytest.mark.slow) for m in SOAKS])
 def test_soak(mechanism, bundled_model_dir, request):
     result = soak(mechanism, bundled_model_dir, request, CI_SOAK_REQUESTS, seed=1)
@@ -260,6 +260,7 @@ def engine_holds(base_url: str, n: int, timeout_s: float = 300.0) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.slow  # CI's budget (116 s on CI)
 def test_sigterm_under_load_drains_and_exits_zero(bundled_model_dir):
     """SIGTERM with 8 requests in the engine: they finish with their kv_stats (vLLM's drain);
     2 more sent during the drain are refused by vLLM's engine (finish_reason abort, never
@@ -296,7 +297,7 @@ def test_sigterm_under_load_drains_and_exits_zero(bundled_model_dir):
             assert status is None and "ConnectError" in body, body
 
 
-@pytest.mark.parametrize("process", ["Worker", "EngineCore"])
+@pytest.mark.parametrize("process", [pytest.param("Worker", marks=pytest.mark.slow), "EngineCore"])
 def test_killed_engine_process_ends_the_server_with_an_error_status(process, bundled_model_dir):
     """vLLM notices the death and shuts down (no hang), but exits 0 as after a requested
     stop; server/lifecycle.py makes it one log line and status 70."""
