@@ -57,7 +57,8 @@ TP_IDS = {"full": "kv4-full", "streaming": "kv4-streaming", "duo 0.3": "kv4-duo-
           "snapkv patched": "kv4-snapkv-patched-0.5",
           "pyramidkv naive": "kv4-pyramidkv-naive-0.5-tiers2",
           "pyramidkv patched": "kv4-pyramidkv-patched-0.7",
-          DECODE: "kv4-snapkv-naive-0.5-decode"}
+          DECODE: "kv4-snapkv-naive-0.5-decode",
+          HYBRID: "kv4-hybrid-prulong-0.5-snapkv-patched-0.5"}
 TP_CI = ("prulong 0.7",)  # CI's budget: data parallelism runs token eviction in CI
 # tests/test_data_parallel.py: the same tiny model and policies as tensor parallel
 DP_IDS = {column: test_id.removeprefix("kv4-") for column, test_id in TP_IDS.items()}
@@ -93,7 +94,7 @@ def each(status: str, test: str, columns=tuple(COLUMNS), why: str = "",
 
 SPEC_IDS = {**COLUMNS, "pyramidkv naive": "pyramidkv-naive-0.5"}
 SLOW_SPEC = ("full", "pyramidkv naive", "duo 0.3", "streaming", "snapkv naive",
-             "pyramidkv patched")  # CI: a head mask and patched token eviction (CI's budget)
+             "snapkv patched", "pyramidkv patched")  # CI: a head mask (CI's budget)
 ADMISSION = "tests/test_admission.py::"
 ADMISSION_IDS = {"full": "full", "streaming": "streaming", "duo 0.3": "duo",
                  "prulong 0.7": "prulong", "snapkv naive": "snapkv-naive",
@@ -259,13 +260,15 @@ ROWS = [
     Row("tensor parallel (`--tensor-parallel-size 2`)",
         {**{c: Cell("exact", (("" if c in TP_CI else "(s)")
                               + "tests/test_tensor_parallel.py::"
-                              f"test_tp2_serves_the_reference_tokens[{TP_IDS[c]}]",),
-                    "when the ranks split the KV heads evenly (else refused: "
+                              f"test_tp2_serves_the_reference_tokens[{TP_IDS[c]}]",
+                              *(("(s)tests/test_tensor_parallel.py::test_tp2_serves_the_reference"
+                                 "_tokens[kv1-replicated-prulong-0.7]",)
+                                if c == "prulong 0.7" else ())),
+                    "when the ranks split the KV heads evenly; with fewer KV heads than ranks "
+                    "(vLLM replicates them) head masks and full are served, token eviction is "
+                    "refused (a rank holds only its share of a replicated head's queries: "
                     "tests/test_features.py::test_parallel_layouts)")
-            for c in COLUMNS if c != HYBRID},
-         HYBRID: Cell("refused", (HYBRID_TEST + "test_hybrid_refuses_what_it_is_not_tested_with",
-                                  f"tests/test_features.py::test_parallel_layouts"
-                                  f"[{COLUMNS[HYBRID]}]"), HYBRID_UNTESTED)}),
+            for c in COLUMNS}}),
     Row("data parallel (`--data-parallel-size 2 --api-server-count 1`)",
         {**{c: Cell("exact", (("" if c in DP_CI else "(s)")
                               + "tests/test_data_parallel.py::"
@@ -273,9 +276,7 @@ ROWS = [
                               "tests/test_features.py::test_vllm_serve_refuses[dp-api-servers]"),
                     "one engine core per replica, kv_stats naming it; vLLM's default of one API "
                     "server per replica is refused (the kv_stats store lives in one)")
-            for c in COLUMNS if c != HYBRID},
-         HYBRID: Cell("refused", (f"tests/test_features.py::test_parallel_layouts"
-                                  f"[{COLUMNS[HYBRID]}]",), HYBRID_UNTESTED)}),
+            for c in COLUMNS}}),
     Row("pipeline parallel (> 1)",
         {c: Cell("refused", (f"tests/test_features.py::test_parallel_layouts[{COLUMNS[c]}]",
                              "tests/test_features.py::test_vllm_serve_refuses[pp]"),

@@ -69,20 +69,22 @@ def test_parallel_layouts(name):
         f"--api-server-count 2 is not supported with --kv-policy {cfg.policy}: kv_stats "
         "lookups, the live view and the vllm_kvevict_* series live in one API-server process "
         "(vLLM defaults the count to --data-parallel-size); valid: 1")
-    if cfg.is_hybrid:  # not tested under tensor / data parallel yet (tests/test_hybrid.py)
-        assert parallel_error(cfg, {"tensor_parallel_size": 2}, 4) == (
-            "--tensor-parallel-size 2 is not supported with --kv-token-policy yet (not tested "
-            "against the reference); valid: 1")
-        assert parallel_error(cfg, {"data_parallel_size": 2}, 4) == (
-            "--data-parallel-size 2 is not supported with --kv-token-policy yet (not tested "
-            "against the reference); valid: 1")
-        return
     assert parallel_error(cfg, {"data_parallel_size": 2}, 4) is None
     assert parallel_error(cfg, {"tensor_parallel_size": 2}, 4) is None
     assert parallel_error(cfg, {"tensor_parallel_size": 4}, 4) is None
     assert parallel_error(cfg, {"tensor_parallel_size": 2}, 3) == (
         "--tensor-parallel-size 2 does not divide the model's 3 KV heads (vLLM would replicate "
         f"them across ranks); valid with --kv-policy {cfg.policy}: 1, 3")
+    # fewer KV heads than ranks: vLLM replicates them; a head mask masks each replica, token
+    # eviction would score a replica with a share of its queries only
+    replicated = parallel_error(cfg, {"tensor_parallel_size": 2}, 1)
+    if cfg.evicts_tokens:
+        assert replicated == (
+            "--tensor-parallel-size 2 does not divide the model's 1 KV heads (vLLM would "
+            "replicate them across ranks; a rank would score a replicated head with only its "
+            f"share of the head's queries); valid with --kv-policy {cfg.policy}: 1")
+    else:
+        assert replicated is None
 
 
 @pytest.mark.parametrize("name", list(POLICIES))

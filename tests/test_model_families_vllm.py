@@ -119,6 +119,7 @@ def test_served_tokens_match_reference(case, tokenizer):
         assert gap > 1e-2, (model_dir.name, policy, float(gap))
 
 
+@pytest.mark.slow  # CI's budget (74 s on this machine)
 def test_llama31_shaped_model_serves_the_released_duo_pattern(tmp_path, tokenizer):
     """A random model with Llama-3.1-8B-Instruct's 32 layers x 8 KV heads (tiny hidden size), in
     a directory named like the HF model: `--kv-policy duo` without --kv-mask serves DuoAttention's

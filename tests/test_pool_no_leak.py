@@ -97,7 +97,8 @@ def wait_for_idle_pool(base_url: str, timeout: float = 60) -> float:
                   "--kv-decode-budget", "32", "--kv-decode-interval", "8", "--block-size", "32",
                   "--max-num-batched-tokens", "256"], 40,
                  [{}, {"kv_decode_budget": 16, "kv_decode_interval": 2},
-                  {"kv_teacher_forced": 20}], id="pyramidkv-decode"),
+                  {"kv_teacher_forced": 20}], id="pyramidkv-decode",
+                 marks=pytest.mark.slow),  # (CI's budget: the hybrid above runs in CI)
 ])
 def test_pool_is_whole_again_after_burst(bundled_model_dir, flags, num_requests, overrides):
     server = start_server(bundled_model_dir, flags)

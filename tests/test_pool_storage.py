@@ -119,6 +119,7 @@ def stats_groups(log: str) -> dict[str, int]:
     return {"full": int(m.group(1)), "streaming": int(m.group(2))}
 
 
+@pytest.mark.slow  # CI's budget (93 s on this machine)
 def test_pool_storage_without_prefix_caching_holds_the_windows_only(bundled_model_dir, tokenizer,
                                                                    hf_model):
     """`--no-enable-prefix-caching`: each step is its own chunk (as with the ring store) and a

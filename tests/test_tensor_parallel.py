@@ -16,7 +16,7 @@ import openai
 import pytest
 import torch
 
-from compat_matrix import TP_CI, TP_IDS
+from compat_matrix import HYBRID, TP_CI, TP_IDS
 from conftest import SERVED_NAME, pool_width, start_server
 from test_model_families_vllm import NEW_TOKENS, random_mask, reference
 from test_policies_vllm import flags, source_prompts
@@ -64,6 +64,24 @@ def test_world_must_divide_the_kv_heads():
         layer_heads(MASK, 3, rank=0, world=3)
 
 
+def test_replicated_kv_heads_give_each_rank_a_replica_and_its_share_of_queries():
+    """Fewer KV heads than ranks: vLLM gives rank r KV head floor(r H / world) and
+    1/(world / H) of its query heads; the replica is full or streaming as its head is."""
+    mask = torch.tensor([[True, False], [False, True]])  # 2 layers x 2 KV heads, 4 ranks
+    ranks = [layer_heads(mask, 6, rank=r, world=4) for r in range(4)]
+    for r, heads in enumerate(ranks):
+        head = r // 2
+        assert [h.num_kv_heads for h in heads] == [1, 1]
+        assert [h.queries_per_kv for h in heads] == [3, 3]
+        assert [h.streaming_kv for h in heads] == [((0,) if mask[l, head] else ())
+                                                   for l in range(2)]
+        assert [h.paged_heads for h in heads] == [1, 1]  # some rank holds a full replica
+    one = layer_heads(torch.tensor([[True], [False]]), 4, rank=1, world=2)
+    assert [(h.full_kv, h.streaming_kv, h.queries_per_kv) for h in one] == [
+        ((), (0,), 2), ((0,), (), 2)]
+    assert one[0].streaming_q.tolist() == [0, 1] and one[1].full_q.tolist() == [0, 1]
+
+
 def test_bytes_per_rank():
     # 3 blocks of 2000 bytes over both ranks: each rank holds half of every block
     layout = ByteLayout(block_size=128, group_bytes_per_block=(2000,), full_bytes_per_block=0,
@@ -90,12 +108,18 @@ TP_POLICIES = {
     # decode-time eviction: each rank compresses its own KV heads with their own queries
     "snapkv naive + decode eviction": {"policy": "snapkv", "sparsity": 0.5, "eviction": "naive",
                                        "decode_budget": 64, "decode_interval": 4},
+    # a head mask whose full heads evict tokens: each rank its slice of both (the ranks hold
+    # different numbers of full heads: the paged cache padded to the fullest rank's)
+    HYBRID: {"policy": "prulong", "sparsity": 0.5, "sink": 16, "window": 64,
+             "token_policy": "snapkv", "token_sparsity": 0.5, "eviction": "patched"},
 }
 CASES = [pytest.param((4, TP_POLICIES[column]), id=test_id,
                       marks=[] if column in TP_CI else [pytest.mark.slow])
          for column, test_id in TP_IDS.items()]
-# 2 KV heads: one per rank
+# 2 KV heads: one per rank; 1 KV head: vLLM replicates it, a replica per rank
 CASES.append(pytest.param((2, TP_POLICIES["prulong 0.7"]), id="kv2-prulong-0.7",
+                          marks=pytest.mark.slow))
+CASES.append(pytest.param((1, TP_POLICIES["prulong 0.7"]), id="kv1-replicated-prulong-0.7",
                           marks=pytest.mark.slow))
 
 
@@ -150,12 +174,14 @@ def test_tp2_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_torch_
     for prompt, stats in _served_equals_reference(server, model, model_dir, policy, tokenizer):
         per_rank = stats["kv_bytes_peak_per_rank"]
         assert len(per_rank) == 2 and sum(per_rank) == stats["kv_bytes_peak"]
-        expect_full = (model.config.num_hidden_layers * 2 * num_kv_heads * 64 * 4
+        held = max(num_kv_heads, 2)  # (one KV head: stock vLLM holds a replica per rank)
+        expect_full = (model.config.num_hidden_layers * 2 * held * 64 * 4
                        * 128 * -(-(len(prompt) + NEW_TOKENS - 1) // 128))
         assert stats["full_kv_bytes_peak"] == expect_full  # both ranks' heads
         if name == "full":
             assert stats["kv_bytes_peak"] == expect_full and per_rank[0] == per_rank[1]
         elif name in ("streaming", *HEAD_MASK_POLICIES):
+            # (the hybrid too: its full heads' groups are compacted blocks of the same pool)
             _pool_bytes_are_the_plans(server, stats)
         else:
             assert stats["kv_bytes_peak"] < expect_full and per_rank[0] == per_rank[1]

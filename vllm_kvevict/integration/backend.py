@@ -15,6 +15,8 @@ the paged heads attend over their compacted past and each prefill chunk is compr
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from vllm import _custom_ops as ops
 from vllm import envs
@@ -33,8 +35,13 @@ from vllm_kvevict.integration.token_eviction.token_eviction_worker import compre
 from vllm_kvevict.integration.worker import get_state, init_state
 
 
+@functools.lru_cache(maxsize=None)  # (parsed once per layer name, not twice per layer and step)
+def _index_of(layer_name: str) -> int:
+    return extract_layer_index(layer_name)
+
+
 def _layer_index(layer) -> int:
-    return extract_layer_index(layer.layer_name)
+    return _index_of(layer.layer_name)
 
 
 class KVEvictMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -71,6 +78,7 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
                 if not heads.full_kv:
                     return None
                 key, value = key[:, list(heads.full_kv)], value[:, list(heads.full_kv)]
+                kv_cache = kv_cache[:, :len(heads.full_kv)]  # (tensor parallel: padded spec)
             slots = plan.slots[heads.layer]
             return super().do_kv_cache_update(layer, plan.with_questions(key),
                                               plan.with_questions(value), kv_cache, slots)
@@ -125,8 +133,7 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
         plain = not is_fp8(self.kv_cache_dtype) and self.alibi_slopes is None \
             and not self.logits_soft_cap and self.sliding_window in (None, -1)
         if plan.decode_q is not None and plain and state.in_place:
-            # one decode query per row, sink in whole blocks: vLLM's kernel in place over the
-            # pool's blocks, nothing read back
+            # one decode query per row, sink in whole blocks: the kernel in place, no read-back
             decode_in_place(self, layer, plan, state.config, query[:, stream_q], keys, values,
                             out)
             return out
@@ -166,8 +173,9 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
         if heads.full_kv:
             full_q, full_kv = heads.full_q, list(heads.full_kv)
             out = output[:, full_q]
+            # (tensor parallel: this rank's full heads first, the padded spec's rest unused)
             self._paged_with_eviction(layer, plan, n, query[:, full_q], key[:, full_kv],
-                                      value[:, full_kv], kv_cache, out)
+                                      value[:, full_kv], kv_cache[:, :len(full_kv)], out)
             output[:, full_q] = out
         rows = plan.with_questions
         out = self._streaming(state, layer, heads, plan.streaming, rows(query), rows(key),
@@ -230,8 +238,8 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
 
     def _kernel(self, layer, query, kv_cache, out, query_start_loc, seq_lens, block_table,
                 scheduler_metadata, sliding_window: int | None = None) -> None:
-        """vLLM's CPU kernel; `kv_cache`: the layer's cache or an already split (K, V)
-        pair; `sliding_window`: the layer's by default."""
+        """vLLM's CPU kernel over a layer's cache or a split (K, V) pair (default window: the
+        layer's)."""
         key_cache, value_cache = kv_cache if isinstance(kv_cache, tuple) else \
             self._split(kv_cache)
         ops.cpu_attention_with_kv_cache(

@@ -9,22 +9,19 @@ heads only) and its streaming heads are a cache-only companion layer with a `Sin
 layer with no full head has no cache of its own: it is declared as sharing its companion's
 (vLLM's own cross-layer sharing), which gives it attention metadata without allocating.
 
-Per-tier block tables for token eviction: one vLLM KV-cache group per tier of layers (a group
-shares one block table per request; with one group a request holds in every layer the blocks of
-its largest layer, which wastes most of PyramidKV's savings). vLLM's hybrid allocator supports
-several groups of equal page sizes (its full + sliding-window models): each has its own block
-table and allocator, their caches alias one buffer. Each layer of tier t declares a
-`TierAttentionSpec` (`FullAttentionSpec` plus the tier); specs of different tiers refuse to
-merge, so `get_kv_cache_groups` takes its hybrid path and makes one group per tier, in layer
-order. Each group gets vLLM's `FullAttentionManager` (the registry walks the MRO), and with
-prefix caching off the coordinator is `KVCacheCoordinatorNoPrefixCache` (any number of
-groups). With a decode budget the spec also carries the policy's bounded worst case, which
-vLLM's start-up check ("one request of max_model_len fits") then uses. Ledger: `ledger.py`.
+Per-tier block tables for token eviction: one KV-cache group per tier of layers (with one group
+a request holds in every layer the blocks of its largest layer). vLLM's hybrid allocator takes
+groups of equal page sizes, each with its own block table, their caches aliasing one buffer.
+Each layer of tier t declares a `TierAttentionSpec` (`FullAttentionSpec` plus the tier); specs
+of different tiers refuse to merge, so `get_kv_cache_groups` makes one group per tier, each with
+vLLM's `FullAttentionManager` (the registry walks the MRO). A decode budget's bounded worst case
+rides on the spec for vLLM's start-up check. Ledger: `ledger.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -72,11 +69,11 @@ class LayerHeads:
         g = self.queries_per_kv
         return [h * g + i for h in kv_heads for i in range(g)]
 
-    @property
+    @functools.cached_property  # (built once: every layer reads them on every step)
     def full_q(self) -> torch.Tensor:
         return torch.tensor(self.q_heads(self.full_kv), dtype=torch.long)
 
-    @property
+    @functools.cached_property
     def streaming_q(self) -> torch.Tensor:
         return torch.tensor(self.q_heads(self.streaming_kv), dtype=torch.long)
 
@@ -85,13 +82,18 @@ def layer_heads(streaming: torch.Tensor, queries_per_kv: int, rank: int = 0,
                 world: int = 1) -> list[LayerHeads]:
     """Per-layer head split of tensor-parallel rank `rank` of `world` from a bool [L, H_kv]
     streaming mask over the model's KV heads. vLLM gives rank r the contiguous KV heads
-    [r H/world, (r + 1) H/world) (`QKVParallelLinear`; world divides H, `features.py`).
+    [r H/world, (r + 1) H/world) (`QKVParallelLinear`; world divides H, `features.py`); with
+    world a multiple of H, KV head floor(r H/world), replicated, and a share of its queries.
 
     vLLM requires every rank to declare the same KV-cache spec per layer
     (`get_kv_cache_configs`), but a mask gives ranks different numbers of full heads in a
     layer: each rank declares the most any rank holds there (full heads, and the streaming
     heads' companion caches), and a rank with fewer leaves the padding heads unused."""
     num_kv = streaming.shape[1]
+    if world > num_kv and world % num_kv == 0:  # replicated: one replica per rank
+        replicas, num_kv = world // num_kv, world
+        streaming = streaming.repeat_interleave(replicas, dim=1)
+        queries_per_kv //= replicas  # (vLLM's ranks split the query heads evenly)
     if num_kv % world:
         raise ValueError(f"{world} tensor-parallel ranks do not divide {num_kv} KV heads")
     per_rank = num_kv // world
@@ -108,9 +110,7 @@ def layer_heads(streaming: torch.Tensor, queries_per_kv: int, rank: int = 0,
 
 def paged_spec(spec, heads: LayerHeads):
     """The layer's stock spec with only its (padded) full heads (None if no rank has one)."""
-    if not heads.paged_heads:
-        return None
-    return dataclasses.replace(spec, num_kv_heads=heads.paged_heads)
+    return dataclasses.replace(spec, num_kv_heads=heads.paged_heads) if heads.paged_heads else None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -229,9 +229,8 @@ def declare_specs(runner, stock_specs, state) -> dict:
 
 
 class StreamingCacheLayer(torch.nn.Module, AttentionLayerBase):
-    """A cache-only layer holding one attention layer's streaming heads in vLLM's pool (on the
-    FlexAttention path: one of its KV heads, `head_slots`):
-    vLLM declares its spec, allocates, binds and builds
+    """A cache-only layer holding one attention layer's streaming heads in vLLM's pool (flex
+    path: one of its KV heads, `head_slots`): vLLM declares its spec, allocates, binds and builds
     metadata for it like any attention layer; the real layer's backend reads and writes it
     (the pattern of vLLM's own cache-only companion layers). Never run as a module."""
 

@@ -79,11 +79,14 @@ class RequestStatsTracker:
         spec = getattr(first, "first_spec", first)  # UniformTypeKVCacheSpecs -> a layer's spec
         kv_dtype = getattr(spec, "dtype", None) or vllm_config.model_config.dtype
         head_size = getattr(spec, "head_size", None) or shape.head_dim
-        full_bytes_per_block = (shape.num_layers * 2 * block_size * shape.num_kv_heads
-                                * head_size * _dtype_bytes(kv_dtype))
         # Tensor parallel: every rank declares the same specs (kv_cache_specs.layer_heads), so a
-        # block id ties up its bytes on each rank.
+        # block id ties up its bytes on each rank; with fewer KV heads than ranks stock vLLM
+        # holds a replica per rank
         ranks = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+        held_heads = max(shape.num_kv_heads, ranks) if ranks % shape.num_kv_heads == 0 \
+            else shape.num_kv_heads
+        full_bytes_per_block = (shape.num_layers * 2 * block_size * held_heads
+                                * head_size * _dtype_bytes(kv_dtype))
         self.layout = ByteLayout(
             block_size=block_size,
             group_bytes_per_block=tuple(ranks * b for b in
