@@ -69,7 +69,8 @@ def kv_cache_dtype_error(policy_config, cache_dtype: str | None) -> str | None:
 # eviction is refused (a rank holds only its share of a head's queries, which score it). Data parallel: one engine core per replica, each with its own policy state and
 # stats (kv_stats name the replica's rank); served with one API server (`cli.py` refuses more:
 # the kv_stats store and the live view live in one process). Pipeline parallel is not built
-# (other layers per stage): refused, full included.
+# (other layers per stage) and vLLM CPU 0.32's own fails on its first request
+# (tests/test_pipeline_parallel.py): refused, full included.
 PARALLEL_FLAGS = (("tensor_parallel_size", "--tensor-parallel-size"),
                   ("pipeline_parallel_size", "--pipeline-parallel-size"),
                   ("data_parallel_size", "--data-parallel-size"))
@@ -83,7 +84,8 @@ def parallel_error(policy_config, sizes: dict[str, int], num_kv_heads: int | Non
         size = int(sizes.get(field) or 1)
         if size != 1:
             return (f"{flag} {size} is not supported with --kv-policy {policy_config.policy} "
-                    "yet; valid: 1")
+                    "yet (not built; vLLM CPU 0.32's own pipeline parallel fails on its first "
+                    "request); valid: 1")
     tp = int(sizes.get("tensor_parallel_size") or 1)
     if tp != 1 and num_kv_heads is not None and num_kv_heads % tp:
         evicts = getattr(policy_config, "evicts_tokens", False)
