@@ -217,3 +217,22 @@ def test_tp2_flex_serves_the_reference_tokens(column, tiny_qwen3, tokenizer, one
     for _, stats in _served_equals_reference(server, model, model_dir, policy, tokenizer):
         if policy["policy"] in HEAD_MASK_POLICIES:
             _pool_bytes_are_the_plans(server, stats)
+
+
+def test_padding_script_counts_what_the_ranks_declare():
+    """scripts/tp_padding.py's "contiguous" column is `layer_heads`' padding (every rank declares
+    the layer's paged and companion heads), its "balanced" column ceil(heads / T) per layer."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "tp_padding.py"
+    spec = importlib.util.spec_from_file_location("tp_padding", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    full = ~MASK  # 3 layers x 4 KV heads: full heads per layer 3, 0, 2
+    for tp in (2, 4):
+        declared = layer_heads(MASK, 3, rank=0, world=tp)  # (the same on every rank)
+        p = script.padding(full, tp)
+        assert p["full_contiguous"] == tp * sum(h.paged_heads for h in declared) / 5
+        assert p["stream_contiguous"] == tp * sum(h.companion_heads for h in declared) / 7
+    assert script.padding(full, 2)["full_balanced"] == 2 * (2 + 0 + 1) / 5
