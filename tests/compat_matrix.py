@@ -273,9 +273,13 @@ ROWS = [
         {**{c: Cell("exact", (("" if c in DP_CI else "(s)")
                               + "tests/test_data_parallel.py::"
                               f"test_dp2_serves_the_reference_tokens_per_replica[{DP_IDS[c]}]",
-                              "tests/test_features.py::test_vllm_serve_refuses[dp-api-servers]"),
-                    "one engine core per replica, kv_stats naming it; vLLM's default of one API "
-                    "server per replica is refused (the kv_stats store lives in one)")
+                              "tests/test_features.py::test_vllm_serve_refuses[dp-api-servers]",
+                              *((f"(s)tests/test_data_parallel.py::test_dp2_serves_the_reference_"
+                                 f"tokens_per_replica[{DP_IDS[c]}-flex]",)
+                                if c in ("prulong 0.7", "snapkv patched") else ())),
+                    "one engine core per replica, kv_stats naming it (on the flex path too); "
+                    "vLLM's default of one API server per replica is refused (the kv_stats store "
+                    "lives in one)")
             for c in COLUMNS}}),
     Row("pipeline parallel (> 1)",
         {c: Cell("refused", (f"tests/test_features.py::test_parallel_layouts[{COLUMNS[c]}]",

@@ -25,15 +25,19 @@ from vllm_kvevict.config import HEAD_MASK_POLICIES
 DP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per replica
 CHUNK = 128
 PROMPT_LENGTHS = (300, 340, 260, 380)
-CASES = [pytest.param(column, id=test_id, marks=[] if column in DP_CI else [pytest.mark.slow])
+CASES = [pytest.param(column, "cpu", id=test_id,
+                      marks=[] if column in DP_CI else [pytest.mark.slow])
          for column, test_id in DP_IDS.items()]
+# the FlexAttention path: a head mask and patched token eviction (slow tier)
+CASES += [pytest.param(column, "flex", id=f"{DP_IDS[column]}-flex", marks=pytest.mark.slow)
+          for column in ("prulong 0.7", "snapkv patched")]
 
 
 @pytest.mark.server
 @pytest.mark.serial  # one replica per core: no other server may hold a core meanwhile
 @pytest.mark.served_release
-@pytest.mark.parametrize("column", CASES)
-def test_dp2_serves_the_reference_tokens_per_replica(column, tiny_qwen3, tokenizer,
+@pytest.mark.parametrize("column, backend", CASES)
+def test_dp2_serves_the_reference_tokens_per_replica(column, backend, tiny_qwen3, tokenizer,
                                                       one_torch_thread):
     from transformers import AutoModelForCausalLM
 
@@ -41,11 +45,14 @@ def test_dp2_serves_the_reference_tokens_per_replica(column, tiny_qwen3, tokeniz
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                  attn_implementation="eager").eval()
     policy = dict(TP_POLICIES[column])  # the tensor-parallel tests' policies
+    if backend == "flex":
+        policy["attention_backend"] = "flex"
     name = policy["policy"]
     if policy["policy"] in HEAD_MASK_POLICIES:
         policy["mask_path"] = str(random_mask(model_dir, model.config))
     server = start_server(model_dir, [*flags(policy, CHUNK), "--data-parallel-size", "2",
                                       "--api-server-count", "1"], env=DP_ENV)
+    assert f"attention_backend={backend}" in server.log_tail(10 ** 7) or backend == "cpu"
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
     prompts = source_prompts(tokenizer, PROMPT_LENGTHS)
 

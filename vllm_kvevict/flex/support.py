@@ -7,7 +7,8 @@ window moves, as on the CPU path), with vLLM's prefix caching (chunks canonical:
 the step budget or of `--kv-eviction-chunk`, per token); the token policies
 `snapkv`, `pyramidkv` (naive and patched, their tiers, `--kv-eviction-chunk`), whose evicted
 blocks go back to vLLM's pool as on the CPU path. Tensor parallel: each rank its slice of the
-heads, as on the CPU path (`features.parallel_error` refuses what that path refuses).
+heads, as on the CPU path (`features.parallel_error` refuses what that path refuses); data
+parallel: one engine core per replica, as on the CPU path.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from __future__ import annotations
 SERVED_POLICIES = ("full", "streaming", "duo", "prulong", "snapkv", "pyramidkv")
 SUPPORTED = ("--kv-attention-backend flex serves --kv-policy full, streaming, duo, prulong "
              "(no --kv-token-policy), snapkv, pyramidkv; "
-             "unquantized KV, tensor parallel (no pipeline or data parallel), no speculative "
-             "decoding")
+             "unquantized KV, tensor and data parallel (no pipeline parallel), no "
+             "speculative decoding")
 
 
 def _refusal(what: str) -> str:
@@ -36,11 +37,9 @@ def flex_error(cfg, vllm_config) -> str | None:
     if dtype not in ("auto", "float16", "bfloat16", "float32"):
         return _refusal(f"--kv-cache-dtype {dtype}")
     parallel = getattr(vllm_config, "parallel_config", None)
-    for field, flag in (("pipeline_parallel_size", "--pipeline-parallel-size"),
-                        ("data_parallel_size", "--data-parallel-size")):
-        size = int(getattr(parallel, field, 1) or 1)
-        if size != 1:
-            return _refusal(f"{flag} {size}")
+    size = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
+    if size != 1:
+        return _refusal(f"--pipeline-parallel-size {size}")
     if getattr(vllm_config, "speculative_config", None) is not None:
         return _refusal("speculative decoding")
     return None
