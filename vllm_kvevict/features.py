@@ -66,10 +66,11 @@ def kv_cache_dtype_error(policy_config, cache_dtype: str | None) -> str | None:
 # Parallel layouts. Tensor parallel: each rank serves its contiguous slice of the KV heads, so
 # of the head mask (`kv_cache_specs.layer_heads`); kv_stats count every rank. With fewer KV
 # heads than ranks vLLM replicates them: a head mask masks each replica as its head; token
-# eviction is refused (a rank holds only its share of a head's queries, which score it). Data parallel: one engine core per replica, each with its own policy state and
-# stats (kv_stats name the replica's rank); served with one API server (`cli.py` refuses more:
-# the kv_stats store and the live view live in one process). Pipeline parallel is not built
-# (other layers per stage) and vLLM CPU 0.32's own fails on its first request
+# eviction is refused (a rank holds only its share of a head's queries, which score it). Data
+# parallel: one engine core per replica, each with its own policy state and stats (kv_stats
+# name the replica's rank); served with one API server (`cli.py` refuses more: the kv_stats
+# store and the live view live in one process). Pipeline parallel is not built (other layers
+# per stage) and vLLM CPU 0.32's own fails on its first request
 # (tests/test_pipeline_parallel.py): refused, full included.
 PARALLEL_FLAGS = (("tensor_parallel_size", "--tensor-parallel-size"),
                   ("pipeline_parallel_size", "--pipeline-parallel-size"),
@@ -88,16 +89,15 @@ def parallel_error(policy_config, sizes: dict[str, int], num_kv_heads: int | Non
                     "request); valid: 1")
     tp = int(sizes.get("tensor_parallel_size") or 1)
     if tp != 1 and num_kv_heads is not None and num_kv_heads % tp:
-        evicts = getattr(policy_config, "evicts_tokens", False)
-        if tp % num_kv_heads == 0 and not evicts:
-            return None  # vLLM replicates the KV heads: each rank a replica, masked alike
+        replicated = tp % num_kv_heads == 0  # vLLM gives each rank a replica
+        if replicated and not getattr(policy_config, "evicts_tokens", False):
+            return None  # a head mask masks each replica as its head
+        why = ("; a rank would score a replicated head with only its share of the head's "
+               "queries" if replicated else "")
         valid = [d for d in range(1, num_kv_heads + 1) if num_kv_heads % d == 0]
         return (f"--tensor-parallel-size {tp} does not divide the model's {num_kv_heads} KV "
-                f"heads (vLLM would replicate them across ranks"
-                + ("; a rank would score a replicated head with only its share of the head's "
-                   "queries" if evicts and tp % num_kv_heads == 0 else "")
-                + f"); valid with --kv-policy {policy_config.policy}: "
-                f"{', '.join(map(str, valid))}")
+                f"heads (vLLM would replicate them across ranks{why}); valid with --kv-policy "
+                f"{policy_config.policy}: {', '.join(map(str, valid))}")
     return None
 
 

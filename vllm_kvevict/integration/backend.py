@@ -77,8 +77,8 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
             if not heads.all_full:
                 if not heads.full_kv:
                     return None
-                key, value = key[:, list(heads.full_kv)], value[:, list(heads.full_kv)]
-                kv_cache = kv_cache[:, :len(heads.full_kv)]  # (tensor parallel: padded spec)
+                full = list(heads.full_kv)  # (tensor parallel: a padded spec's first heads)
+                key, value, kv_cache = key[:, full], value[:, full], kv_cache[:, :len(full)]
             slots = plan.slots[heads.layer]
             return super().do_kv_cache_update(layer, plan.with_questions(key),
                                               plan.with_questions(value), kv_cache, slots)
