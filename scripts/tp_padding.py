@@ -7,7 +7,8 @@ has in that layer (`kv_cache_specs.layer_heads`), and its streaming companion th
 streaming heads. "contiguous" is that rule on the mask as trained; "balanced" is the same rule
 after permuting each layer's KV heads (with their query heads and o_proj's columns) so that
 every rank gets ceil or floor of the layer's full heads / T: exact up to the float order of
-tensor parallel's own all-reduce, and NOT BUILT (it needs the weights permuted at load time).
+tensor parallel's own all-reduce; served by default (`--kv-tp-head-order balanced`,
+`vllm_kvevict/integration/head_order.py`: the weights are permuted as they load).
 Ratios are padded / unpadded bytes; full heads' bytes grow with the context, the streaming
 companions' stay at sink + window.
 
@@ -56,8 +57,8 @@ def main(argv=None) -> int:
     gates = load_head_gates(args.mask)
     pick = duo_quantile_full_heads if args.policy == "duo" else full_heads_at_sparsity
     print(f"{args.mask} ({args.policy}'s head choice), padded / unpadded heads' bytes\n")
-    print("| sparsity | TP | full heads, contiguous (vLLM's order) | full heads, balanced order "
-          "(not built) | streaming heads, contiguous | streaming heads, balanced |")
+    print("| sparsity | TP | full heads, contiguous (vLLM's order, before) | full heads, "
+          "balanced order (served) | streaming heads, contiguous | streaming heads, balanced |")
     print("|---|---|---|---|---|---|")
     for sparsity in args.sparsity:
         full = pick(gates, sparsity)

@@ -117,15 +117,35 @@ CASES = [pytest.param((4, TP_POLICIES[column]), id=test_id,
                       marks=[] if column in TP_CI else [pytest.mark.slow])
          for column, test_id in TP_IDS.items()]
 # 2 KV heads: one per rank; 1 KV head: vLLM replicates it, a replica per rank
+# vLLM's own head order: the clustered mask then pads each rank to the fullest rank's heads
+CASES.append(pytest.param((4, {**TP_POLICIES["prulong 0.7"], "tp_head_order": "contiguous"}),
+                          id="kv4-prulong-0.7-contiguous", marks=pytest.mark.slow))
 CASES.append(pytest.param((2, TP_POLICIES["prulong 0.7"]), id="kv2-prulong-0.7",
                           marks=pytest.mark.slow))
 CASES.append(pytest.param((1, TP_POLICIES["prulong 0.7"]), id="kv1-replicated-prulong-0.7",
                           marks=pytest.mark.slow))
 
 
+# 4 layers x 4 KV heads whose highest gates sit side by side: prulong 0.7 keeps heads {0, 1}
+# of layers 0 and 2 and head 0 of layer 1 full, so vLLM's contiguous split puts two full heads
+# on rank 0 and none on rank 1 in layers 0 and 2 (issue 47's padding)
+CLUSTERED_GATES = torch.tensor([[0.9, 0.8, 0.1, 0.2], [0.85, 0.3, 0.2, 0.1],
+                                [0.7, 0.75, 0.05, 0.15], [0.4, 0.35, 0.3, 0.25]])
+
+
+def clustered_mask(model_dir):
+    from vllm_kvevict.masks import HeadGates, save_head_gates
+
+    path = model_dir.parent / f"{model_dir.name}-clustered-mask.json"
+    save_head_gates(path, HeadGates(CLUSTERED_GATES, meta={"model": model_dir.name,
+                                                           "objective": "clustered"}))
+    return path
+
+
 def _tp2_server(policy: dict, num_kv_heads: int, tiny_qwen3):
     """A TP 2 server of `policy` on the tiny Qwen3 with `num_kv_heads` KV heads (a head mask:
-    a random one, saved beside the model): (server, HF model, model dir, served policy)."""
+    a random one saved beside the model, for prulong 0.7 on 4 KV heads the clustered one):
+    (server, HF model, model dir, served policy)."""
     from transformers import AutoModelForCausalLM
 
     model_dir = tiny_qwen3(num_kv_heads)
@@ -133,7 +153,10 @@ def _tp2_server(policy: dict, num_kv_heads: int, tiny_qwen3):
                                                  attn_implementation="eager").eval()
     policy = dict(policy)
     if policy["policy"] in HEAD_MASK_POLICIES:
-        policy["mask_path"] = str(random_mask(model_dir, model.config))
+        clustered = policy["policy"] == "prulong" and policy["sparsity"] == 0.7 \
+            and num_kv_heads == 4
+        policy["mask_path"] = str(clustered_mask(model_dir) if clustered
+                                  else random_mask(model_dir, model.config))
     server = start_server(model_dir, [*flags(policy, CHUNK), "--tensor-parallel-size", "2"],
                           env=TP_ENV)
     log = server.log_tail(10 ** 7)
@@ -185,6 +208,19 @@ def test_tp2_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_torch_
             _pool_bytes_are_the_plans(server, stats)
         else:
             assert stats["kv_bytes_peak"] < expect_full and per_rank[0] == per_rank[1]
+    if "clustered" in policy.get("mask_path", ""):
+        # the clustered mask's declared heads: balanced 3 full + 6 streaming per rank (tokens
+        # above: the permuted weights serve the same model), vLLM's order 5 + 8
+        log = server.log_tail(10 ** 7)
+        if policy.get("tp_head_order") == "contiguous":
+            assert "--kv-tp-head-order contiguous: KV heads in vLLM's order; balanced would " \
+                "declare full heads 5 -> 3, streaming companions 8 -> 6" in log
+            assert pool_width(server) == 5  # every pool block: 5 head pages
+        else:
+            assert pool_width(server) == 3
+            assert "KV heads reordered so every rank holds its share of the full heads " \
+                "(--kv-tp-head-order balanced): full heads 5 -> 3, streaming companions " \
+                "8 -> 6 per rank" in log
 
 
 def test_padding_is_what_the_ranks_declare():
@@ -236,3 +272,101 @@ def test_padding_script_counts_what_the_ranks_declare():
         assert p["full_contiguous"] == tp * sum(h.paged_heads for h in declared) / 5
         assert p["stream_contiguous"] == tp * sum(h.companion_heads for h in declared) / 7
     assert script.padding(full, 2)["full_balanced"] == 2 * (2 + 0 + 1) / 5
+    # the "balanced" columns are what the ranks declare in the served order (head_order.py)
+    from vllm_kvevict.integration.head_order import balanced_order
+    from vllm_kvevict.masks import duo_quantile_full_heads, load_head_gates
+
+    gates = load_head_gates(path.parents[1] / "head_masks" / "Meta-Llama-3.1-8B-Instruct"
+                            / "duo.json")
+    for sparsity in (0.5, 0.7):
+        full = duo_quantile_full_heads(gates, sparsity)
+        for tp in (2, 4, 8):
+            served = (~full).gather(1, balanced_order(~full, tp))
+            declared = layer_heads(served, 4, rank=0, world=tp)
+            p = script.padding(full, tp)
+            assert p["full_balanced"] == pytest.approx(
+                tp * sum(h.paged_heads for h in declared) / full.sum().item())
+            assert p["stream_balanced"] == pytest.approx(
+                tp * sum(h.companion_heads for h in declared) / (~full).sum().item())
+
+
+# -- the balanced head order (integration/head_order.py) ----------------------------------------
+
+def test_balanced_order_gives_every_rank_its_share_of_each_layers_full_heads():
+    from vllm_kvevict.integration.head_order import balanced_order
+
+    gen = torch.Generator().manual_seed(1)
+    for world, heads in ((2, 4), (2, 8), (4, 8), (4, 16)):
+        streaming = torch.rand(40, heads, generator=gen) < 0.6
+        order = balanced_order(streaming, world)
+        for layer, row in enumerate(order.tolist()):
+            assert sorted(row) == list(range(heads))  # a permutation of the layer's heads
+            served = streaming[layer, row].view(world, heads // world)
+            full = (~served).sum(dim=1)
+            assert full.max() - full.min() <= 1  # ceil or floor of the layer's full heads
+            if row != list(range(heads)):  # only an unbalanced layer is reordered
+                ranks = (~streaming[layer]).view(world, -1).sum(dim=1)
+                assert ranks.max() - ranks.min() > 1
+
+
+def test_the_order_is_chosen_only_where_it_declares_fewer_heads():
+    from vllm_kvevict.integration.head_order import choose
+
+    streaming = ~(CLUSTERED_GATES >= 0.7)  # prulong 0.7's full heads of the clustered gates
+    order, line = choose(streaming, 2, "balanced", None)
+    assert order.tolist() == [[0, 2, 1, 3], [0, 1, 2, 3], [0, 2, 1, 3], [0, 1, 2, 3]]
+    assert "full heads 5 -> 3, streaming companions 8 -> 6" in line
+    assert choose(streaming, 2, "contiguous", None)[0] is None
+    blocked = choose(streaming, 2, "balanced", "quantized weights (fp8)")
+    assert blocked[0] is None and "(quantized weights (fp8))" in blocked[1]
+    assert choose(streaming, 1, "balanced", None) == (None, None)  # no tensor parallel
+    assert choose(streaming, 4, "balanced", None) == (None, None)  # one head per rank
+    assert choose(MASK, 2, "balanced", None)[0] is not None  # (layer 2: ranks hold 2 and 0)
+    assert choose(torch.tensor([[True, False, True, False]]), 2, "balanced", None) \
+        == (None, None)  # already balanced
+
+
+def test_permuted_projections_compute_the_same_attention():
+    """GQA attention of one layer with its q/k/v rows and o_proj's columns permuted by KV head
+    equals the original's (the model the reference runs)."""
+    from vllm_kvevict.integration.head_order import permute
+
+    heads, group, dim, hidden, tokens = 4, 3, 8, 32, 7
+    gen = torch.Generator().manual_seed(0)
+    w = {p: torch.randn(heads * (group if p == "q_proj" else 1) * dim, hidden, generator=gen,
+                        dtype=torch.float64) for p in ("q_proj", "k_proj", "v_proj")}
+    w["o_proj"] = torch.randn(hidden, heads * group * dim, generator=gen, dtype=torch.float64)
+    bias = torch.randn(heads * dim, generator=gen, dtype=torch.float64)
+    x = torch.randn(tokens, hidden, generator=gen, dtype=torch.float64)
+
+    def attention(w, k_bias):
+        q = (x @ w["q_proj"].T).view(tokens, heads, group, dim)
+        k = (x @ w["k_proj"].T + k_bias).view(tokens, heads, dim)
+        v = (x @ w["v_proj"].T).view(tokens, heads, dim)
+        causal = torch.ones(tokens, tokens, dtype=torch.bool).tril()
+        s = torch.einsum("thgd,shd->hgts", q, k).masked_fill(~causal, float("-inf"))
+        out = torch.einsum("hgts,shd->thgd", s.softmax(-1), v).reshape(tokens, -1)
+        return out @ w["o_proj"].T
+
+    order = torch.tensor([[2, 0, 3, 1]])
+    name = "model.layers.0.self_attn.{}.{}"
+    permuted = {p: permute(name.format(p, "weight"), t, order, group, dim) for p, t in w.items()}
+    assert not torch.equal(permuted["k_proj"], w["k_proj"])
+    k_bias = permute(name.format("k_proj", "bias"), bias, order, group, dim)
+    assert torch.allclose(attention(permuted, k_bias), attention(w, bias), atol=1e-12)
+    assert permute("model.layers.0.mlp.up_proj.weight", x, order, group, dim) is x
+    with pytest.raises(RuntimeError, match="--kv-tp-head-order contiguous"):
+        permute(name.format("k_proj", "weight"), torch.zeros(5, hidden), order, group, dim)
+
+
+def test_the_head_order_flag():
+    from vllm_kvevict.config import KVPolicyConfig, KVPolicyError
+    from vllm_kvevict.flags import FLAGS
+
+    assert FLAGS["--kv-tp-head-order"][0] == "tp_head_order"
+    assert KVPolicyConfig(policy="prulong", tp_head_order="contiguous").tp_head_order \
+        == "contiguous"
+    with pytest.raises(KVPolicyError, match="valid: balanced, contiguous"):
+        KVPolicyConfig(policy="prulong", tp_head_order="random")
+    with pytest.raises(KVPolicyError, match="only applies to a head mask"):
+        KVPolicyConfig(policy="snapkv", tp_head_order="contiguous")

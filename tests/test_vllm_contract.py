@@ -611,3 +611,47 @@ def test_a_data_parallel_replica_knows_its_index():
 
     source = inspect.getsource(core)
     assert "parallel_config.data_parallel_index = dp_rank" in source
+
+
+def test_model_loader_extension_point_for_the_head_order():
+    """head_order.py: vLLM's CPU runner loads through `get_model(vllm_config=...)`, which asks
+    `get_model_loader` for the loader of `load_config.load_format`; registered loaders are
+    found by name; DefaultModelLoader streams the checkpoint through `get_all_weights` inside
+    `load_weights`, and the CPU build repacks each linear layer's weight right after loading
+    (so the weights cannot be permuted later)."""
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+    from vllm.model_executor.layers import utils as layer_utils
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    from vllm_kvevict.integration import head_order
+
+    assert "get_model(vllm_config=self.vllm_config)" in inspect.getsource(
+        CPUModelRunner.load_model)
+    assert "self.get_all_weights(model_config, model)" in inspect.getsource(
+        DefaultModelLoader.load_weights)
+    assert list(inspect.signature(DefaultModelLoader.get_all_weights).parameters) == [
+        "self", "model_config", "model"]
+    assert list(inspect.signature(BaseModelLoader.load_model).parameters) == [
+        "self", "vllm_config", "model_config", "prefix"]
+    assert "remove_weight" in inspect.signature(
+        layer_utils.dispatch_cpu_unquantized_gemm).parameters
+
+    class State:  # what the loader reads from the worker's state
+        base_load_format = "safetensors"
+
+    cls = head_order.loader_class()
+    assert issubclass(cls, DefaultModelLoader)
+    from vllm_kvevict.integration import worker
+
+    saved, worker._state = worker._state, State()
+    try:
+        loader = get_model_loader(LoadConfig(load_format=head_order.LOAD_FORMAT))
+    finally:
+        worker._state = saved
+    assert type(loader) is cls and loader.load_config.load_format == "safetensors"
+    for load_format in head_order.DEFAULT_LOADER_FORMATS:
+        assert type(get_model_loader(LoadConfig(load_format=load_format))) \
+            is DefaultModelLoader, load_format

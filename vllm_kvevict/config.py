@@ -29,6 +29,10 @@ ADMISSION_MODES = ("reserve", "vllm")
 # the attention path: vLLM's CPU kernel (integration/backend.py) or vLLM's FlexAttention
 # backend with block-sparse head masks (vllm_kvevict/flex/)
 ATTENTION_BACKENDS = ("cpu", "flex")
+# a head mask under tensor parallel: each layer's KV heads dealt so every rank holds its share of
+# the full heads (the weights permuted at load), or vLLM's contiguous order
+# (integration/head_order.py)
+TP_HEAD_ORDERS = ("balanced", "contiguous")
 
 DEFAULT_SINK = 64
 DEFAULT_WINDOW = 256
@@ -87,6 +91,7 @@ class KVPolicyConfig:
     # never evicted (the paper's chunked eviction covers the prompt only).
     decode_budget: int | None = None
     decode_interval: int = DEFAULT_DECODE_INTERVAL
+    tp_head_order: str = "balanced"  # one of TP_HEAD_ORDERS
 
     def __post_init__(self) -> None:
         validate(self)
@@ -219,6 +224,13 @@ def validate(cfg: KVPolicyConfig) -> None:
     if cfg.attention_backend not in ATTENTION_BACKENDS:
         raise KVPolicyError(f"attention_backend {cfg.attention_backend!r} is unknown; valid: "
                             f"{', '.join(ATTENTION_BACKENDS)}", "attention_backend")
+    if cfg.tp_head_order not in TP_HEAD_ORDERS:
+        raise KVPolicyError(f"tp_head_order {cfg.tp_head_order!r} is unknown; valid: "
+                            f"{', '.join(TP_HEAD_ORDERS)}", "tp_head_order")
+    if cfg.tp_head_order != "balanced" and not cfg.uses_head_mask:
+        raise KVPolicyError(f"tp_head_order only applies to a head mask (streaming, "
+                            f"{', '.join(HEAD_MASK_POLICIES)}), not {cfg.policy!r}",
+                            "tp_head_order")
     if cfg.admission not in ADMISSION_MODES:
         raise KVPolicyError(f"admission {cfg.admission!r} is unknown; valid modes: "
                             f"{', '.join(ADMISSION_MODES)}", "admission")

@@ -12,7 +12,7 @@ import sys
 from vllm_kvevict.config import (ADMISSION_MODES, ATTENTION_BACKENDS, DEFAULT_DECODE_INTERVAL,
                                  DEFAULT_OBS_WINDOW,
                                  DEFAULT_POOL_KERNEL, DEFAULT_SINK, DEFAULT_SPARSITY, DEFAULT_WINDOW, EVICTION_MODES,
-                                 POLICIES, KVPolicyError)
+                                 POLICIES, TP_HEAD_ORDERS, KVPolicyError)
 
 # flag -> (KVPolicyConfig field, type, help)
 FLAGS = {
@@ -94,6 +94,13 @@ FLAGS = {
                                "block-sparse masks; so far full, streaming, duo, prulong; its "
                                "streaming heads keep every KV in the pool). One of "
                                f"{', '.join(ATTENTION_BACKENDS)}."),
+    "--kv-tp-head-order": ("tp_head_order", str,
+                           "A head mask under --tensor-parallel-size: balanced (default: each "
+                           "layer's KV heads, with their query heads and o_proj's columns, "
+                           "permuted as the weights load so every rank holds its share of the "
+                           "layer's full heads; vLLM pads every rank's cache to the fullest "
+                           "rank's) or contiguous (vLLM's head order). One of "
+                           f"{', '.join(TP_HEAD_ORDERS)}."),
 }
 
 

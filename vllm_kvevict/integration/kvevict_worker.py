@@ -15,7 +15,7 @@ import copy
 
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from vllm_kvevict.integration import flex_attention, seeded_sampling
+from vllm_kvevict.integration import flex_attention, head_order, seeded_sampling
 from vllm_kvevict.integration.composition import install_over, resolve
 from vllm_kvevict.integration.kv_cache_specs import declare_specs, share_layer_specs
 from vllm_kvevict.integration.worker import init_state, question_rows_runner
@@ -43,6 +43,12 @@ class KVEvictWorker(CPUWorker):
         if self.kv_state.token is not None:
             self.model_runner.__class__ = question_rows_runner(type(self.model_runner))
             self.model_runner.kv_state = self.kv_state
+
+    def load_model(self, *args, **kwargs) -> None:
+        """A head mask under tensor parallel: vLLM's loader reads the weights with each layer's
+        KV heads in the balanced order the state chose (`head_order.py`)."""
+        with head_order.loading(self.vllm_config, self.kv_state):
+            super().load_model(*args, **kwargs)
 
     def get_kv_cache_spec(self):
         """Our specs (`kv_cache_specs.declare_specs`): a head mask's streaming heads in their

@@ -134,6 +134,8 @@ TOUCHED = (
     ("paged_layout.py", "_v_scale_float", "the same, V"),
     ("cli.py", "_actions", "argparse's: add the --kv-* group once"),
     ("cli.py", "additional_config", "the --kv-* flags folded into EngineArgs' JSON form"),
+    ("head_order.py", "load_format", "the worker's load format, ours over the user's while it "
+                                     "loads the model (restored after)"),
     ("flex_attention.py", "kvevict_queries", "the step's per-token chunk starts, on vLLM's "
                                              "FlexAttention metadata"),
     ("flex_attention.py", "kvevict_masks", "the step's block masks, one per head split"),

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_kvevict.config import KVPolicyConfig
+from vllm_kvevict.integration import head_order
 from vllm_kvevict.integration.kv_cache_specs import LayerHeads, layer_groups, layer_heads
 from vllm_kvevict.integration.streaming.sink_window import canonical_chunk
 from vllm_kvevict.integration.streaming.step_plan import StepPlan, build_step_plan
@@ -33,6 +34,10 @@ class WorkerState:
     chunk: int = 0  # the canonical prefill chunk (sink_window.canonical_chunk; 0: the step)
     flex: bool = False  # --kv-attention-backend flex (integration/flex_attention.py)
     in_place: bool = False  # decode runs in place over the pool (`in_place_hint` is None)
+    # tensor parallel: long [L, H], each layer's KV heads (original indices) in the served
+    # order, the weights permuted to it at load (`head_order.py`); None: vLLM's order
+    head_order: torch.Tensor | None = None
+    base_load_format: str = "auto"  # the user's load format, under head_order's loader
     step: int = 0
     runner: object = None
     token: TokenEvictionWorker | None = None
@@ -188,9 +193,16 @@ def init_state(vllm_config) -> WorkerState | None:
         return None
     block_size = vllm_config.cache_config.block_size
     rank, world = tensor_parallel_rank(vllm_config)
+    streaming = served.policy.streaming_heads()
+    order, line = head_order.choose(streaming, world, served.config.tp_head_order,
+                                    head_order.blocker(vllm_config))
+    if line and rank == 0:
+        logger.info("vllm-kvevict: %s", line)
+    if order is not None:
+        streaming = streaming.gather(1, order)
     _state = WorkerState(
-        served=served, heads=layer_heads(served.policy.streaming_heads(),
-                                         served.shape.queries_per_kv, rank, world),
+        served=served, heads=layer_heads(streaming, served.shape.queries_per_kv, rank, world),
+        head_order=order,
         head_dim=served.shape.head_dim, dtype=vllm_config.model_config.dtype,
         block_size=block_size,
         chunk=canonical_chunk(vllm_config), flex=served.config.attention_backend == "flex",
