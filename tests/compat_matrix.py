@@ -263,11 +263,15 @@ ROWS = [
                               f"test_tp2_serves_the_reference_tokens[{TP_IDS[c]}]",
                               *(("(s)tests/test_tensor_parallel.py::test_tp2_serves_the_reference"
                                  "_tokens[kv1-replicated-prulong-0.7]",)
-                                if c == "prulong 0.7" else ())),
-                    "when the ranks split the KV heads evenly; with fewer KV heads than ranks "
-                    "(vLLM replicates them) head masks and full are served, token eviction is "
-                    "refused (a rank holds only its share of a replicated head's queries: "
-                    "tests/test_features.py::test_parallel_layouts)")
+                                if c == "prulong 0.7" else ()),
+                              *(("(s)tests/test_tensor_parallel.py::test_tp2_serves_the_reference"
+                                 "_tokens[kv1-replicated-snapkv-patched-0.5]",)
+                                if c == "snapkv patched" else ())),
+                    "when the ranks split the KV heads evenly, a head mask's heads in the "
+                    "balanced order (--kv-tp-head-order); with fewer KV heads than ranks (vLLM "
+                    "replicates them) every policy but the hybrid is served, token eviction "
+                    "gathering a replicated head's score from its replicas' query shares (the "
+                    "hybrid refused: tests/test_features.py::test_parallel_layouts)")
             for c in COLUMNS}}),
     Row("data parallel (`--data-parallel-size 2 --api-server-count 1`)",
         {**{c: Cell("exact", (("" if c in DP_CI else "(s)")

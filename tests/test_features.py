@@ -76,15 +76,16 @@ def test_parallel_layouts(name):
         "--tensor-parallel-size 2 does not divide the model's 3 KV heads (vLLM would replicate "
         f"them across ranks); valid with --kv-policy {cfg.policy}: 1, 3")
     # fewer KV heads than ranks: vLLM replicates them; a head mask masks each replica, token
-    # eviction would score a replica with a share of its queries only
+    # eviction gathers a replicated head's score from its replicas; the hybrid is refused
     replicated = parallel_error(cfg, {"tensor_parallel_size": 2}, 1)
-    if cfg.evicts_tokens:
-        assert replicated == (
-            "--tensor-parallel-size 2 does not divide the model's 1 KV heads (vLLM would "
-            "replicate them across ranks; a rank would score a replicated head with only its "
-            f"share of the head's queries); valid with --kv-policy {cfg.policy}: 1")
-    else:
-        assert replicated is None
+    assert (replicated is None) != cfg.is_hybrid
+    hybrid = KVPolicyConfig(policy="prulong", token_policy="snapkv")
+    assert parallel_error(hybrid, {"tensor_parallel_size": 2}, 1) == (
+        "--tensor-parallel-size 2 does not divide the model's 1 KV heads (vLLM would replicate "
+        "them across ranks; a head mask with --kv-token-policy is not built there: a rank whose "
+        "replica is a streaming head would not take part in a full head's score exchange); "
+        "valid with --kv-policy prulong: 1")
+    assert parallel_error(hybrid, {"tensor_parallel_size": 2}, 4) is None
 
 
 @pytest.mark.parametrize("name", list(POLICIES))

@@ -122,6 +122,11 @@ CASES.append(pytest.param((4, {**TP_POLICIES["prulong 0.7"], "tp_head_order": "c
                           id="kv4-prulong-0.7-contiguous", marks=pytest.mark.slow))
 CASES.append(pytest.param((2, TP_POLICIES["prulong 0.7"]), id="kv2-prulong-0.7",
                           marks=pytest.mark.slow))
+# (token eviction: each replica scores with its half of the head's queries, the halves gathered)
+CASES.append(pytest.param((1, TP_POLICIES["snapkv patched"]),
+                          id="kv1-replicated-snapkv-patched-0.5", marks=pytest.mark.slow))
+CASES.append(pytest.param((1, TP_POLICIES["snapkv naive + decode eviction"]),
+                          id="kv1-replicated-snapkv-decode", marks=pytest.mark.slow))
 CASES.append(pytest.param((1, TP_POLICIES["prulong 0.7"]), id="kv1-replicated-prulong-0.7",
                           marks=pytest.mark.slow))
 

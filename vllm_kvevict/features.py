@@ -90,10 +90,13 @@ def parallel_error(policy_config, sizes: dict[str, int], num_kv_heads: int | Non
     tp = int(sizes.get("tensor_parallel_size") or 1)
     if tp != 1 and num_kv_heads is not None and num_kv_heads % tp:
         replicated = tp % num_kv_heads == 0  # vLLM gives each rank a replica
-        if replicated and not getattr(policy_config, "evicts_tokens", False):
-            return None  # a head mask masks each replica as its head
-        why = ("; a rank would score a replicated head with only its share of the head's "
-               "queries" if replicated else "")
+        if replicated and not getattr(policy_config, "is_hybrid", False):
+            # a head mask masks each replica as its head; token eviction gathers a replicated
+            # head's score from its replicas' shares of its queries (worker.replica_scores)
+            return None
+        why = ("; a head mask with --kv-token-policy is not built there: a rank whose replica "
+               "is a streaming head would not take part in a full head's score exchange"
+               if replicated else "")
         valid = [d for d in range(1, num_kv_heads + 1) if num_kv_heads % d == 0]
         return (f"--tensor-parallel-size {tp} does not divide the model's {num_kv_heads} KV "
                 f"heads (vLLM would replicate them across ranks{why}); valid with --kv-policy "

@@ -208,11 +208,35 @@ def init_state(vllm_config) -> WorkerState | None:
         chunk=canonical_chunk(vllm_config), flex=served.config.attention_backend == "flex",
         token=TokenEvictionWorker(served.policy, block_size, for_request=served.for_request)
         if served.policy.evicts_tokens else None)
+    if _state.token is not None:
+        _state.token.combine_scores = replica_scores(rank, world, served.shape.num_kv_heads)
     hint = in_place_hint(served.config.sink, served.config.window, block_size)
     _state.in_place = hint is None
     if _state.in_pool and not _state.flex and hint and rank == 0:
         logger.info("vllm-kvevict: %s", hint)
     return _state
+
+
+def replica_scores(rank: int, world: int, num_kv_heads: int):
+    """Replicated KV heads (world a multiple of the KV heads, R = world / H replicas each):
+    rank r holds a replica of head r // R with 1/R of its query heads, and a SnapKV / PyramidKV
+    score is a mean over the head's query heads (then a linear pooling): the head's score is the
+    mean of its R replicas' scores, gathered over the tensor-parallel group. Every rank scores
+    the same layers and chunks with equal shapes (the ledger depends on lengths only), so the
+    collective lines up. None when each rank holds whole GQA groups."""
+    if world <= num_kv_heads:
+        return None
+    replicas = world // num_kv_heads
+    first = rank // replicas * replicas
+
+    def combine(scores: torch.Tensor) -> torch.Tensor:
+        if scores.numel() == 0:
+            return scores
+        from vllm.distributed import get_tp_group
+
+        gathered = get_tp_group().all_gather(scores.contiguous(), dim=0)  # [world, n]
+        return gathered[first:first + replicas].mean(dim=0, keepdim=True)
+    return combine
 
 
 def in_place_hint(sink: int, window: int, block_size: int) -> str | None:

@@ -94,8 +94,8 @@ def compress_decode(plan, layer: int, query: torch.Tensor,
             continue
         keys, values = read_all(job, keep.chunk_len)
         obs_q = decode.observed[job.req_id][layer].transpose(0, 1)        # [Hq, k, d]
-        scores = job.policy.score(obs_q, keys.transpose(0, 1),
-                                  obs_offset=keep.chunk_len - keep.window, window=keep.window)
+        scores = plan.scores(job.policy, obs_q, keys.transpose(0, 1),
+                             keep.chunk_len - keep.window, keep.window)
         idx = job.policy.select(scores, keep.selected, keep.chunk_len, keep.window)
         heads = torch.arange(keys.shape[1])
         out_k.append(keys[idx.T, heads])                                 # [kept, H, d]

@@ -65,6 +65,13 @@ class TokenStepPlan:
     question_offset: int = 0               # where they sit in the model's token axis
     streaming: object = None  # a head mask with a token policy: its streaming heads' StepPlan
     decode: DecodePlan = field(default_factory=DecodePlan)  # decode-time eviction
+    # tensor parallel with replicated KV heads: a rank's scores (from its share of the head's
+    # queries) -> the head's (all its queries'); None: each rank holds whole GQA groups
+    combine_scores: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def scores(self, policy, obs_q, keys, obs_offset: int, window: int) -> torch.Tensor:
+        out = policy.score(obs_q, keys, obs_offset=obs_offset, window=window)
+        return out if self.combine_scores is None else self.combine_scores(out)
 
     @property
     def num_questions(self) -> int:
@@ -119,8 +126,7 @@ def compress_chunks(plan: TokenStepPlan, layer: int, query: torch.Tensor, key: t
                                    f"queries")
             obs_q = query[job.end - num_obs:job.end].transpose(0, 1)
             obs_offset = c - num_obs
-        scores = policy.score(obs_q, chunk_k.transpose(0, 1), obs_offset=obs_offset,
-                              window=keep.window)
+        scores = plan.scores(policy, obs_q, chunk_k.transpose(0, 1), obs_offset, keep.window)
         idx = policy.select(scores, keep.selected, c, keep.window)  # [H, kept]
         kept_k.append(chunk_k[idx.T, heads])                        # [kept, H, d]
         kept_v.append(chunk_v[idx.T, heads])
@@ -141,6 +147,7 @@ class TokenEvictionWorker:
         self.groups = groups or LayerGroups.single(policy.num_layers)
         self.ledgers: dict[str, RequestLedger] = {}
         self.decode_queries: dict[str, dict] = {}  # req_id -> {layer: [k, Hq, d]}
+        self.combine_scores = None  # (TokenStepPlan.combine_scores; set by the worker state)
 
     def release(self, req_ids) -> None:
         for req_id in req_ids or ():
@@ -197,7 +204,8 @@ class TokenEvictionWorker:
         plan = TokenStepPlan(num_reqs=rows, query_start_loc=q_start, block_table=table,
                              seq_lens=seq_lens, slots=None, jobs=jobs, block_size=bs,
                              layer_group=self.groups.of_layer, num_tokens=len(token_row),
-                             decode=decode.at_tokens(q_start, self.decode_queries))
+                             decode=decode.at_tokens(q_start, self.decode_queries),
+                             combine_scores=self.combine_scores)
         patched = [j for j in jobs if j.question]
         if patched:
             self._add_questions(plan, patched, token_row, pos, phys_before)
