@@ -264,7 +264,7 @@ ROWS = [
                               *(("(s)tests/test_tensor_parallel.py::test_tp2_serves_the_reference"
                                  "_tokens[kv1-replicated-prulong-0.7]",)
                                 if c == "prulong 0.7" else ()),
-                              *(("(s)tests/test_tensor_parallel.py::test_tp2_serves_the_reference"
+                              *(("tests/test_tensor_parallel.py::test_tp2_serves_the_reference"
                                  "_tokens[kv1-replicated-snapkv-patched-0.5]",)
                                 if c == "snapkv patched" else ())),
                     "when the ranks split the KV heads evenly, a head mask's heads in the "

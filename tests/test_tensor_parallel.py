@@ -4,8 +4,10 @@ Unit tests: the per-rank head split and its padding (vLLM wants one KV-cache spe
 every rank), and per-rank bytes. Server tests: `vllm serve --tensor-parallel-size 2` of a tiny
 random Qwen3 (4 KV heads, 2 per rank; vLLM's CPU TP on this 2-core machine with
 VLLM_CPU_OMP_THREADS_BIND="0|1", one core per rank), its greedy tokens equal to the reference
-oracle's (which the TP = 1 tests also equal), and kv_stats summing both ranks. CI runs a head
-mask and patched token eviction; duo, tiered naive pyramidkv and a 2-KV-head model are slow.
+oracle's (which the TP = 1 tests also equal), and kv_stats summing both ranks. CI runs prulong
+0.7 on a mask whose full heads sit side by side (the balanced head order, head_order.py) and
+patched snapkv on a 1-KV-head model (replicated heads, their scores gathered); the other
+policies, vLLM's contiguous head order and the other replicated cases are slow.
 scripts/tp_matrix.py serves each policy at TP = 1 and TP = 2 and compares them directly
 (docs/results/tensor_parallel/).
 """
@@ -122,9 +124,10 @@ CASES.append(pytest.param((4, {**TP_POLICIES["prulong 0.7"], "tp_head_order": "c
                           id="kv4-prulong-0.7-contiguous", marks=pytest.mark.slow))
 CASES.append(pytest.param((2, TP_POLICIES["prulong 0.7"]), id="kv2-prulong-0.7",
                           marks=pytest.mark.slow))
-# (token eviction: each replica scores with its half of the head's queries, the halves gathered)
+# (token eviction: each replica scores with its half of the head's queries, the halves gathered;
+# CI's replicated-heads case)
 CASES.append(pytest.param((1, TP_POLICIES["snapkv patched"]),
-                          id="kv1-replicated-snapkv-patched-0.5", marks=pytest.mark.slow))
+                          id="kv1-replicated-snapkv-patched-0.5"))
 CASES.append(pytest.param((1, TP_POLICIES["snapkv naive + decode eviction"]),
                           id="kv1-replicated-snapkv-decode", marks=pytest.mark.slow))
 CASES.append(pytest.param((1, TP_POLICIES["prulong 0.7"]), id="kv1-replicated-prulong-0.7",
