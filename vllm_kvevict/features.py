@@ -66,7 +66,8 @@ def kv_cache_dtype_error(policy_config, cache_dtype: str | None) -> str | None:
 # Parallel layouts. Tensor parallel: each rank serves its contiguous slice of the KV heads, so
 # of the head mask (`kv_cache_specs.layer_heads`); kv_stats count every rank. With fewer KV
 # heads than ranks vLLM replicates them: a head mask masks each replica as its head; token
-# eviction is refused (a rank holds only its share of a head's queries, which score it). Data
+# eviction gathers a head's score from its replicas (`worker.replica_scores`); the hybrid is
+# refused there (a rank with a streaming replica would miss a full head's exchange). Data
 # parallel: one engine core per replica, each with its own policy state and stats (kv_stats
 # name the replica's rank); served with one API server (`cli.py` refuses more: the kv_stats
 # store and the live view live in one process). Pipeline parallel is not built (other layers
