@@ -1,17 +1,42 @@
 #!/usr/bin/env bash
-# The second test environment: vLLM 0.33.0 (its CUDA wheel, which installs and imports on a
-# CPU-only machine; engine configs need VLLM_TARGET_DEVICE=cpu) with this package, in
-# .venv-vllm033. `make test` runs the tests that need no served model there: the engine side
-# (KV-cache specs and managers, our scheduler, the ledger, stats) and the contract tests,
-# against 0.33's real classes. About 4.5 minutes and 9.5 GB the first time; idempotent after.
+# The second test environment: vLLM 0.33.0's Python with this package, in .venv-vllm033.
+# `make test` runs the tests that need no served model there: the engine side (KV-cache specs and
+# managers, our scheduler, the ledger, stats) and the contract tests, against 0.33's real classes
+# (VLLM_TARGET_DEVICE=cpu: its engine configs need a target device).
+#
+# Not vLLM 0.33's full dependency set: its CUDA wheel pins torch 2.14.0, a CUDA build that with
+# its NVIDIA libraries and GPU kernels (flashinfer, CUTLASS DSL, tilelang, ...) made this
+# environment 9.5 GB, and a CI machine ran out of disk installing it (stop 59). Here vLLM's wheel
+# comes without its dependencies, then every dependency it declares except the GPU-only ones,
+# with the CPU torch 2.13.0 that .venv runs (its file lies on this kind of machine's disk). The
+# code under test is vLLM's Python; its compiled CUDA ops are never called here. About 3 GB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="$(pwd)/.venv-vllm033"
 source scripts/pip_env.sh
 env_is_current pyproject.toml scripts/install_vllm033.sh scripts/pip_env.sh && exit 0
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-echo "[install] vLLM 0.33.0 (second test environment) into .venv-vllm033 ..."
-quiet_pip install -q "vllm==0.33.0"
+echo "[install] vLLM 0.33.0 (second test environment, CPU torch) into .venv-vllm033 ..."
+quiet_pip install -q "torch==2.13.0"
+quiet_pip install -q --no-deps "vllm==0.33.0"
+quiet_pip install -q packaging
+# vLLM's declared dependencies minus the torch builds and GPU kernels (names as in its METADATA)
+"$VENV/bin/python" - > "$VENV/.kvevict-deps.txt" <<'PY'
+import re
+from importlib.metadata import requires
+from packaging.requirements import Requirement
+gpu = re.compile(r"^(torch|torchaudio|torchvision|torchcodec|pynvvideocodec|flashinfer-python|"
+                 r"apache-tvm-ffi|tilelang|nvidia-.*|nvtx|fastsafetensors|instanttensor|"
+                 r"quack-kernels|tokenspeed-mla|humming-kernels)$")
+for line in requires("vllm"):
+    req = Requirement(line)
+    name = re.sub(r"[-_.]+", "-", req.name).lower()
+    if gpu.match(name) or (req.marker and not req.marker.evaluate({"extra": ""})):
+        continue
+    print(line.split(";")[0])
+PY
+quiet_pip install -q -r "$VENV/.kvevict-deps.txt" "torch==2.13.0"
+echo "[install] (pip's 'vllm 0.33.0 requires ...' lines name the GPU dependencies left out on purpose)"
 quiet_pip install -q -e ".[dev]"  # the project's dependencies beside vLLM's, without the cpu extra
 VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -c "import vllm; assert vllm.__version__.startswith('0.33.0'), vllm.__version__"
 mark_current
