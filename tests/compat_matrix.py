@@ -38,6 +38,8 @@ HEAD_MASKS = ("streaming", "duo 0.3", "prulong 0.7")  # prefix caching on (sink_
 
 EVICTING = [c for c in COLUMNS if c != "full"]
 NOT_CACHING = [c for c in EVICTING if c not in HEAD_MASKS]
+# naive token eviction: prefix caching when asked for (integration/token_eviction/prefix_cache.py)
+TOKEN_CACHING = ("snapkv naive", "pyramidkv naive")
 # tests/test_pool_storage.py: prefix hits against the reference (prulong decoding in place,
 # sink 32 in 32-token blocks, in CI; the rest slow)
 POOL_STORAGE = lambda c: (("(s)" + f"tests/test_pool_storage.py::test_pool_storage_matches_reference"
@@ -168,15 +170,24 @@ ROWS = [
                    "`--prefix-cache-retention-interval None`")
            for c in HEAD_MASKS},
         **each("n/a", C + "test_repeated_prompt_prefix_cache[{id}]", NOT_CACHING,
-               why="switched off at start-up for token-evicting policies (logged; "
-                   "`/v1/kv_stats` shows it): patched scoring uses the prompt's last tokens, "
-                   "and per-request eviction state starts at token 0")}),
+               why="switched off at start-up for token-evicting policies unless asked for "
+                   "(logged; `/v1/kv_stats` shows it): patched scoring uses the prompt's last "
+                   "tokens; naive eviction serves it when asked for (next row)")}),
     Row("`--enable-prefix-caching` asked for explicitly", {
         "full": Cell("exact", ("(s)" + C + "test_repeated_prompt_prefix_cache[full]",)),
         **{c: Cell("refused", (
             f"tests/test_features.py::test_explicit_prefix_caching"
             f"[{COLUMNS[c]}]", "tests/test_features.py::test_vllm_serve_refuses[prefix-caching]"))
-           for c in NOT_CACHING},
+           for c in NOT_CACHING if c not in TOKEN_CACHING},
+        **{c: Cell("exact", (
+            ("(s)" if c == "snapkv naive" else "") + "tests/test_token_prefix_cache.py::"
+            f"test_prefix_hits_match_the_reference[{COLUMNS[c]}]",
+            "tests/test_token_prefix_cache.py::"
+            "test_manager_hits_the_last_cached_boundary_and_copies_the_partial_tail",
+            f"tests/test_features.py::test_explicit_prefix_caching[{COLUMNS[c]}]"),
+            "a hit at a chunk boundary (`--kv-eviction-chunk`, by default the step budget) "
+            "reuses the compacted blocks; one engine, no speculative decoding or LoRA yet")
+           for c in TOKEN_CACHING},
         **{c: Cell("exact", ("tests/test_features.py::"
                              f"test_explicit_prefix_caching[{COLUMNS[c]}]",
                              *POOL_STORAGE(c)))

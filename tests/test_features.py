@@ -103,11 +103,11 @@ def test_explicit_prefix_caching(name):
     cfg = config(name)
     assert prefix_caching_error(cfg, None) is None
     assert prefix_caching_error(cfg, False) is None
-    if name == "full" or cfg.caches_prefixes:
+    if name == "full" or cfg.caches_prefixes or cfg.caches_token_prefixes:
         assert prefix_caching_error(cfg, True) is None
     else:
         assert prefix_caching_error(cfg, True).startswith(
-            f"--enable-prefix-caching is not supported with --kv-policy {cfg.policy} yet")
+            f"--enable-prefix-caching is not supported with --kv-policy {cfg.policy} --kv-")
 
 
 PATCHED = [p for p in EVICTING if config(p).patched]
@@ -139,7 +139,8 @@ def test_lora_refused_with_patched_eviction(name):
     (["--kv-policy", "snapkv", "--kv-eviction", "patched", "--enable-lora"],
      "--enable-lora is not supported with --kv-policy snapkv --kv-eviction patched"),
     (["--kv-policy", "snapkv", "--enable-prefix-caching"],
-     "--enable-prefix-caching is not supported with --kv-policy snapkv yet"),
+     "--enable-prefix-caching is not supported with --kv-policy snapkv --kv-eviction patched "
+     "yet"),
     # vLLM starts one API server per data-parallel replica unless told otherwise
     (["--kv-policy", "prulong", "--data-parallel-size", "2"],
      "--api-server-count 2 is not supported with --kv-policy prulong: kv_stats lookups"),

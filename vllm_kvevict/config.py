@@ -108,6 +108,15 @@ class KVPolicyConfig:
         return self.uses_head_mask and not self.evicts_tokens
 
     @property
+    def caches_token_prefixes(self) -> bool:
+        """Prefix caching served exactly for token eviction when asked for: naive chunks (each
+        scored by its own queries, so a chunk boundary's compacted row depends only on the
+        tokens before it), no decode-time eviction (it rewrites the row in place), CPU path
+        (integration/token_eviction/prefix_cache.py)."""
+        return (self.policy in TOKEN_EVICTION_POLICIES and self.eviction == "naive"
+                and self.decode_budget is None and self.attention_backend == "cpu")
+
+    @property
     def evicts_tokens(self) -> bool:
         return self.policy in TOKEN_EVICTION_POLICIES or self.token_policy is not None
 

@@ -143,17 +143,55 @@ def prompt_embeds_error(policy_config, enabled: bool) -> str | None:
 
 
 def prefix_caching_error(policy_config, requested: bool | None) -> str | None:
-    """Evicting policies run with prefix caching off: a hit would skip the eviction state a
-    request builds from its first token. vLLM's default (None: not asked for) is switched off
-    and logged; asking for it explicitly is refused rather than silently ignored."""
+    """Evicting policies run with prefix caching off unless it is exact for them: a hit would
+    skip the eviction state a request builds from its first token. vLLM's default (None: not
+    asked for) is switched off and logged; asking for it explicitly is refused rather than
+    silently ignored, except for naive token eviction (`caches_token_prefixes`), where a hit at
+    a chunk boundary reuses the compacted blocks (`token_prefix_error` checks the rest)."""
     if requested is not True or policy_config.policy == "full" \
-            or getattr(policy_config, "caches_prefixes", False):
+            or getattr(policy_config, "caches_prefixes", False) \
+            or getattr(policy_config, "caches_token_prefixes", False):
         return None
-    return (f"--enable-prefix-caching is not supported with --kv-policy {policy_config.policy} "
-            "yet (a cache hit would skip the eviction state each request builds from its first "
-            "token); valid: leave it out or pass --no-enable-prefix-caching, which evicting "
-            "policies run with; prefix caching is served with --kv-policy full, and with "
-            "streaming/duo/prulong (not with --kv-token-policy)")
+    flag, why = token_prefix_reason(policy_config)
+    return (f"--enable-prefix-caching is not supported with --kv-policy {policy_config.policy}"
+            f"{flag} yet ({why}); valid: leave it out or pass --no-enable-prefix-caching, "
+            "which evicting policies run with; prefix caching is served with --kv-policy full, "
+            "with streaming/duo/prulong (not with --kv-token-policy), and with "
+            "snapkv/pyramidkv --kv-eviction naive (no --kv-decode-budget, CPU attention path)")
+
+
+def token_prefix_reason(policy_config) -> tuple[str, str]:
+    """The flag that keeps a token-evicting configuration from prefix caching, and why."""
+    if getattr(policy_config, "is_hybrid", False):
+        return f" --kv-token-policy {policy_config.token_policy}", "untested"
+    if policy_config.eviction != "naive":
+        return (f" --kv-eviction {policy_config.eviction}", "each chunk is scored with the "
+                "prompt's question: a cached chunk was selected under another request's")
+    if policy_config.decode_budget is not None:
+        return " --kv-decode-budget", "decode-time eviction rewrites cached blocks in place"
+    return f" --kv-attention-backend {policy_config.attention_backend}", "untested"
+
+
+def token_prefix_error(policy_config, prefix_caching: bool, sizes: dict[str, int],
+                       speculative: str | None, lora: bool, chunk: int,
+                       block_size: int) -> str | None:
+    """Naive token eviction with prefix caching on: the parts of vLLM it is tested with
+    (one engine, no draft tokens, no adapters) and canonical chunks of whole blocks."""
+    if not prefix_caching or not getattr(policy_config, "caches_token_prefixes", False):
+        return None
+    what = ([f"{flag} {sizes[field]}" for field, flag in PARALLEL_FLAGS
+             if sizes.get(field, 1) != 1]
+            + (["speculative decoding"] if speculative else [])
+            + (["--enable-lora"] if lora else []))
+    if what:
+        return (f"--enable-prefix-caching with --kv-policy {policy_config.policy} is not "
+                f"supported with {', '.join(what)} yet (untested); valid: one engine without "
+                "them, or --no-enable-prefix-caching")
+    if block_size and chunk % block_size:
+        return (f"--enable-prefix-caching with --kv-policy {policy_config.policy} needs "
+                f"--kv-eviction-chunk (default --max-num-batched-tokens) to be a multiple of "
+                f"--block-size {block_size}, got {chunk}")
+    return None
 
 
 def model_runner_error(policy_config, uses_v2: bool) -> str | None:

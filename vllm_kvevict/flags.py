@@ -28,9 +28,12 @@ FLAGS = {
                     "--prefix-cache-retention-interval: 0 by default; None stores every "
                     "position, for hits at any block; with --no-enable-prefix-caching each "
                     "step is its own chunk). snapkv/pyramidkv and "
-                    "--kv-token-policy run with prefix caching off (patched eviction scores "
-                    "each chunk with the prompt's last tokens, so no prefix is shareable; an "
-                    "explicit --enable-prefix-caching is refused)."),
+                    "--kv-token-policy run with prefix caching off unless "
+                    "--enable-prefix-caching is given with --kv-eviction naive: then a hit at "
+                    "a chunk boundary (--kv-eviction-chunk, default --max-num-batched-tokens) "
+                    "reuses the compacted blocks (patched eviction scores each chunk with the "
+                    "prompt's last tokens, so its explicit --enable-prefix-caching is "
+                    "refused)."),
     "--kv-sparsity": ("sparsity", float,
                       "Head sparsity (share of streaming KV heads) for duo/prulong; token "
                       "sparsity p (share of each prefill chunk's KVs evicted) for "

@@ -89,6 +89,18 @@ def group_evictions(policy: KVPolicy, chunk_len: int, is_final: bool,
                               groups)
 
 
+def evicted_at_boundary(policy: KVPolicy, boundary: int,
+                        groups: LayerGroups) -> tuple[list[int], list[int]]:
+    """A request resumed at a canonical chunk boundary (a prefix-cache hit,
+    integration/token_eviction/prefix_cache.py): the tokens its chunks before the boundary
+    evicted, per layer and per group (the slots each group's row gave back)."""
+    chunk = policy.config.eviction_chunk
+    kept = chunk_kept_per_layer(policy, chunk, False)
+    k = boundary // chunk
+    return ([k * (chunk - x) for x in kept],
+            [k * f for f in group_evictions_of(kept, chunk, groups)])
+
+
 def allocation_eviction(policy: KVPolicy, chunk_len: int, is_final: bool) -> int:
     """group_evictions with all layers in one group."""
     return chunk_len - max(chunk_kept_per_layer(policy, chunk_len, is_final))

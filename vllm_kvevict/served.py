@@ -162,17 +162,26 @@ def serving(served: ServedPolicy, vllm_config) -> dict[str, Any]:
     return out
 
 
-def settle_config(vllm_config) -> ServedPolicy:
+def settle_config(vllm_config, prefix_caching_requested: bool | None = None) -> ServedPolicy:
     """Once, where the engine config is created (`registration.create_engine_config`, through
     start-up validation): the served policy's decisions written into vLLM's config, which every
-    later process (engine core, workers) receives, so each builds the same policy from it."""
+    later process (engine core, workers) receives, so each builds the same policy from it.
+    `prefix_caching_requested`: the user's flag before vLLM's default (None: not given)."""
     global _served_key
     config = policy_config_of(vllm_config)
     cache = getattr(vllm_config, "cache_config", None)
-    if config.policy != "full" and cache is not None and not config.caches_prefixes:
+    token_prefixes = prefix_caching_requested is True and config.caches_token_prefixes
+    if config.policy != "full" and cache is not None and not config.caches_prefixes \
+            and not token_prefixes:
         # Per-request eviction state starts at token 0: a prefix-cache hit would skip it
-        # (streaming heads in the pool keep their state in cached blocks: sink_window.py).
+        # (streaming heads in the pool keep their state in cached blocks: sink_window.py;
+        # naive token eviction, asked for, in the compacted blocks: prefix_cache.py).
         cache.enable_prefix_caching = False
+    if token_prefixes and cache is not None and cache.enable_prefix_caching \
+            and config.eviction_chunk is None:
+        # canonical chunks: a cached row must not depend on how vLLM split the steps
+        chunk = int(vllm_config.scheduler_config.max_num_batched_tokens)
+        vllm_config.additional_config[ADDITIONAL_CONFIG_KEY]["eviction_chunk"] = chunk
     served = served_policy(vllm_config)
     if served.mask_source and config.mask_path != served.mask_source:
         # pin the resolved file: every later process serves exactly this mask

@@ -44,9 +44,12 @@ class KVEvictScheduler(Scheduler):
             book.before_schedule()
         if self.cache_config.enable_prefix_caching:
             # a teacher-forced tail is decode for the policy: a hit reaching into it would be
-            # prompt K/V (and caching stops at the policy's prompt, sink_window.cached_tokens)
+            # prompt K/V (and caching stops at the policy's prompt, sink_window.cached_tokens);
+            # token eviction: a request with policy overrides keeps other counts than the
+            # cached rows (prefix_cache.py)
             for request in self.waiting:
-                if request_prompt_len(request) < request.num_prompt_tokens:
+                if request_prompt_len(request) < request.num_prompt_tokens or (
+                        book is not None and book.request_policy(request) is not book.policy):
                     request.skip_reading_prefix_cache = True
         output = super().schedule(*args, **kwargs)
         rule.record_chunks(output)

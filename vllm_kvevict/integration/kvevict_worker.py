@@ -18,6 +18,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm_kvevict.integration import flex_attention, head_order, seeded_sampling
 from vllm_kvevict.integration.composition import install_over, resolve
 from vllm_kvevict.integration.kv_cache_specs import declare_specs, share_layer_specs
+from vllm_kvevict.integration.token_eviction.prefix_cache import prefix_specs
 from vllm_kvevict.integration.worker import init_state, question_rows_runner
 
 
@@ -52,10 +53,11 @@ class KVEvictWorker(CPUWorker):
 
     def get_kv_cache_spec(self):
         """Our specs (`kv_cache_specs.declare_specs`): a head mask's streaming heads in their
-        companions' groups, token eviction's tiers."""
+        companions' groups, token eviction's tiers (with prefix caching: `prefix_specs`)."""
         if self.kv_state is None:
             return super().get_kv_cache_spec()
-        return declare_specs(self.model_runner, super().get_kv_cache_spec, self.kv_state)
+        specs = declare_specs(self.model_runner, super().get_kv_cache_spec, self.kv_state)
+        return prefix_specs(specs, self.kv_state, self.vllm_config)
 
     def initialize_from_config(self, kv_cache_config) -> None:
         """vLLM adds a layer that shares another's cache to that layer's group but gives it no

@@ -161,6 +161,9 @@ TOUCHED = (
      "a layer without full heads shares its companion's cache"),
     ("registration.py", "_registry", "KVConnectorFactory's: register our connector once"),
     ("seeded_sampling.py", "generator", "a seeded request's generator made rewindable"),
+    ("prefix_cache.py", "_insert_block_hash", "the block pool's: one more key on a block "
+                                              "(a row's block at a chunk boundary)"),
+    ("prefix_cache.py", "_ensure_registered", "vLLM's built-in specs registered before ours"),
     ("sink_window.py", "_null_block", "vLLM's null block, for dropped window positions"),
     ("sink_window.py", "_ensure_registered", "vLLM's built-in specs registered before ours"),
     ("sink_window.py", "_partial_hit_reqs", "SlidingWindowManager's partial prefix hits, as "
@@ -217,6 +220,9 @@ def register() -> None:
     from vllm_kvevict.integration.streaming.sink_window import register_manager
 
     register_manager()  # our sink + window spec -> manager (vLLM's spec registry)
+    from vllm_kvevict.integration.token_eviction import prefix_cache
+
+    prefix_cache.register_manager()  # token eviction's prefix-caching spec -> manager
 
     api_server = "vllm.entrypoints.launchers.api_server.entry" in sys.modules
     for wrap in WRAPS:

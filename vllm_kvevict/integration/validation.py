@@ -14,7 +14,7 @@ from vllm_kvevict.features import (PARALLEL_FLAGS, connector_error, decode_evict
                                      lora_error, model_error, model_runner_error,
                                      parallel_error,
                                      prefix_caching_error, prompt_embeds_error,
-                                     speculative_error)
+                                     speculative_error, token_prefix_error)
 from vllm_kvevict.flags import fail
 from vllm_kvevict.flex.support import flex_error
 from vllm_kvevict.integration.kv_stats.kv_transfer import user_connectors
@@ -36,12 +36,13 @@ def validate_against_model(vllm_config, prefix_caching_requested: bool | None = 
         if error:
             raise KVPolicyError(error)
         # raises on a missing or mismatched mask; writes the policy's decisions into the config
-        served = settle_config(vllm_config)
+        served = settle_config(vllm_config, prefix_caching_requested)
         cfg = served.config
         # (getattr: a VllmConfig has them all; the unit tests pass partial stand-ins)
         parallel = getattr(vllm_config, "parallel_config", None)
         sizes = {field: getattr(parallel, field, 1) for field, _ in PARALLEL_FLAGS}
-        cache_dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto")
+        cache = getattr(vllm_config, "cache_config", None)
+        cache_dtype = getattr(cache, "cache_dtype", "auto")
         users = user_connectors(getattr(vllm_config, "kv_transfer_config", None))
         method = getattr(getattr(vllm_config, "speculative_config", None), "method", None)
         # features.py: which vLLM features each policy is served exactly with
@@ -54,6 +55,10 @@ def validate_against_model(vllm_config, prefix_caching_requested: bool | None = 
                       decode_eviction_error(cfg, method, str(cache_dtype)),
                       prompt_embeds_error(cfg, embeds),
                       prefix_caching_error(cfg, prefix_caching_requested),
+                      token_prefix_error(
+                          cfg, bool(getattr(cache, "enable_prefix_caching", False)), sizes,
+                          method, getattr(vllm_config, "lora_config", None) is not None,
+                          cfg.eviction_chunk or 0, int(getattr(cache, "block_size", 0) or 0)),
                       lora_error(cfg, getattr(vllm_config, "lora_config", None) is not None),
                       model_runner_error(cfg, bool(getattr(vllm_config, "use_v2_model_runner",
                                                            False)))):

@@ -210,6 +210,8 @@ def init_state(vllm_config) -> WorkerState | None:
         if served.policy.evicts_tokens else None)
     if _state.token is not None:
         _state.token.combine_scores = replica_scores(rank, world, served.shape.num_kv_heads)
+        # (on only where settle_config kept it: naive token eviction, prefix_cache.py)
+        _state.token.reuses_prefixes = bool(vllm_config.cache_config.enable_prefix_caching)
     hint = in_place_hint(served.config.sink, served.config.window, block_size)
     _state.in_place = hint is None
     if _state.in_pool and not _state.flex and hint and rank == 0:

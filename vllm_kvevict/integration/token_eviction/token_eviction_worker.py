@@ -15,8 +15,9 @@ import torch
 from vllm_kvevict.integration.token_eviction.decode_eviction import (DecodePlan,
                                                                      plan_decode_row)
 from vllm_kvevict.ledger import (LayerGroups, cached_decode_group_budgets, decode_group_evictions,
-                                 eviction_chunk_len, group_evictions_of)
+                                 evicted_at_boundary, eviction_chunk_len, group_evictions_of)
 from vllm_kvevict.policies import KVPolicy
+
 
 @dataclass
 class RequestLedger:
@@ -148,12 +149,12 @@ class TokenEvictionWorker:
         self.ledgers: dict[str, RequestLedger] = {}
         self.decode_queries: dict[str, dict] = {}  # req_id -> {layer: [k, Hq, d]}
         self.combine_scores = None  # (TokenStepPlan.combine_scores; set by the worker state)
+        self.reuses_prefixes = False  # vLLM's prefix caching on (prefix_cache.py)
 
     def release(self, req_ids) -> None:
         for req_id in req_ids or ():
             self.ledgers.pop(req_id, None)
             self.decode_queries.pop(req_id, None)
-
 
     def plan(self, req_ids: list[str], computed: list[int], query_lens: list[int],
              prompt_lens: list[int], block_ids: list[list[list[int]]],
@@ -167,9 +168,8 @@ class TokenEvictionWorker:
         phys_before = torch.zeros(L, rows, dtype=torch.long)
         for r, (req_id, a, c, n) in enumerate(zip(req_ids, computed, query_lens, prompt_lens)):
             led = self.ledgers.get(req_id)
-            if led is None or a == 0:  # new, or restarted after preemption
-                led = self.ledgers[req_id] = RequestLedger(evicted=[0] * L,
-                                                           allocation_evicted=[0] * G)
+            if led is None or a == 0:  # new, restarted after preemption, or a prefix hit
+                led = self.ledgers[req_id] = self._new_ledger(a if a < n else 0)
             before = torch.tensor([a - e for e in led.evicted])
             phys_before[:, r] = before
             seq_lens[:, r] = (before + c).int()
@@ -212,6 +212,14 @@ class TokenEvictionWorker:
         else:
             plan.slots = self._slots(table, token_row, pos)
         return plan
+
+    def _new_ledger(self, computed: int) -> RequestLedger:
+        """A request first seen with `computed` tokens done: 0, or a prefix hit at a chunk
+        boundary (prefix_cache.py; warm-up rows, which hold nothing, start at 0 too)."""
+        chunk = self.policy.config.eviction_chunk
+        if not (self.reuses_prefixes and computed and chunk) or computed % chunk:
+            return RequestLedger([0] * self.policy.num_layers, [0] * self.groups.num_groups)
+        return RequestLedger(*evicted_at_boundary(self.policy, computed, self.groups))
 
     def _slots(self, table: torch.Tensor, token_row: torch.Tensor, pos: torch.Tensor):
         """[L, T] physical slots: token t of layer l at pos[l, t] in its row of l's group."""
@@ -290,4 +298,3 @@ class TokenEvictionWorker:
             if len(ids) > own:
                 del ids[own:]
                 row_block_counts[g][row] = own
-

@@ -9,9 +9,11 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from vllm_kvevict.integration.admission import GrowthReserve
+from vllm_kvevict.integration.token_eviction.prefix_cache import register_boundary
 from vllm_kvevict.ledger import (LayerGroups, cap_step_in_eviction_chunk,
                                  cached_decode_group_budgets, decode_group_evictions,
-                                 eviction_chunk_len, group_evictions, peak_slots)
+                                 evicted_at_boundary, eviction_chunk_len, group_evictions,
+                                 peak_slots)
 from vllm_kvevict.overrides import request_prompt_len
 from vllm_kvevict.policies import KVPolicy
 
@@ -31,9 +33,9 @@ class TokenEvictionLedger(GrowthReserve):
         self.chunk_size = chunk_size
         self.groups = groups or LayerGroups.single(policy.num_layers)
         self.allocation_evicted: dict[str, list[int]] = {}
-        # req_id -> (eviction chunk length, is_final, policy); chunk length 0: a decode-time
-        # compression
-        self.pending: dict[str, tuple[int, bool, KVPolicy]] = {}
+        # req_id -> (eviction chunk length, is_final, policy, the chunk's end); chunk length 0:
+        # a decode-time compression
+        self.pending: dict[str, tuple[int, bool, KVPolicy, int]] = {}
         self._evictions: dict[tuple, list[int]] = {}
 
 
@@ -91,7 +93,7 @@ class TokenEvictionLedger(GrowthReserve):
         if self.scheduler is None:
             return
         managers = self.scheduler.kv_cache_manager.coordinator.single_type_managers
-        for req_id, (chunk_len, is_final, policy) in list(self.pending.items()):
+        for req_id, (chunk_len, is_final, policy, end) in list(self.pending.items()):
             del self.pending[req_id]
             request = self.scheduler.requests.get(req_id)
             held = [m.req_to_blocks.get(req_id) for m in managers]
@@ -115,6 +117,12 @@ class TokenEvictionLedger(GrowthReserve):
                     tail = [b for b in blocks[keep:] if not b.is_null]
                     del blocks[keep:]
                     manager.block_pool.free_blocks(reversed(tail))
+            if chunk_len and not is_final and policy is self.policy:
+                # a chunk boundary before the prompt's last chunk: its row is a reusable state
+                # (prefix_cache.py; a request with overrides keeps other counts)
+                for manager in managers:
+                    if getattr(manager, "_reuses", False):
+                        register_boundary(manager, request, end)
 
     def after_schedule(self, scheduler_output) -> None:
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
@@ -132,9 +140,9 @@ class TokenEvictionLedger(GrowthReserve):
             policy = self.request_policy(request)
             if policy.config.is_eviction_point(before + c, n):
                 self.pending[req_id] = (eviction_chunk_len(policy.config, before, c),
-                                        before + c == n, policy)
+                                        before + c == n, policy, before + c)
             elif policy.config.is_decode_compression(before + c, n):
-                self.pending[req_id] = (0, True, policy)
+                self.pending[req_id] = (0, True, policy, before + c)
 
     def step_cap(self, request, num_computed: int, num_new: int) -> int:
         """`replay_cap`, then keep the step inside its eviction chunk
@@ -142,6 +150,15 @@ class TokenEvictionLedger(GrowthReserve):
         num_new = self.replay_cap(request, num_computed, num_new)
         return cap_step_in_eviction_chunk(self.request_policy(request), request_prompt_len(request),
                                           num_computed, num_new)
+
+    def on_prefix_hit(self, req_id: str, boundary: int) -> None:
+        """A request's first allocation, with a prefix hit at chunk boundary `boundary` (0:
+        none): its rows start with the chunks before it evicted (prefix_cache.py)."""
+        if not boundary:
+            self.allocation_evicted.pop(req_id, None)
+            return
+        self.allocation_evicted[req_id] = evicted_at_boundary(self.policy, boundary,
+                                                              self.groups)[1]
 
     def forget(self, req_id: str) -> None:
         self.allocation_evicted.pop(req_id, None)

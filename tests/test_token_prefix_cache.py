@@ -1,0 +1,214 @@
+"""Prefix caching for naive token eviction (issue 46; integration/token_eviction/prefix_cache.py):
+the start-up rules, the three places that count a hit's evicted slots (engine-core ledger,
+worker ledger, the group's spec), the manager on vLLM's own block pool and requests, and
+served: a cold request, a hit at a chunk boundary and a shorter shared prefix, each equal to
+the reference at the same chunk boundaries."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import torch
+
+from vllm_kvevict.config import KVPolicyConfig
+from vllm_kvevict.features import prefix_caching_error, token_prefix_error
+from vllm_kvevict.ledger import LayerGroups, group_evictions
+from vllm_kvevict.policies import build_policy
+
+E = 64  # the unit tests' canonical chunk
+BS = 16
+
+
+def naive(policy: str = "snapkv", **extra) -> KVPolicyConfig:
+    return KVPolicyConfig.from_dict({"policy": policy, "sparsity": 0.5, "eviction": "naive",
+                                     "obs_window": 8, "eviction_chunk": E, **extra})
+
+
+# -- start-up ------------------------------------------------------------------------------
+
+def test_prefix_caching_is_served_for_naive_token_eviction_only():
+    assert prefix_caching_error(naive(), True) is None
+    assert prefix_caching_error(naive("pyramidkv"), True) is None
+    patched = prefix_caching_error(naive(eviction="patched"), True)
+    assert patched.startswith("--enable-prefix-caching is not supported with --kv-policy "
+                              "snapkv --kv-eviction patched yet (each chunk is scored")
+    assert "--no-enable-prefix-caching" in patched
+    decode = prefix_caching_error(naive(decode_budget=64), True)
+    assert "--kv-decode-budget" in decode
+    assert "--kv-attention-backend flex" in prefix_caching_error(
+        naive(attention_backend="flex"), True)
+    hybrid = KVPolicyConfig.from_dict({"policy": "prulong", "token_policy": "snapkv",
+                                       "eviction": "naive"})
+    assert "--kv-token-policy" in prefix_caching_error(hybrid, True)
+    # vLLM's default (not asked for) is switched off, not refused
+    assert prefix_caching_error(naive(eviction="patched"), None) is None
+
+
+def test_naive_prefix_caching_refuses_what_it_was_not_tested_with():
+    ok = dict(prefix_caching=True, sizes={}, speculative=None, lora=False, chunk=E,
+              block_size=BS)
+    assert token_prefix_error(naive(), **ok) is None
+    assert token_prefix_error(naive(), **{**ok, "prefix_caching": False}) is None
+    tp = token_prefix_error(naive(), **{**ok, "sizes": {"tensor_parallel_size": 2}})
+    assert "--tensor-parallel-size 2" in tp and "--no-enable-prefix-caching" in tp
+    assert "speculative" in token_prefix_error(naive(), **{**ok, "speculative": "ngram"})
+    assert "--enable-lora" in token_prefix_error(naive(), **{**ok, "lora": True})
+    odd = token_prefix_error(naive(), **{**ok, "chunk": 100})
+    assert "multiple of --block-size 16" in odd and "100" in odd
+
+
+# -- the counts of a hit ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("policy,tiers", [("snapkv", 1), ("pyramidkv", 3)])
+def test_a_hit_starts_both_ledgers_and_the_spec_at_the_same_rows(policy, tiers):
+    """Engine core (`on_prefix_hit`), worker (`_new_ledger`) and the group's spec
+    (`physical`, what the manager's lookup and copy-on-write use) agree at every boundary,
+    and each equals what chunk-by-chunk compression leaves."""
+    from vllm_kvevict.integration.token_eviction.prefix_cache import TokenPrefixSpec
+    from vllm_kvevict.integration.token_eviction.token_eviction_worker import \
+        TokenEvictionWorker
+    from vllm_kvevict.integration.token_eviction.token_ledger import TokenEvictionLedger
+
+    layers = 6
+    policy = build_policy(naive(policy, tiers=tiers), layers, 2)
+    groups = LayerGroups.tiers(layers, tiers)
+    ledger = TokenEvictionLedger(policy, E, groups)
+    worker = TokenEvictionWorker(policy, BS, groups)
+    worker.reuses_prefixes = True
+    freed = group_evictions(policy, E, False, groups)
+    kept_layer = [policy.chunk_keep(l, E, False).kept for l in range(layers)]
+    for k in range(1, 5):
+        ledger.on_prefix_hit("r", k * E)
+        led = worker._new_ledger(k * E)
+        assert ledger.allocation_evicted["r"] == led.allocation_evicted == [k * f for f in freed]
+        assert led.evicted == [k * (E - x) for x in kept_layer]
+        for g in range(groups.num_groups):
+            spec = TokenPrefixSpec(block_size=BS, num_kv_heads=2, head_size=64,
+                                   dtype=torch.float32, tier=g, prefix_chunk=E,
+                                   chunk_kept=E - freed[g])
+            assert spec.physical(k * E) == k * E - ledger.allocation_evicted["r"][g]
+            assert spec.physical(k * E) == max(k * kept_layer[l] for l in groups.layers(g))
+    ledger.on_prefix_hit("r", 0)  # a first allocation without a hit: nothing evicted
+    assert "r" not in ledger.allocation_evicted
+    worker.reuses_prefixes = False  # without prefix caching a request starts empty
+    assert worker._new_ledger(2 * E).evicted == [0] * layers
+
+
+# -- the manager on vLLM's block pool --------------------------------------------------------
+
+def vllm_request(request_id: str, tokens: list[int]):
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    return Request(request_id, tokens, SamplingParams(max_tokens=4), None,
+                   block_hasher=get_request_block_hasher(BS, sha256))
+
+
+def test_manager_hits_the_last_cached_boundary_and_copies_the_partial_tail():
+    """A row registered at boundaries 64 and 128 (vLLM's real BlockPool, Request and block
+    hashes): a request sharing 150 tokens hits 128, one sharing 100 hits 64, another prompt
+    nothing; the hit's full blocks are shared, its partial tail goes through vLLM's
+    copy-on-write, and the ledger starts from the boundary. Evicted blocks end the hits."""
+    from vllm.utils.math_utils import cdiv
+    from vllm.v1.core.block_pool import BlockPool
+
+    from vllm_kvevict.integration.token_eviction.prefix_cache import (TokenPrefixManager,
+                                                                       TokenPrefixSpec,
+                                                                       register_boundary)
+    from vllm_kvevict.integration.token_eviction.token_ledger import TokenEvictionLedger
+
+    policy = build_policy(naive(sparsity=0.3), 2, 1)
+    kept = E - group_evictions(policy, E, False, LayerGroups.single(2))[0]
+    assert kept % BS, "the test needs a partial tail block"
+    spec = TokenPrefixSpec(block_size=BS, num_kv_heads=1, head_size=64, dtype=torch.float32,
+                           prefix_chunk=E, chunk_kept=kept)
+    pool = BlockPool(num_gpu_blocks=40, enable_caching=True, hash_block_size=BS)
+    manager = TokenPrefixManager(spec, block_pool=pool, enable_caching=True,
+                                 kv_cache_group_id=0, scheduler_block_size=BS)
+    manager.kvevict_reserve = TokenEvictionLedger(policy, E)
+    prompt = list(range(1000, 1200))
+    cold = vllm_request("cold", prompt)
+    row = pool.get_new_blocks(cdiv(spec.physical(128), BS))
+    manager.req_to_blocks["cold"] = row
+    assert register_boundary(manager, cold, 64) == cdiv(kept, BS)
+    assert register_boundary(manager, cold, 128) == len(row)
+
+    def lookup(tokens, max_length):
+        req = vllm_request("x", tokens)
+        return manager.find_longest_cache_hit(req.block_hashes, max_length, [0], pool, spec,
+                                              False, BS)
+
+    (blocks,), hit = lookup(prompt[:150] + [7] * 50, 199)
+    assert hit == 128 and blocks == row
+    (blocks,), hit = lookup(prompt[:100] + [7] * 100, 199)
+    assert hit == 64 and blocks == row[:cdiv(kept, BS)]
+    assert lookup([7] + prompt[1:], 199)[1] == 0
+    assert lookup(prompt, 100)[1] == 64  # never past max_length
+
+    # the hit's allocation: full blocks shared, the partial tail copied, counts physical
+    (blocks,), hit = lookup(prompt, 199)
+    phys = spec.physical(hit)
+    need = manager.get_num_blocks_to_allocate("hit", phys + 64, blocks, hit, hit, phys + 64)
+    assert manager.kvevict_reserve.allocation_evicted["hit"] == [hit - phys]
+    assert need == cdiv(phys + 64, BS) - len(blocks) + 1  # + the copy of the tail
+    manager.add_local_computed_blocks("hit", blocks, hit, 0)
+    manager.allocate_new_blocks("hit", phys + 64, phys + 64)
+    own = manager.req_to_blocks["hit"]
+    tail = phys // BS
+    assert own[:tail] == row[:tail] and all(b.ref_cnt == 2 for b in row[:tail])
+    (copy,) = manager.take_pending_cow_copies()
+    assert copy[0] is row[tail] and copy[1] is own[tail] and own[tail] is not row[tail]
+    manager.cache_blocks(vllm_request("hit", prompt), phys + 64, replay_boundaries=[])
+    assert all(b.block_hash is None for b in own[tail:])  # no logical hashes on our rows
+
+    # both requests end; their blocks stay cached until the pool needs them
+    manager.free("hit")
+    pool.free_blocks([copy[0], copy[1]])  # (the copy's retained ends, as vLLM's scheduler)
+    manager.free("cold")
+    assert lookup(prompt, 199)[1] == 128
+    pool.get_new_blocks(pool.get_num_free_blocks())
+    assert lookup(prompt, 199)[1] == 0
+
+
+# -- served ----------------------------------------------------------------------------------
+
+CHUNK = 256  # --max-num-batched-tokens: the canonical eviction chunk the server pins
+
+
+def served_cases():
+    from test_policies_vllm import CASES
+
+    return {case: CASES[case][0] for case in ("snapkv-naive-0.5", "pyramidkv-naive-0.5-tiers3")}
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("case", [pytest.param("snapkv-naive-0.5", marks=pytest.mark.slow),
+                                  "pyramidkv-naive-0.5-tiers3"])
+def test_prefix_hits_match_the_reference(case, bundled_model_dir, tokenizer, hf_model):
+    """`--enable-prefix-caching` with naive token eviction: a prompt cold, the same prompt
+    again (a hit at its last chunk boundary, 1024 of 1100 tokens) and a prompt sharing its
+    first 600 tokens (a hit at 512): greedy tokens and top-20 log-probs equal the reference
+    at the same chunks, and the hits are what kv_stats reports. (pyramidkv, 3 tiers: three
+    KV-cache groups, vLLM's hybrid coordinator.)"""
+    from conftest import start_server
+    from test_policies_vllm import (LOGPROB_TOL, flags, reference, served_top_logprobs,
+                                    source_prompts)
+
+    policy = served_cases()[case]
+    server = start_server(bundled_model_dir, [*flags(policy, CHUNK), "--enable-prefix-caching"])
+    params = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused").get(
+        "/kv_stats", cast_to=dict)["params"]
+    assert params["prefix_caching"] is True and params["eviction_chunk"] == CHUNK, params
+    prompt, other = source_prompts(tokenizer, (1100, 900))
+    shared = prompt[:600] + other[600:]
+    runs = [(prompt, 0), (prompt, 1024), (shared, 512)]
+    results = [served_top_logprobs(server.base_url, p) for p, _ in runs]
+    for (p, cached), (text, top, stats) in zip(runs, results):
+        assert stats["cached_tokens"] == cached, (case, len(p), stats)
+        ref = reference(hf_model, bundled_model_dir, policy, p, CHUNK)
+        assert text == tokenizer.decode(ref.token_ids), (case, len(p), cached)
+        for token, lp in top.items():
+            assert abs(lp - float(ref.first_token_logprobs[token])) < LOGPROB_TOL, (case, cached)

@@ -1,0 +1,193 @@
+"""Prefix caching for naive token eviction (snapkv, pyramidkv, `--kv-eviction naive`): a hit
+at a chunk boundary reuses the compacted blocks the first request left there.
+
+Why it is exact (the paper's chunked eviction, naive mode): the prompt is compressed once per
+canonical chunk [kE, (k+1)E) (`--kv-eviction-chunk`, by default the step budget), each chunk
+scored by its own last queries; a chunk's kept count depends only on its length, and its kept
+KVs are written right after the kept past, never over it. So after the chunk that ends at
+b = kE, a group's block row holds k * kept tokens whose values depend only on the prompt's first
+b tokens, and every later step only appends.
+
+How it is cached, in vLLM's own block pool: when the ledger applies the evictions of a chunk
+that ended at a boundary b before the prompt's last chunk (`TokenEvictionLedger.before_schedule`),
+each block j of each group's row at b is registered under a key derived from vLLM's chained
+block hash of the prompt's first b tokens and j (`boundary_key`): full blocks and the partial
+tail block (whose first slots, the only ones a hit reads, are never written again). A block can
+hold keys of several boundaries; vLLM's pool evicts them together, LRU. `TokenPrefixManager`
+finds the longest boundary whose keys are all cached and hands vLLM the blocks; the partial tail
+goes through vLLM's copy-on-write for partial hits (the worker copies it before the step), so the
+new request appends into its own copy. The new request's ledgers (engine core and worker) start
+from the boundary: k chunks evicted. vLLM's own logical block hashes are never registered for
+these groups (a physical block does not hold the tokens its logical hash names).
+
+Not served (refused at start-up, `features.token_prefix_caching_error`): patched eviction
+(each chunk scored with the prompt's question: a cached chunk was selected under another
+question), decode-time eviction (it rewrites the whole row in place, cached blocks included),
+the hybrid, the FlexAttention path, tensor/data parallel, speculative decoding, LoRA. A request
+with per-request policy overrides neither reads nor writes the cache (its kept counts differ).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+from vllm_kvevict.integration.kv_cache_specs import TierAttentionSpec, retyped, tier_of_layer
+from vllm_kvevict.ledger import LayerGroups, group_evictions
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TokenPrefixSpec(TierAttentionSpec):
+    """A token-eviction group's spec with prefix caching: the canonical chunk E and the slots
+    the group's row keeps per non-final chunk (its largest layer's kept count)."""
+
+    prefix_chunk: int = 0
+    chunk_kept: int = 0
+
+    def physical(self, boundary: int) -> int:
+        """The group's row length at a chunk boundary (k chunks kept)."""
+        return boundary // self.prefix_chunk * self.chunk_kept
+
+    @classmethod
+    def merge(cls, specs):
+        merged = super().merge(specs)
+        fields = {(s.prefix_chunk, s.chunk_kept) for s in specs}
+        assert len(fields) == 1, "layers of different eviction tiers belong to different groups"
+        chunk, kept = fields.pop()
+        return dataclasses.replace(merged, prefix_chunk=chunk, chunk_kept=kept)
+
+    def is_uniform_with_collection(self, kv_cache_specs) -> bool:
+        return super().is_uniform_with_collection(kv_cache_specs) and all(
+            isinstance(s, TokenPrefixSpec) and s.chunk_kept == self.chunk_kept
+            for s in kv_cache_specs.values())
+
+
+def prefix_specs(specs: dict, state, vllm_config) -> dict:
+    """Token eviction with vLLM's prefix caching on (`served.settle_config` leaves it on only
+    where this is exact): the specs (plain or tiered) as `TokenPrefixSpec`s, with the chunk E
+    and each tier's kept slots per non-final chunk. Anything else: `specs` unchanged."""
+    if state.token is None or not vllm_config.cache_config.enable_prefix_caching:
+        return specs
+    policy, num_layers = state.served.policy, state.served.shape.num_layers
+    tiers = state.config.num_tiers(num_layers)
+    chunk = policy.config.eviction_chunk
+    freed = group_evictions(policy, chunk, False, LayerGroups.tiers(num_layers, tiers))
+    out = {}
+    for name, spec in specs.items():
+        tier = tier_of_layer(extract_layer_index(name), num_layers, tiers)
+        out[name] = retyped(spec, TokenPrefixSpec, tier=tier,
+                            max_tokens=getattr(spec, "max_tokens", ()), prefix_chunk=chunk,
+                            chunk_kept=chunk - freed[tier])
+    return out
+
+
+def boundary_key(anchor: bytes, index: int) -> bytes:
+    """The key of block `index` of a row at the boundary whose vLLM block hash is `anchor`
+    (that hash chains over every token before the boundary, cache salt and LoRA included)."""
+    return hashlib.sha256(b"vllm-kvevict/token-prefix" + bytes(anchor)
+                          + index.to_bytes(4, "big")).digest()
+
+
+def register_boundary(manager, request, boundary: int) -> int:
+    """After the chunk ending at `boundary` was compressed and its tail blocks freed: key every
+    block of the request's row in this group (returns how many)."""
+    spec, pool = manager.kv_cache_spec, manager.block_pool
+    size = pool.hash_block_size
+    if boundary % size or boundary // size > len(request.block_hashes):
+        return 0
+    anchor = request.block_hashes[boundary // size - 1]
+    blocks = manager.req_to_blocks.get(request.request_id, [])[:cdiv(spec.physical(boundary),
+                                                                      manager.block_size)]
+    for j, block in enumerate(blocks):
+        key = make_block_hash_with_group_id(boundary_key(anchor, j), manager.kv_cache_group_id)
+        # (vLLM's pool keeps several keys per block and drops them together on eviction)
+        pool._insert_block_hash(key, block, num_tokens=None)
+    return len(blocks)
+
+
+class TokenPrefixManager(FullAttentionManager):
+    """vLLM's full-attention manager for a token-eviction group whose spec is a
+    `TokenPrefixSpec`: hits at chunk boundaries, counted in physical slots. Without prefix
+    caching it is vLLM's manager unchanged."""
+
+    supports_fine_grained_hash_lookup = False
+
+    @property
+    def _reuses(self) -> bool:
+        return self.enable_caching and getattr(self.kv_cache_spec, "prefix_chunk", 0) > 0
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool,
+                               kv_cache_spec, drop_eagle_block, alignment_tokens,
+                               dcp_world_size=1, pcp_world_size=1):
+        """The last chunk boundary b <= max_length whose row is cached in every group of
+        `kv_cache_group_ids`: its blocks (ceil(physical / block size) of them) and b."""
+        rows, hit = tuple([] for _ in kv_cache_group_ids), 0
+        chunk, size = kv_cache_spec.prefix_chunk, block_pool.hash_block_size
+        if not chunk:
+            return rows, 0
+        found: list[list] = []  # per block index: the cached block of each group
+        for boundary in range(chunk, max_length + 1, chunk):
+            if boundary // size > len(block_hashes):
+                break
+            anchor = block_hashes[boundary // size - 1]
+            need = cdiv(kv_cache_spec.physical(boundary), kv_cache_spec.block_size)
+            blocks = [block_pool.get_cached_block(boundary_key(anchor, j), kv_cache_group_ids)
+                      for j in range(need)]
+            if not all(blocks):  # (a block evicted is gone for every later boundary too)
+                break
+            found, hit = blocks, boundary
+        if hit:
+            rows = tuple([b[i] for b in found] for i in range(len(kv_cache_group_ids)))
+        return rows, hit
+
+    def _physical_hit(self, hit: int, blocks) -> tuple[int, list]:
+        """A hit at logical boundary `hit` in physical slots, and its blocks (vLLM trims
+        full-attention groups to the logical hit length: a shorter hit in another group leaves
+        more blocks than the row at that boundary holds)."""
+        if not self._reuses or not hit:
+            return hit, blocks
+        physical = self.kv_cache_spec.physical(hit)
+        return physical, list(blocks)[:cdiv(physical, self.block_size)]
+
+    def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks,
+                                   total_computed_tokens, num_local_computed_tokens,
+                                   num_tokens_main_model, apply_admission_cap=False,
+                                   prefill_end=0) -> int:
+        if self._reuses and request_id not in self.num_cached_block:
+            # a first allocation: the ledger starts from the hit (or from 0), and every count
+            # below is physical
+            self.kvevict_reserve.on_prefix_hit(request_id, num_local_computed_tokens)
+            num_local_computed_tokens, new_computed_blocks = self._physical_hit(
+                num_local_computed_tokens, new_computed_blocks)
+            total_computed_tokens = num_local_computed_tokens
+        return super().get_num_blocks_to_allocate(
+            request_id, num_tokens, new_computed_blocks, total_computed_tokens,
+            num_local_computed_tokens, num_tokens_main_model, apply_admission_cap, prefill_end)
+
+    def add_local_computed_blocks(self, request_id, new_computed_blocks,
+                                  num_local_computed_tokens, num_external_computed_tokens):
+        # (a partial tail block: vLLM's copy-on-write for partial hits, at the physical tail)
+        num_local_computed_tokens, new_computed_blocks = self._physical_hit(
+            num_local_computed_tokens, new_computed_blocks)
+        super().add_local_computed_blocks(request_id, new_computed_blocks,
+                                          num_local_computed_tokens, num_external_computed_tokens)
+
+    def cache_blocks(self, request, num_tokens, *args, **kwargs) -> None:
+        if not self._reuses:  # (vLLM's logical hashes would name the wrong tokens here)
+            super().cache_blocks(request, num_tokens, *args, **kwargs)
+
+
+def register_manager() -> None:
+    """Our spec -> our manager in vLLM's KV-cache spec registry (idempotent)."""
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    KVCacheSpecRegistry._ensure_registered()
+    KVCacheSpecRegistry.register(TokenPrefixSpec, TokenPrefixManager,
+                                 uniform_type_base_spec=FullAttentionSpec)
