@@ -10,7 +10,8 @@ already computed.
 One server per policy (as `loadtest.compare`; `stock` is vLLM without our plugin), a warm-up
 request, then the conversations: `--concurrency` of them in flight, each one's turns in order
 (turn t+1 is sent when turn t's answer is back; its ids, from `return_token_ids`, are appended
-exactly). A policy written `NAME/nopc` runs with `--no-enable-prefix-caching`. Every prompt is
+exactly). A policy written `NAME/nopc` runs with `--no-enable-prefix-caching`, `NAME/pc` with
+`--enable-prefix-caching` (token eviction runs without it unless asked). Every prompt is
 token ids (`loadtest.workloads.exact_length_ids`), seeded by (seed, conversation, turn), the same
 for every policy; answers are greedy, so they differ between policies only where the policies
 compute differently.
@@ -232,17 +233,19 @@ def plot_turns(runs: dict[str, dict[str, Any]], path: Path) -> None:
 def server_argv(model: str, text: str, *, kv_cache_bytes: int, chunk: int, port: int,
                 max_model_len: int) -> tuple[list[str], dict[str, str]]:
     """`vllm serve` argv and env of a policy label (`stock`, `full`, `prulong:0.7`, any of
-    them with `/nopc`: --no-enable-prefix-caching)."""
+    them with `/nopc`: --no-enable-prefix-caching, or `/pc`: --enable-prefix-caching, which
+    token eviction needs asked for, naive eviction only)."""
     from vllm_kvevict.launch import server_launch
 
     name, *options = text.split("/")
-    if set(options) - {"nopc"}:
+    if set(options) - {"nopc", "pc"} or len(options) > 1:
         raise ValueError(f"policy {text!r}: the option after '/' is nopc "
-                         "(--no-enable-prefix-caching)")
+                         "(--no-enable-prefix-caching) or pc (--enable-prefix-caching)")
     extra = ["--dtype", "float32", "--served-model-name", "chat", "--max-model-len",
              str(max_model_len), "--enable-prompt-tokens-details"]
-    if "nopc" in options:
-        extra.append("--no-enable-prefix-caching")
+    if options:
+        extra.append({"nopc": "--no-enable-prefix-caching",
+                      "pc": "--enable-prefix-caching"}[options[0]])
     return server_launch(model, name, kv_cache_bytes=kv_cache_bytes, max_batched_tokens=chunk,
                          port=port, extra_args=extra)
 
@@ -253,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", nargs="+", default=["stock", "prulong:0.7",
                                                      "prulong:0.7/nopc"],
                    help="stock (vLLM without the plugin), full, or a policy as in "
-                        "loadtest.compare; NAME/nopc adds --no-enable-prefix-caching. The first "
+                        "loadtest.compare; NAME/nopc adds --no-enable-prefix-caching, NAME/pc "
+                        "--enable-prefix-caching (snapkv/pyramidkv naive). The first "
                         "is the baseline of the ratios")
     p.add_argument("--model", help="model directory (default: the bundled one)")
     defaults = ChatShape()

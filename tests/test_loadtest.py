@@ -701,8 +701,13 @@ def test_chat_policy_labels():
     assert argv[argv.index("--kv-policy") + 1] == "prulong" and env == {}
     assert "--enable-prompt-tokens-details" in argv
     assert "--no-enable-prefix-caching" not in argv
+    argv, _ = server_argv("M", "snapkv:0.7:naive/pc", kv_cache_bytes=1, chunk=64, port=1,
+                          max_model_len=512)
+    assert "--enable-prefix-caching" in argv and "--no-enable-prefix-caching" not in argv
     with pytest.raises(ValueError, match="nopc"):
         server_argv("M", "full/cache", kv_cache_bytes=1, chunk=64, port=1, max_model_len=512)
+    with pytest.raises(ValueError, match="nopc"):
+        server_argv("M", "full/pc/nopc", kv_cache_bytes=1, chunk=64, port=1, max_model_len=512)
 
 
 def test_soak_checks_and_table(tmp_path):

@@ -655,3 +655,24 @@ def test_model_loader_extension_point_for_the_head_order():
     for load_format in head_order.DEFAULT_LOADER_FORMATS:
         assert type(get_model_loader(LoadConfig(load_format=load_format))) \
             is DefaultModelLoader, load_format
+
+
+def test_token_prefix_cache_hooks():
+    """prefix_cache.py: a manager's first allocation passes through `get_num_blocks_to_allocate`
+    and `add_local_computed_blocks` (ours count physically), a partial local hit is copied on
+    write by the base class (`_has_partial_local_hit` -> `_partial_hit_reqs` ->
+    `allocate_new_blocks`), the scheduler hands the copies to the runner, which applies them
+    before the step (V1 runner, inherited by the CPU runner); a pool key is inserted with
+    `_insert_block_hash(key, block, num_tokens)`."""
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager as M
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert list(inspect.signature(BlockPool._insert_block_hash).parameters) == [
+        "self", "block_hash_with_group_id", "block", "num_tokens"]
+    assert "self._has_partial_local_hit(new_computed_blocks, num_local_computed_tokens)" in \
+        inspect.getsource(M.add_local_computed_blocks)
+    assert "self._partial_hit_reqs" in inspect.getsource(M.allocate_new_blocks)
+    assert "take_kv_cache_block_copies()" in inspect.getsource(Scheduler)
+    assert "copy_kv_cache_blocks_inplace(" in inspect.getsource(GPUModelRunner._update_states)

@@ -84,6 +84,13 @@ RELIED_ON = (
     # patched eviction's question slots, counted where vLLM counts speculative lookahead
     "vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots",
     "vllm.v1.attention.backends.registry.register_backend(CPU_ATTN)",  # backend.py replaces it
+    # prefix caching for naive token eviction (token_eviction/prefix_cache.py): our spec's
+    # manager, one more key per block in vLLM's pool, its copy-on-write of a partial hit
+    "vllm.v1.kv_cache_spec_registry.KVCacheSpecRegistry.register",
+    "vllm.v1.core.single_type_kv_cache_manager.FullAttentionManager",
+    "vllm.v1.core.block_pool.BlockPool._insert_block_hash",
+    "vllm.v1.core.kv_cache_manager.KVCacheManager.take_kv_cache_block_copies",
+    "vllm.v1.worker.utils.copy_kv_cache_blocks_inplace",
     # per-tier KV-cache groups (kv_cache_specs.py)
     "vllm.v1.kv_cache_interface.FullAttentionSpec.merge",
     "vllm.v1.kv_cache_interface.KVCacheSpec.is_uniform_with_collection",
