@@ -6,6 +6,8 @@ the reference at the same chunk boundaries."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import openai
 import pytest
 import torch
@@ -212,3 +214,61 @@ def test_prefix_hits_match_the_reference(case, bundled_model_dir, tokenizer, hf_
         assert text == tokenizer.decode(ref.token_ids), (case, len(p), cached)
         for token, lp in top.items():
             assert abs(lp - float(ref.first_token_logprobs[token])) < LOGPROB_TOL, (case, cached)
+
+
+@pytest.mark.parametrize("name,tiers", [("snapkv", 1), ("pyramidkv", 3)])
+def test_vllm_groups_and_coordinator_serve_our_rows(name, tiers):
+    """vLLM's own grouping keeps each tier's chunk and kept count, builds our manager per
+    group, and its coordinator (unitary for one group, hybrid for tiers) finds the rows
+    registered at a boundary: each group's own number of blocks."""
+    import importlib
+
+    from vllm.config import VllmConfig
+    from vllm.utils.math_utils import cdiv
+    from vllm.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_kvevict.integration.kv_cache_specs import layer_groups, tier_specs
+    from vllm_kvevict.integration.token_eviction import prefix_cache
+    from vllm_kvevict.integration.versions import KV_CACHE_PLANNING
+
+    planning = importlib.import_module(KV_CACHE_PLANNING)
+    prefix_cache.register_manager()
+    layers, chunk = 6, 4 * BS
+    policy = build_policy(naive(name, sparsity=0.7, tiers=tiers, eviction_chunk=chunk), layers,
+                          1)
+    specs = {f"model.layers.{i}.self_attn.attn": FullAttentionSpec(
+        block_size=BS, num_kv_heads=1, head_size=64, dtype=torch.float32) for i in range(layers)}
+    index = {name: i for i, name in enumerate(specs)}
+    freed = group_evictions(policy, chunk, False, LayerGroups.tiers(layers, tiers))
+    assert all(0 < f < chunk for f in freed)
+    vllm_config = VllmConfig()
+    vllm_config.cache_config.kv_cache_layout = "LBHNC"
+    vllm_config.cache_config.enable_prefix_caching = True
+    state = SimpleNamespace(token=object(), config=policy.config, served=SimpleNamespace(
+        policy=policy, shape=SimpleNamespace(num_layers=layers)))
+    tagged = prefix_cache.prefix_specs(tier_specs(specs, index, layers, tiers), state,
+                                       vllm_config)
+    groups = planning.get_kv_cache_groups(vllm_config, dict(tagged))
+    config = planning.get_kv_cache_config_from_groups(vllm_config, groups, 4 << 20)
+    assert layer_groups(config, layers) == LayerGroups.tiers(layers, tiers)
+    kept = [g.kv_cache_spec.chunk_kept for g in config.kv_cache_groups]
+    assert kept == [chunk - f for f in freed]
+    coordinator = get_kv_cache_coordinator(config, 1024, 256, False, True, False, 1, 1, BS, BS)
+    managers = coordinator.single_type_managers
+    assert all(type(m) is prefix_cache.TokenPrefixManager and m._reuses for m in managers)
+    prompt = list(range(500, 800))
+    cold = vllm_request("cold", prompt)
+    for m in managers:  # the cold request's rows after its chunks up to 2 x chunk
+        m.req_to_blocks["cold"] = m.block_pool.get_new_blocks(
+            cdiv(m.kv_cache_spec.physical(2 * chunk), BS))
+        prefix_cache.register_boundary(m, cold, chunk)
+        prefix_cache.register_boundary(m, cold, 2 * chunk)
+    blocks, hit, _ = coordinator.find_longest_cache_hit(vllm_request("x", prompt).block_hashes,
+                                                        len(prompt) - 1)
+    assert hit == 2 * chunk
+    assert [len(b) for b in blocks] == [cdiv(k * 2, BS) for k in kept]
+    assert all(b == m.req_to_blocks["cold"] for b, m in zip(blocks, managers))
+    blocks, hit, _ = coordinator.find_longest_cache_hit(
+        vllm_request("y", prompt[:chunk + 10] + [1] * 50).block_hashes, chunk + 59)
+    assert hit == chunk and [len(b) for b in blocks] == [cdiv(k, BS) for k in kept]

@@ -145,9 +145,9 @@ class TierAttentionSpec(FullAttentionSpec):
 
 
 def retyped(spec, cls, **extra):
-    """`spec`'s fields as a `cls` (a subclass of its spec type), plus `extra` fields."""
+    """`spec`'s fields as a `cls` (a subclass of its spec type), `extra` fields over them."""
     fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.init}
-    return cls(**fields, **extra)
+    return cls(**{**fields, **extra})
 
 
 def tier_of_layer(layer: int, num_layers: int, num_tiers: int) -> int:
