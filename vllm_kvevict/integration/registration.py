@@ -84,8 +84,7 @@ RELIED_ON = (
     # patched eviction's question slots, counted where vLLM counts speculative lookahead
     "vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots",
     "vllm.v1.attention.backends.registry.register_backend(CPU_ATTN)",  # backend.py replaces it
-    # prefix caching for naive token eviction (token_eviction/prefix_cache.py): our spec's
-    # manager, one more key per block in vLLM's pool, its copy-on-write of a partial hit
+    # prefix_cache.py: our spec's manager, more keys per pooled block, vLLM's copy-on-write
     "vllm.v1.kv_cache_spec_registry.KVCacheSpecRegistry.register",
     "vllm.v1.core.single_type_kv_cache_manager.FullAttentionManager",
     "vllm.v1.core.block_pool.BlockPool._insert_block_hash",
@@ -168,8 +167,7 @@ TOUCHED = (
      "a layer without full heads shares its companion's cache"),
     ("registration.py", "_registry", "KVConnectorFactory's: register our connector once"),
     ("seeded_sampling.py", "generator", "a seeded request's generator made rewindable"),
-    ("prefix_cache.py", "_insert_block_hash", "the block pool's: one more key on a block "
-                                              "(a row's block at a chunk boundary)"),
+    ("prefix_cache.py", "_insert_block_hash", "the block pool's: one more key on a block"),
     ("prefix_cache.py", "_ensure_registered", "vLLM's built-in specs registered before ours"),
     ("sink_window.py", "_null_block", "vLLM's null block, for dropped window positions"),
     ("sink_window.py", "_ensure_registered", "vLLM's built-in specs registered before ours"),
@@ -223,12 +221,11 @@ def register() -> None:
         KVConnectorFactory.register_connector(
             "KVEvictStatsConnector", "vllm_kvevict.integration.kv_stats.stats_connector",
             "KVEvictStatsConnector")
-    # (in here: sink_window imports vLLM's managers; this module stays import-light)
+    # (in here: these import vLLM's managers; this module stays import-light)
     from vllm_kvevict.integration.streaming.sink_window import register_manager
-
-    register_manager()  # our sink + window spec -> manager (vLLM's spec registry)
     from vllm_kvevict.integration.token_eviction import prefix_cache
 
+    register_manager()  # our sink + window spec -> manager (vLLM's spec registry)
     prefix_cache.register_manager()  # token eviction's prefix-caching spec -> manager
 
     api_server = "vllm.entrypoints.launchers.api_server.entry" in sys.modules
