@@ -150,14 +150,20 @@ def test_manager_hits_the_last_cached_boundary_and_copies_the_partial_tail():
     assert lookup([7] + prompt[1:], 199)[1] == 0
     assert lookup(prompt, 100)[1] == 64  # never past max_length
 
-    # the hit's allocation: full blocks shared, the partial tail copied, counts physical
+    # the hit's allocation, with vLLM's logical counts through the plugin's wraps of the
+    # manager (as served): full blocks shared, the partial tail copied, counts physical
+    from vllm_kvevict.integration import registration
+
+    for wrap in registration.WRAPS:
+        if "SingleTypeKVCacheManager." in wrap.target and wrap.target not in registration.applied:
+            registration._apply(wrap)
     (blocks,), hit = lookup(prompt, 199)
     phys = spec.physical(hit)
-    need = manager.get_num_blocks_to_allocate("hit", phys + 64, blocks, hit, hit, phys + 64)
+    need = manager.get_num_blocks_to_allocate("hit", hit + 64, blocks, hit, hit, hit + 64)
     assert manager.kvevict_reserve.allocation_evicted["hit"] == [hit - phys]
     assert need == cdiv(phys + 64, BS) - len(blocks) + 1  # + the copy of the tail
     manager.add_local_computed_blocks("hit", blocks, hit, 0)
-    manager.allocate_new_blocks("hit", phys + 64, phys + 64)
+    manager.allocate_new_blocks("hit", hit + 64, hit + 64)
     own = manager.req_to_blocks["hit"]
     tail = phys // BS
     assert own[:tail] == row[:tail] and all(b.ref_cnt == 2 for b in row[:tail])
