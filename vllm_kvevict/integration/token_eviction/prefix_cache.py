@@ -138,9 +138,13 @@ class TokenPrefixManager(FullAttentionManager):
                 break
             anchor = block_hashes[boundary // size - 1]
             need = cdiv(kv_cache_spec.physical(boundary), kv_cache_spec.block_size)
-            blocks = [block_pool.get_cached_block(boundary_key(anchor, j), kv_cache_group_ids)
-                      for j in range(need)]
-            if not all(blocks):  # (a block evicted is gone for every later boundary too)
+            blocks = []
+            for j in range(need):  # (stops hashing at the first block not cached)
+                cached = block_pool.get_cached_block(boundary_key(anchor, j), kv_cache_group_ids)
+                if not cached:
+                    break
+                blocks.append(cached)
+            if len(blocks) < need:  # (a block evicted is gone for every later boundary too)
                 break
             found, hit = blocks, boundary
         if hit:

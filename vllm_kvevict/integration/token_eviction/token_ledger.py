@@ -12,8 +12,7 @@ from vllm_kvevict.integration.admission import GrowthReserve
 from vllm_kvevict.integration.token_eviction.prefix_cache import register_boundary
 from vllm_kvevict.ledger import (LayerGroups, cap_step_in_eviction_chunk,
                                  cached_decode_group_budgets, decode_group_evictions,
-                                 evicted_at_boundary, eviction_chunk_len, group_evictions,
-                                 peak_slots)
+                                 eviction_chunk_len, group_evictions, peak_slots)
 from vllm_kvevict.overrides import request_prompt_len
 from vllm_kvevict.policies import KVPolicy
 
@@ -157,8 +156,10 @@ class TokenEvictionLedger(GrowthReserve):
         if not boundary:
             self.allocation_evicted.pop(req_id, None)
             return
-        self.allocation_evicted[req_id] = evicted_at_boundary(self.policy, boundary,
-                                                              self.groups)[1]
+        # (the memoised per-chunk evictions: this runs at every first-allocation attempt)
+        chunk = self.policy.config.eviction_chunk
+        self.allocation_evicted[req_id] = [boundary // chunk * f for f in
+                                           self.evictions(self.policy, chunk, False)]
 
     def forget(self, req_id: str) -> None:
         self.allocation_evicted.pop(req_id, None)
