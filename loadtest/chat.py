@@ -11,7 +11,9 @@ One server per policy (as `loadtest.compare`; `stock` is vLLM without our plugin
 request, then the conversations: `--concurrency` of them in flight, each one's turns in order
 (turn t+1 is sent when turn t's answer is back; its ids, from `return_token_ids`, are appended
 exactly). A policy written `NAME/nopc` runs with `--no-enable-prefix-caching`, `NAME/pc` with
-`--enable-prefix-caching` (token eviction runs without it unless asked). Every prompt is
+`--enable-prefix-caching` (token eviction runs without it unless asked), `NAME/reuse` with that
+and `--kv-prefix-reuse across-questions` (patched eviction), `NAME/cN` with
+`--kv-eviction-chunk N`. Every prompt is
 token ids (`loadtest.workloads.exact_length_ids`), seeded by (seed, conversation, turn), the same
 for every policy; answers are greedy, so they differ between policies only where the policies
 compute differently.
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -230,22 +233,30 @@ def plot_turns(runs: dict[str, dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+PC_OPTIONS = {"nopc": ["--no-enable-prefix-caching"], "pc": ["--enable-prefix-caching"],
+              "reuse": ["--enable-prefix-caching", "--kv-prefix-reuse", "across-questions"]}
+
+
 def server_argv(model: str, text: str, *, kv_cache_bytes: int, chunk: int, port: int,
                 max_model_len: int) -> tuple[list[str], dict[str, str]]:
-    """`vllm serve` argv and env of a policy label (`stock`, `full`, `prulong:0.7`, any of
-    them with `/nopc`: --no-enable-prefix-caching, or `/pc`: --enable-prefix-caching, which
-    token eviction needs asked for, naive eviction only)."""
+    """`vllm serve` argv and env of a policy label (`stock`, `full`, `prulong:0.7`), any of
+    them with `/nopc`: --no-enable-prefix-caching, `/pc`: --enable-prefix-caching (which token
+    eviction needs asked for), `/reuse`: that and --kv-prefix-reuse across-questions (patched
+    token eviction), and `/cN`: --kv-eviction-chunk N, e.g. `snapkv:0.7/reuse/c128`."""
     from vllm_kvevict.launch import server_launch
 
     name, *options = text.split("/")
-    if set(options) - {"nopc", "pc"} or len(options) > 1:
-        raise ValueError(f"policy {text!r}: the option after '/' is nopc "
-                         "(--no-enable-prefix-caching) or pc (--enable-prefix-caching)")
+    caching = [o for o in options if o in PC_OPTIONS]
+    chunks = [o for o in options if re.fullmatch(r"c[1-9]\d*", o)]
+    if len(caching) > 1 or len(chunks) > 1 or len(caching) + len(chunks) != len(options):
+        raise ValueError(f"policy {text!r}: the options after '/' are one of "
+                         f"{', '.join(PC_OPTIONS)} and cN (--kv-eviction-chunk N)")
     extra = ["--dtype", "float32", "--served-model-name", "chat", "--max-model-len",
              str(max_model_len), "--enable-prompt-tokens-details"]
-    if options:
-        extra.append({"nopc": "--no-enable-prefix-caching",
-                      "pc": "--enable-prefix-caching"}[options[0]])
+    for option in caching:
+        extra += PC_OPTIONS[option]
+    for option in chunks:
+        extra += ["--kv-eviction-chunk", option[1:]]
     return server_launch(model, name, kv_cache_bytes=kv_cache_bytes, max_batched_tokens=chunk,
                          port=port, extra_args=extra)
 

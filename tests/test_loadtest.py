@@ -708,6 +708,10 @@ def test_chat_policy_labels():
         server_argv("M", "full/cache", kv_cache_bytes=1, chunk=64, port=1, max_model_len=512)
     with pytest.raises(ValueError, match="nopc"):
         server_argv("M", "full/pc/nopc", kv_cache_bytes=1, chunk=64, port=1, max_model_len=512)
+    argv, _ = server_argv("M", "snapkv:0.7/reuse/c128", kv_cache_bytes=1, chunk=64, port=1,
+                          max_model_len=512)
+    assert argv[-5:] == ["--enable-prefix-caching", "--kv-prefix-reuse", "across-questions",
+                         "--kv-eviction-chunk", "128"]
 
 
 def test_soak_checks_and_table(tmp_path):

@@ -59,6 +59,80 @@ def test_naive_prefix_caching_refuses_what_it_was_not_tested_with():
     assert "multiple of --block-size 16" in odd and "100" in odd
 
 
+def test_patched_reuse_is_a_declared_opt_in():
+    """Patched eviction caches prefixes only under --kv-prefix-reuse across-questions, which
+    needs --enable-prefix-caching and means nothing for naive eviction or a head mask."""
+    from vllm_kvevict.config import KVPolicyError
+    from vllm_kvevict.flags import FLAGS
+
+    across = naive(eviction="patched", prefix_reuse="across-questions")
+    assert across.caches_token_prefixes and across.reuses_across_questions
+    assert prefix_caching_error(across, True) is None
+    refused = prefix_caching_error(naive(eviction="patched"), True)
+    assert "--kv-prefix-reuse across-questions reuses it" in refused
+    needs = prefix_caching_error(across, None)
+    assert needs.startswith("--kv-prefix-reuse across-questions needs --enable-prefix-caching")
+    assert FLAGS["--kv-prefix-reuse"][0] == "prefix_reuse"
+    for bad, field in (({"prefix_reuse": "always"}, "exact, across-questions"),
+                       ({"prefix_reuse": "across-questions", "eviction": "naive"}, "naive"),
+                       ({"policy": "prulong", "prefix_reuse": "across-questions"}, "prulong")):
+        with pytest.raises(KVPolicyError, match=field):
+            KVPolicyConfig.from_dict({"policy": "snapkv", **bad})
+
+
+def test_the_ledger_tells_which_reused_chunks_another_question_selected():
+    """--kv-prefix-reuse across-questions on vLLM's BlockPool and Request: A's chunks are
+    registered with A's question; B (same first 150 tokens, another question) reuses 2 chunks
+    both selected under A's; C (A's prompt again) reuses 2 under its own; D reuses B's row
+    at 192 (chunks 1-2 under A's question, 3 under B's): 3 reused, all another question's."""
+    from vllm.utils.math_utils import cdiv
+    from vllm.v1.core.block_pool import BlockPool
+
+    from vllm_kvevict.integration.token_eviction.prefix_cache import (TokenPrefixManager,
+                                                                       TokenPrefixSpec)
+    from vllm_kvevict.integration.token_eviction.token_ledger import TokenEvictionLedger
+
+    cfg = naive(eviction="patched", prefix_reuse="across-questions")
+    policy = build_policy(cfg, 2, 1)
+    kept = E - group_evictions(policy, E, False, LayerGroups.single(2))[0]
+    spec = TokenPrefixSpec(block_size=BS, num_kv_heads=1, head_size=64, dtype=torch.float32,
+                           prefix_chunk=E, chunk_kept=kept)
+    pool = BlockPool(num_gpu_blocks=64, enable_caching=True, hash_block_size=BS)
+    manager = TokenPrefixManager(spec, block_pool=pool, enable_caching=True,
+                                 kv_cache_group_id=0, scheduler_block_size=BS)
+    ledger = TokenEvictionLedger(policy, E)
+    manager.kvevict_reserve = ledger
+    ledger.scheduler = SimpleNamespace(
+        requests={}, max_model_len=4096,
+        kv_cache_manager=SimpleNamespace(coordinator=SimpleNamespace(
+            single_type_managers=[manager])))
+
+    def run(name, tokens, hit, chunks):
+        """First allocation with a hit at `hit`, then prefill chunks ending at `chunks`."""
+        req = vllm_request(name, tokens)
+        ledger.scheduler.requests[name] = req
+        ledger.on_prefix_hit(name, hit)
+        manager.req_to_blocks[name] = pool.get_new_blocks(cdiv(spec.physical(hit), BS))
+        for end in chunks:
+            row = manager.req_to_blocks[name]
+            row += pool.get_new_blocks(cdiv(end, BS) - len(row))
+            req.num_computed_tokens = end
+            ledger.pending[name] = (E, False, policy, end)
+            ledger.before_schedule()
+        return ledger.reuse_of(name)
+
+    base = list(range(1000, 1300))
+    a = base[:250]
+    b = base[:150] + list(range(5000, 5100))
+    assert run("A", a, 0, (64, 128, 192)) == (0, 0)
+    assert run("B", b, 128, (192,)) == (2, 2)
+    assert run("C", a, 128, ()) == (2, 0)
+    assert run("D", b[:200] + [9] * 50, 192, ()) == (3, 3)
+    assert ledger.chunk_questions["D"] == list(ledger.chunk_questions["B"])
+    ledger.forget("D")
+    assert ledger.reuse_of("D") is None and "D" not in ledger.chunk_questions
+
+
 # -- the counts of a hit ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("policy,tiers", [("snapkv", 1), ("pyramidkv", 3)])
@@ -220,6 +294,51 @@ def test_prefix_hits_match_the_reference(case, bundled_model_dir, tokenizer, hf_
         assert text == tokenizer.decode(ref.token_ids), (case, len(p), cached)
         for token, lp in top.items():
             assert abs(lp - float(ref.first_token_logprobs[token])) < LOGPROB_TOL, (case, cached)
+
+
+@pytest.mark.server
+def test_patched_reuse_across_questions_matches_the_reference(bundled_model_dir, tokenizer,
+                                                              hf_model):
+    """`--kv-eviction patched --enable-prefix-caching --kv-prefix-reuse across-questions`:
+    A cold (1100 tokens); B shares A's first 900 tokens and asks another question (a hit at
+    768: chunks 1-3 selected under A's question); A again (a hit at 1024, every chunk under
+    its own question: the plain reference); D shares B's first 1100 (a hit at 1024 on B's row:
+    chunks 1-3 under A's question, 4 under B's). Each equals the reference given the question
+    each reused chunk was selected under, and kv_stats declares the reuse."""
+    from conftest import start_server
+    from test_policies_vllm import (CASES, LOGPROB_TOL, NEW_TOKENS, flags, served_top_logprobs,
+                                    source_prompts)
+
+    from vllm_kvevict.reference import ReferenceRunner
+
+    policy = {**CASES["snapkv-patched-0.5"][0], "prefix_reuse": "across-questions"}
+    server = start_server(bundled_model_dir, [*flags(policy, CHUNK), "--enable-prefix-caching"])
+    params = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused").get(
+        "/kv_stats", cast_to=dict)["params"]
+    assert params["prefix_caching"] is True and params["prefix_reuse"] == "across-questions"
+    doc, other, third = source_prompts(tokenizer, (1100, 1200, 1300))
+    a = doc
+    b = doc[:900] + other[900:1150]
+    d = b[:1100] + third[1100:1200]
+    k = KVPolicyConfig.from_dict(policy).obs_window
+    qa, qb = a[-k:], b[-k:]
+    runs = [(a, 0, {}, (0, 0)),
+            (b, 768, {256: qa, 512: qa, 768: qa}, (3, 3)),
+            (a, 1024, {}, (4, 0)),
+            (d, 1024, {256: qa, 512: qa, 768: qa, 1024: qb}, (4, 4))]
+    runner = ReferenceRunner(hf_model, build_policy(KVPolicyConfig.from_dict(policy), 30, 3))
+    for prompt, cached, questions, (reused, other_q) in runs:
+        text, top, stats = served_top_logprobs(server.base_url, prompt)
+        assert (stats["cached_tokens"], stats["reused_chunks"],
+                stats["reused_chunks_other_question"]) == (cached, reused, other_q), stats
+        ref = runner.generate(prompt, NEW_TOKENS, CHUNK, chunk_questions=questions)
+        assert text == tokenizer.decode(ref.token_ids), (len(prompt), cached)
+        for token, lp in top.items():
+            assert abs(lp - float(ref.first_token_logprobs[token])) < LOGPROB_TOL, cached
+    # the test tells the modes apart: B under its own question alone is another distribution
+    own = torch.log_softmax(runner.prefill(b, CHUNK).logits[-1], dim=-1)
+    reused = runner.prefill(b, CHUNK, chunk_questions=runs[1][2]).logits[-1]
+    assert float((own - torch.log_softmax(reused, dim=-1)).abs().max()) > 10 * LOGPROB_TOL
 
 
 @pytest.mark.parametrize("name,tiers", [("snapkv", 1), ("pyramidkv", 3)])

@@ -33,6 +33,10 @@ ATTENTION_BACKENDS = ("cpu", "flex")
 # the full heads (the weights permuted at load), or vLLM's contiguous order
 # (integration/head_order.py)
 TP_HEAD_ORDERS = ("balanced", "contiguous")
+# patched token eviction with prefix caching: exact (no reuse: each chunk is scored with the
+# request's own question) or across-questions (a hit reuses chunks compressed under an earlier
+# request's question, declared in kv_stats; integration/token_eviction/prefix_cache.py)
+PREFIX_REUSE_MODES = ("exact", "across-questions")
 
 DEFAULT_SINK = 64
 DEFAULT_WINDOW = 256
@@ -92,6 +96,7 @@ class KVPolicyConfig:
     decode_budget: int | None = None
     decode_interval: int = DEFAULT_DECODE_INTERVAL
     tp_head_order: str = "balanced"  # one of TP_HEAD_ORDERS
+    prefix_reuse: str = "exact"  # one of PREFIX_REUSE_MODES
 
     def __post_init__(self) -> None:
         validate(self)
@@ -109,12 +114,20 @@ class KVPolicyConfig:
 
     @property
     def caches_token_prefixes(self) -> bool:
-        """Prefix caching served exactly for token eviction when asked for: naive chunks (each
-        scored by its own queries, so a chunk boundary's compacted row depends only on the
-        tokens before it), no decode-time eviction (it rewrites the row in place), CPU path
+        """Prefix caching served for token eviction when asked for: naive chunks (each scored
+        by its own queries, so a chunk boundary's compacted row depends only on the tokens
+        before it: exact), or patched ones under the declared reuse mode (`reuses_across_
+        questions`); no decode-time eviction (it rewrites the row in place), CPU path
         (integration/token_eviction/prefix_cache.py)."""
-        return (self.policy in TOKEN_EVICTION_POLICIES and self.eviction == "naive"
+        return (self.policy in TOKEN_EVICTION_POLICIES
+                and (self.eviction == "naive" or self.reuses_across_questions)
                 and self.decode_budget is None and self.attention_backend == "cpu")
+
+    @property
+    def reuses_across_questions(self) -> bool:
+        """Patched eviction whose prefix-cache hits reuse chunks selected under an earlier
+        request's question (`--kv-prefix-reuse across-questions`)."""
+        return self.patched and self.prefix_reuse == "across-questions"
 
     @property
     def evicts_tokens(self) -> bool:
@@ -240,6 +253,14 @@ def validate(cfg: KVPolicyConfig) -> None:
         raise KVPolicyError(f"tp_head_order only applies to a head mask (streaming, "
                             f"{', '.join(HEAD_MASK_POLICIES)}), not {cfg.policy!r}",
                             "tp_head_order")
+    if cfg.prefix_reuse not in PREFIX_REUSE_MODES:
+        raise KVPolicyError(f"prefix_reuse {cfg.prefix_reuse!r} is unknown; valid: "
+                            f"{', '.join(PREFIX_REUSE_MODES)}", "prefix_reuse")
+    if cfg.prefix_reuse != "exact" and not (cfg.token_eviction and cfg.eviction == "patched"):
+        raise KVPolicyError(f"prefix_reuse {cfg.prefix_reuse} only applies to patched token "
+                            f"eviction ({', '.join(TOKEN_EVICTION_POLICIES)} or a token_policy "
+                            f"with eviction patched; naive eviction's reuse is exact), not "
+                            f"{cfg.policy!r} with eviction {cfg.eviction!r}", "prefix_reuse")
     if cfg.admission not in ADMISSION_MODES:
         raise KVPolicyError(f"admission {cfg.admission!r} is unknown; valid modes: "
                             f"{', '.join(ADMISSION_MODES)}", "admission")

@@ -146,8 +146,14 @@ def prefix_caching_error(policy_config, requested: bool | None) -> str | None:
     """Evicting policies run with prefix caching off unless it is exact for them: a hit would
     skip the eviction state a request builds from its first token. vLLM's default (None: not
     asked for) is switched off and logged; asking for it explicitly is refused rather than
-    silently ignored, except for naive token eviction (`caches_token_prefixes`), where a hit at
-    a chunk boundary reuses the compacted blocks (`token_prefix_error` checks the rest)."""
+    silently ignored, except for token eviction where `caches_token_prefixes` (naive, or patched
+    under the declared reuse mode), where a hit at a chunk boundary reuses the compacted blocks
+    (`token_prefix_error` checks the rest)."""
+    reuse = getattr(policy_config, "prefix_reuse", "exact")
+    if reuse != "exact" and requested is not True:
+        return (f"--kv-prefix-reuse {reuse} needs --enable-prefix-caching (it declares what a "
+                "prefix-cache hit reuses); valid: add --enable-prefix-caching, or leave "
+                "--kv-prefix-reuse out")
     if requested is not True or policy_config.policy == "full" \
             or getattr(policy_config, "caches_prefixes", False) \
             or getattr(policy_config, "caches_token_prefixes", False):
@@ -157,7 +163,8 @@ def prefix_caching_error(policy_config, requested: bool | None) -> str | None:
             f"{flag} yet ({why}); valid: leave it out or pass --no-enable-prefix-caching, "
             "which evicting policies run with; prefix caching is served with --kv-policy full, "
             "with streaming/duo/prulong (not with --kv-token-policy), and with "
-            "snapkv/pyramidkv --kv-eviction naive (no --kv-decode-budget, CPU attention path)")
+            "snapkv/pyramidkv --kv-eviction naive, or patched with --kv-prefix-reuse "
+            "across-questions (no --kv-decode-budget, CPU attention path)")
 
 
 def token_prefix_reason(policy_config) -> tuple[str, str]:
@@ -166,7 +173,8 @@ def token_prefix_reason(policy_config) -> tuple[str, str]:
         return f" --kv-token-policy {policy_config.token_policy}", "untested"
     if policy_config.eviction != "naive":
         return (f" --kv-eviction {policy_config.eviction}", "each chunk is scored with the "
-                "prompt's question: a cached chunk was selected under another request's")
+                "prompt's question: a cached chunk was selected under another request's; "
+                "--kv-prefix-reuse across-questions reuses it, declared in kv_stats")
     if policy_config.decode_budget is not None:
         return " --kv-decode-budget", "decode-time eviction rewrites cached blocks in place"
     return f" --kv-attention-backend {policy_config.attention_backend}", "untested"

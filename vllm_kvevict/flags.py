@@ -12,7 +12,8 @@ import sys
 from vllm_kvevict.config import (ADMISSION_MODES, ATTENTION_BACKENDS, DEFAULT_DECODE_INTERVAL,
                                  DEFAULT_OBS_WINDOW,
                                  DEFAULT_POOL_KERNEL, DEFAULT_SINK, DEFAULT_SPARSITY, DEFAULT_WINDOW, EVICTION_MODES,
-                                 POLICIES, TP_HEAD_ORDERS, KVPolicyError)
+                                 POLICIES, PREFIX_REUSE_MODES, TP_HEAD_ORDERS,
+                                 KVPolicyError)
 
 # flag -> (KVPolicyConfig field, type, help)
 FLAGS = {
@@ -104,6 +105,14 @@ FLAGS = {
                            "layer's full heads; vLLM pads every rank's cache to the fullest "
                            "rank's) or contiguous (vLLM's head order). One of "
                            f"{', '.join(TP_HEAD_ORDERS)}."),
+    "--kv-prefix-reuse": ("prefix_reuse", str,
+                          "snapkv/pyramidkv with --kv-eviction patched and "
+                          "--enable-prefix-caching: exact (default: patched eviction refuses "
+                          "prefix caching, each chunk being scored with the request's own "
+                          "question) or across-questions (a hit at a chunk boundary reuses "
+                          "chunks compressed under an earlier request's question; kv_stats "
+                          "counts them in reused_chunks_other_question). One of "
+                          f"{', '.join(PREFIX_REUSE_MODES)}."),
 }
 
 

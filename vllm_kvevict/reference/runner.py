@@ -265,8 +265,11 @@ class ReferenceRunner:
                              self.device)
 
     @torch.no_grad()
-    def prefill(self, prompt_ids: list[int], chunk_size: int,
-                all_logits: bool = False) -> PrefillResult:
+    def prefill(self, prompt_ids: list[int], chunk_size: int, all_logits: bool = False,
+                chunk_questions: dict[int, list[int]] | None = None) -> PrefillResult:
+        """`chunk_questions` (patched eviction): chunk end -> the question appended to that
+        chunk instead of the prompt's own, e.g. the earlier request's whose chunks a
+        prefix-cache hit reuses (`--kv-prefix-reuse across-questions`)."""
         prompt_ids = list(prompt_ids)
         n = len(prompt_ids)
         boundaries = chunk_boundaries(n, chunk_size)
@@ -276,7 +279,7 @@ class ReferenceRunner:
         logits, kept = [], []
         for start, end in boundaries:
             is_final = end == n
-            extra = [] if is_final else appended
+            extra = [] if is_final else list((chunk_questions or {}).get(end, appended))
             step = Step(start, end - start, is_prefill=True, is_final=is_final,
                         num_appended=len(extra))
             hidden, kept_now = self.forward(cache, prompt_ids[start:end] + extra, step)
@@ -297,11 +300,13 @@ class ReferenceRunner:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, chunk_size: int,
-                 stop_token_ids: Iterable[int] = ()) -> ReferenceOutput:
-        """Greedy (argmax, first index on ties) decoding; stops after a stop token."""
+                 stop_token_ids: Iterable[int] = (),
+                 chunk_questions: dict[int, list[int]] | None = None) -> ReferenceOutput:
+        """Greedy (argmax, first index on ties) decoding; stops after a stop token.
+        `chunk_questions`: as in `prefill`."""
         prompt_ids = list(prompt_ids)
         stop = set(stop_token_ids)
-        pre = self.prefill(prompt_ids, chunk_size)
+        pre = self.prefill(prompt_ids, chunk_size, chunk_questions=chunk_questions)
         logits = pre.logits[-1]
         tokens: list[int] = []
         position = len(prompt_ids)

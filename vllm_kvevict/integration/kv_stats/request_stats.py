@@ -110,6 +110,9 @@ class RequestStatsTracker:
         self._last_snapshot = 0.0
         self._ended_since_snapshot = False
         self._pending_first_token: dict[int, tuple[Any, list[str]]] = {}
+        # --kv-prefix-reuse across-questions: the token ledger's (chunks reused, of which
+        # selected under another question) per request (found on the managers)
+        self._reuse_of = None
         logger.info("vllm-kvevict: kv_stats on (policy %s): %s bytes per block per KV-cache group, "
                     "%d per block for full attention",
                     self.cfg.policy, list(self.layout.group_bytes_per_block),
@@ -146,6 +149,9 @@ class RequestStatsTracker:
     def on_schedule(self, scheduler_output, kv_cache_manager) -> None:
         now = time.time()
         managers = kv_cache_manager.coordinator.single_type_managers if kv_cache_manager else ()
+        if self._reuse_of is None and managers and self.cfg.reuses_across_questions:
+            self._reuse_of = getattr(getattr(managers[0], "kvevict_reserve", None), "reuse_of",
+                                     None)
         ended: list[str] = []
         new_blocks: dict[str, Any] = {}  # blocks allocated this step, per request and group
         for new in scheduler_output.scheduled_new_reqs:
@@ -229,6 +235,9 @@ class RequestStatsTracker:
         stats["finish_reason"] = str(reason) if reason is not None else None
         stats["stop_reason"] = getattr(request, "stop_reason", None)
         stats["data_parallel_rank"] = self.data_parallel_rank
+        reuse = self._reuse_of(request.request_id) if self._reuse_of else None
+        if reuse is not None:  # cached_tokens = the reused chunks' tokens
+            stats["reused_chunks"], stats["reused_chunks_other_question"] = reuse
         stats = finite_or_none(stats)
         self._ended_since_snapshot = True
         # Every request's stats also go out with this step's scheduler stats. vLLM drops an

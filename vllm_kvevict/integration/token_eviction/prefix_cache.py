@@ -94,6 +94,12 @@ def boundary_key(anchor: bytes, index: int) -> bytes:
                           + index.to_bytes(4, "big")).digest()
 
 
+def boundary_anchor(request, boundary: int, pool) -> bytes:
+    """vLLM's block hash of the request's first `boundary` tokens (a multiple of the pool's
+    hash block size)."""
+    return bytes(request.block_hashes[boundary // pool.hash_block_size - 1])
+
+
 def register_boundary(manager, request, boundary: int) -> int:
     """After the chunk ending at `boundary` was compressed and its tail blocks freed: key every
     block of the request's row in this group (returns how many)."""
@@ -164,9 +170,11 @@ class TokenPrefixManager(FullAttentionManager):
                                    total_computed_tokens, num_local_computed_tokens,
                                    num_tokens_main_model, apply_admission_cap=False,
                                    prefill_end=0) -> int:
-        if self._reuses and request_id not in self.num_cached_block:
-            # a first allocation: the ledger starts from the hit (or from 0), and every count
-            # below is physical
+        if self._reuses and request_id not in self.num_cached_block \
+                and not self.req_to_blocks.get(request_id):
+            # a first allocation (vLLM marks a request cached only when it hit: a cold one is
+            # known by its empty row): the ledger starts from the hit (or from 0), and every
+            # count below is physical
             self.kvevict_reserve.on_prefix_hit(request_id, num_local_computed_tokens)
             num_local_computed_tokens, new_computed_blocks = self._physical_hit(
                 num_local_computed_tokens, new_computed_blocks)

@@ -6,15 +6,20 @@ The shared maths is `vllm_kvevict/ledger.py`; the hooks that call this are in `s
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Callable
 
 from vllm_kvevict.integration.admission import GrowthReserve
-from vllm_kvevict.integration.token_eviction.prefix_cache import register_boundary
+from vllm_kvevict.integration.token_eviction.prefix_cache import (boundary_anchor,
+                                                                  register_boundary)
 from vllm_kvevict.ledger import (LayerGroups, cap_step_in_eviction_chunk,
                                  cached_decode_group_budgets, decode_group_evictions,
                                  eviction_chunk_len, group_evictions, peak_slots)
 from vllm_kvevict.overrides import request_prompt_len
 from vllm_kvevict.policies import KVPolicy
+
+
+BOUNDARY_QUESTIONS = 1 << 16  # cached boundaries whose questions are remembered
 
 
 class TokenEvictionLedger(GrowthReserve):
@@ -36,7 +41,12 @@ class TokenEvictionLedger(GrowthReserve):
         # a decode-time compression
         self.pending: dict[str, tuple[int, bool, KVPolicy, int]] = {}
         self._evictions: dict[tuple, list[int]] = {}
-
+        # patched eviction reusing across questions (prefix_cache.py): per request, the
+        # question each of its prompt chunks so far was selected under; per cached boundary
+        # (its vLLM block hash), its row's; per request, its hit's (reused, other question)
+        self.chunk_questions: dict[str, list[int]] = {}
+        self.boundary_questions: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
+        self.reused: dict[str, tuple[int, int]] = {}
 
     def evictions(self, policy: KVPolicy, chunk_len: int, is_final: bool) -> list[int]:
         """group_evictions, memoised per setting (a frozen, hashable config)."""
@@ -119,9 +129,19 @@ class TokenEvictionLedger(GrowthReserve):
             if chunk_len and not is_final and policy is self.policy:
                 # a chunk boundary before the prompt's last chunk: its row is a reusable state
                 # (prefix_cache.py; a request with overrides keeps other counts)
+                questions = self.chunk_questions.get(req_id)
+                if questions is not None:
+                    questions.append(self.question_of(request))
+                anchor = None
                 for manager in managers:
-                    if getattr(manager, "_reuses", False):
-                        register_boundary(manager, request, end)
+                    if getattr(manager, "_reuses", False) \
+                            and register_boundary(manager, request, end):
+                        anchor = boundary_anchor(request, end, manager.block_pool)
+                if anchor is not None and questions is not None:
+                    self.boundary_questions[anchor] = tuple(questions)
+                    self.boundary_questions.move_to_end(anchor)
+                    while len(self.boundary_questions) > BOUNDARY_QUESTIONS:
+                        self.boundary_questions.popitem(last=False)
 
     def after_schedule(self, scheduler_output) -> None:
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
@@ -153,6 +173,8 @@ class TokenEvictionLedger(GrowthReserve):
     def on_prefix_hit(self, req_id: str, boundary: int) -> None:
         """A request's first allocation, with a prefix hit at chunk boundary `boundary` (0:
         none): its rows start with the chunks before it evicted (prefix_cache.py)."""
+        if self.policy.config.reuses_across_questions:
+            self.note_reuse(req_id, boundary)
         if not boundary:
             self.allocation_evicted.pop(req_id, None)
             return
@@ -161,9 +183,38 @@ class TokenEvictionLedger(GrowthReserve):
         self.allocation_evicted[req_id] = [boundary // chunk * f for f in
                                            self.evictions(self.policy, chunk, False)]
 
+    def question_of(self, request) -> int:
+        """The request's patched question (its prompt's last k tokens), as a digest."""
+        ids = request.prompt_token_ids
+        k = self.policy.config.question_rows(request_prompt_len(request))
+        return hash(tuple(ids[request_prompt_len(request) - k: request_prompt_len(request)]))
+
+    def note_reuse(self, req_id: str, boundary: int) -> None:
+        """--kv-prefix-reuse across-questions: the reused chunks' questions (from the cached
+        boundary's row) start the request's own list; how many differ from its question."""
+        request = self.scheduler.requests.get(req_id) if self.scheduler else None
+        if request is None:
+            return
+        cached: tuple[int, ...] = ()
+        if boundary:
+            pool = self.scheduler.kv_cache_manager.coordinator.single_type_managers[0].block_pool
+            # (a boundary whose questions were dropped from the bounded table: unknown, -1)
+            cached = self.boundary_questions.get(
+                boundary_anchor(request, boundary, pool),
+                (-1,) * (boundary // self.policy.config.eviction_chunk))
+        own = self.question_of(request)
+        self.chunk_questions[req_id] = list(cached)
+        self.reused[req_id] = (len(cached), sum(q != own for q in cached))
+
+    def reuse_of(self, req_id: str) -> tuple[int, int] | None:
+        """(chunks reused from the prefix cache, of which selected under another question)."""
+        return self.reused.get(req_id)
+
     def forget(self, req_id: str) -> None:
         self.allocation_evicted.pop(req_id, None)
         self.pending.pop(req_id, None)
+        self.chunk_questions.pop(req_id, None)
+        self.reused.pop(req_id, None)
 
     def request_policy(self, request) -> KVPolicy:
         params = getattr(request, "sampling_params", None)
