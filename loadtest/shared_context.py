@@ -37,7 +37,7 @@ from vllm_kvevict.evaluation.tasks import (NIAH_INSTRUCTION, SENTINEL, PromptBui
                                            spread_depths)
 
 VARIANTS = ("shared", "multiturn")
-MAX_TOKENS = 24
+MAX_TOKENS = 12  # "... is" + " NNNN." and a little more
 
 
 @dataclass(frozen=True)
@@ -88,8 +88,10 @@ def turn_separator(tokenizer) -> list[int]:
     return list(tokenizer.encode(between, add_special_tokens=False))
 
 
-def record_key(setting: str, variant: str, context: int, question: int) -> str:
-    return f"{setting}|{variant}|{context}|{question}"
+def record_key(setting: str, variant: str, context: "Context", question: int) -> str:
+    """(the context's first ids and length stand for the run's --length, --seed, --questions)"""
+    shape = f"{len(context.head_ids)}:{context.values[0]}:{len(context.keys)}"
+    return f"{setting}|{variant}|{context.index}|{shape}|{question}"
 
 
 def complete(client: httpx.Client, base_url: str, prompt: list[int]) -> tuple[str, list[int],
@@ -124,7 +126,7 @@ def run_setting(client: httpx.Client, base_url: str, setting: str, contexts: Seq
                     prompt = list(ctx.head_ids) + asked + opening
                 else:
                     prompt = history + asked + opening
-                key = record_key(setting, variant, ctx.index, i)
+                key = record_key(setting, variant, ctx, i)
                 record = done.get(key)
                 if record is None:
                     text, ids, stats = complete(client, base_url, prompt)
@@ -280,9 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "snapkv:0.7/reuse snapkv:0.7:naive/pc")
     p.add_argument("--pairs", nargs="*", default=[],
                    help="A,B: report B - A (paired accuracy, TTFT ratio)")
-    p.add_argument("--contexts", type=int, default=6)
+    p.add_argument("--contexts", type=int, default=5)
     p.add_argument("--questions", type=int, default=4)
-    p.add_argument("--length", type=int, default=2048, help="context tokens (about)")
+    p.add_argument("--length", type=int, default=1536, help="context tokens (about)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chunk", type=int, default=256, help="--max-num-batched-tokens")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=800 * 2**20)
@@ -332,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
 
         for setting in [] if args.report_only else args.settings:
             missing = [1 for v in VARIANTS for c in contexts for i in range(len(c.keys))
-                       if record_key(setting, v, c.index, i) not in done]
+                       if record_key(setting, v, c, i) not in done]
             if not missing:
                 continue
             argv_serve, env = server_argv(model, setting,
@@ -350,7 +352,9 @@ def main(argv: list[str] | None = None) -> int:
                     complete(client, base_url, builder.encode("warm up"))
                     run_setting(client, base_url, setting, contexts, builder, separator, done,
                                 write)
-    records = [r for r in done.values() if r["setting"] in args.settings]
+    keys = {record_key(s, v, c, i) for s in args.settings for v in VARIANTS for c in contexts
+            for i in range(len(c.keys))}
+    records = [r for k, r in done.items() if k in keys]
     print(report(records, args.settings, pairs, args.out_dir, command))
     return 0
 

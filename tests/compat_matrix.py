@@ -40,6 +40,8 @@ EVICTING = [c for c in COLUMNS if c != "full"]
 NOT_CACHING = [c for c in EVICTING if c not in HEAD_MASKS]
 # naive token eviction: prefix caching when asked for (integration/token_eviction/prefix_cache.py)
 TOKEN_CACHING = ("snapkv naive", "pyramidkv naive")
+# patched token eviction: prefix caching under --kv-prefix-reuse across-questions
+PATCHED_REUSE = ("snapkv patched", "pyramidkv patched")
 # tests/test_pool_storage.py: prefix hits against the reference (prulong decoding in place,
 # sink 32 in 32-token blocks, in CI; the rest slow)
 POOL_STORAGE = lambda c: (("(s)" + f"tests/test_pool_storage.py::test_pool_storage_matches_reference"
@@ -172,13 +174,26 @@ ROWS = [
         **each("n/a", C + "test_repeated_prompt_prefix_cache[{id}]", NOT_CACHING,
                why="switched off at start-up for token-evicting policies unless asked for "
                    "(logged; `/v1/kv_stats` shows it): patched scoring uses the prompt's last "
-                   "tokens; naive eviction serves it when asked for (next row)")}),
+                   "tokens; naive eviction serves it when asked for, patched under a declared "
+                   "reuse mode (next row)")}),
     Row("`--enable-prefix-caching` asked for explicitly", {
         "full": Cell("exact", ("(s)" + C + "test_repeated_prompt_prefix_cache[full]",)),
         **{c: Cell("refused", (
             f"tests/test_features.py::test_explicit_prefix_caching"
             f"[{COLUMNS[c]}]", "tests/test_features.py::test_vllm_serve_refuses[prefix-caching]"))
-           for c in NOT_CACHING if c not in TOKEN_CACHING},
+           for c in NOT_CACHING if c not in TOKEN_CACHING + PATCHED_REUSE},
+        **{c: Cell("exact", (
+            ("(s)" if c == "pyramidkv patched" else "") + "tests/test_token_prefix_cache.py::"
+            f"test_patched_reuse_across_questions_matches_the_reference[{COLUMNS[c]}]",
+            "tests/test_token_prefix_cache.py::"
+            "test_the_ledger_tells_which_reused_chunks_another_question_selected",
+            "tests/test_token_prefix_cache.py::test_patched_reuse_is_a_declared_opt_in",
+            f"tests/test_features.py::test_explicit_prefix_caching[{COLUMNS[c]}]"),
+            "under the declared mode `--kv-prefix-reuse across-questions` (refused without "
+            "it): a hit reuses chunks selected under the earlier request's question, as the "
+            "reference given those questions; kv_stats counts them "
+            "(`reused_chunks_other_question`)")
+           for c in PATCHED_REUSE},
         **{c: Cell("exact", (
             ("(s)" if c == "snapkv naive" else "") + "tests/test_token_prefix_cache.py::"
             f"test_prefix_hits_match_the_reference[{COLUMNS[c]}]",

@@ -297,8 +297,10 @@ def test_prefix_hits_match_the_reference(case, bundled_model_dir, tokenizer, hf_
 
 
 @pytest.mark.server
-def test_patched_reuse_across_questions_matches_the_reference(bundled_model_dir, tokenizer,
-                                                              hf_model):
+@pytest.mark.parametrize("case", ["snapkv-patched-0.5",
+                                  pytest.param("pyramidkv-patched-0.7", marks=pytest.mark.slow)])
+def test_patched_reuse_across_questions_matches_the_reference(case, bundled_model_dir,
+                                                              tokenizer, hf_model):
     """`--kv-eviction patched --enable-prefix-caching --kv-prefix-reuse across-questions`:
     A cold (1100 tokens); B shares A's first 900 tokens and asks another question (a hit at
     768: chunks 1-3 selected under A's question); A again (a hit at 1024, every chunk under
@@ -311,7 +313,7 @@ def test_patched_reuse_across_questions_matches_the_reference(bundled_model_dir,
 
     from vllm_kvevict.reference import ReferenceRunner
 
-    policy = {**CASES["snapkv-patched-0.5"][0], "prefix_reuse": "across-questions"}
+    policy = {**CASES[case][0], "prefix_reuse": "across-questions"}
     server = start_server(bundled_model_dir, [*flags(policy, CHUNK), "--enable-prefix-caching"])
     params = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused").get(
         "/kv_stats", cast_to=dict)["params"]

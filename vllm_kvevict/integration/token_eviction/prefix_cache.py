@@ -1,5 +1,6 @@
-"""Prefix caching for naive token eviction (snapkv, pyramidkv, `--kv-eviction naive`): a hit
-at a chunk boundary reuses the compacted blocks the first request left there.
+"""Prefix caching for token eviction (snapkv, pyramidkv; naive eviction exact, patched under a
+declared reuse mode): a hit at a chunk boundary reuses the compacted blocks the first request
+left there.
 
 Why it is exact (the paper's chunked eviction, naive mode): the prompt is compressed once per
 canonical chunk [kE, (k+1)E) (`--kv-eviction-chunk`, by default the step budget), each chunk
@@ -20,9 +21,13 @@ new request appends into its own copy. The new request's ledgers (engine core an
 from the boundary: k chunks evicted. vLLM's own logical block hashes are never registered for
 these groups (a physical block does not hold the tokens its logical hash names).
 
-Not served (refused at start-up, `features.token_prefix_caching_error`): patched eviction
-(each chunk scored with the prompt's question: a cached chunk was selected under another
-question), decode-time eviction (it rewrites the whole row in place, cached blocks included),
+Patched eviction scores each chunk with the prompt's question, so a cached chunk was selected
+under the question of the request that computed it: served only under the declared mode
+`--kv-prefix-reuse across-questions` (the ledger remembers each boundary's questions; kv_stats
+`reused_chunks_other_question`; the reference's `chunk_questions` computes the same).
+
+Not served (refused at start-up, `features.token_prefix_error`, `prefix_caching_error`):
+patched eviction without that mode, decode-time eviction (it rewrites the whole row in place, cached blocks included),
 the hybrid, the FlexAttention path, tensor/data parallel, speculative decoding, LoRA. A request
 with per-request policy overrides neither reads nor writes the cache (its kept counts differ).
 """
