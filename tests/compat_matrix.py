@@ -183,7 +183,7 @@ ROWS = [
             f"[{COLUMNS[c]}]", "tests/test_features.py::test_vllm_serve_refuses[prefix-caching]"))
            for c in NOT_CACHING if c not in TOKEN_CACHING + PATCHED_REUSE},
         **{c: Cell("exact", (
-            ("(s)" if c == "pyramidkv patched" else "") + "tests/test_token_prefix_cache.py::"
+            "(s)tests/test_token_prefix_cache.py::"
             f"test_patched_reuse_across_questions_matches_the_reference[{COLUMNS[c]}]",
             "tests/test_token_prefix_cache.py::"
             "test_the_ledger_tells_which_reused_chunks_another_question_selected",

@@ -231,6 +231,35 @@ def test_tp2_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_torch_
                 "8 -> 6 per rank" in log
 
 
+@pytest.mark.server
+@pytest.mark.serial
+@pytest.mark.slow  # CI's budget; the engine-side cache is TP = 1's (tests/test_token_prefix_cache.py)
+def test_tp2_prefix_caching_with_naive_token_eviction(tiny_qwen3, tokenizer, one_torch_thread):
+    """`--enable-prefix-caching` with naive snapkv under TP 2: a prompt cold, again (a hit at
+    its last chunk boundary, 256), and a prompt sharing its first 200 tokens (a hit at 128,
+    whose row of 64 slots is a partial block: vLLM's copy-on-write on both ranks); each
+    rank's worker starts its ledger at the hit; tokens == the reference at the same chunks."""
+    policy = TP_POLICIES["snapkv naive"]
+    model_dir = tiny_qwen3(4)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    server = start_server(model_dir, [*flags(policy, CHUNK), "--tensor-parallel-size", "2",
+                                      "--enable-prefix-caching"], env=TP_ENV)
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
+    prompt, other = source_prompts(tokenizer, (340, 340))
+    for ids, cached in ((prompt, 0), (prompt, 256), (prompt[:200] + other[200:], 128)):
+        r = client.completions.create(model=SERVED_NAME, prompt=ids, max_tokens=NEW_TOKENS,
+                                      temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+        stats = r.model_extra["kv_stats"]
+        assert stats["cached_tokens"] == cached and stats["tensor_parallel_size"] == 2, stats
+        ends = [e for e in range(CHUNK, len(ids), CHUNK)] + [len(ids)]
+        ref = reference(model, model_dir, policy, ids, ends)
+        assert r.choices[0].model_extra["token_ids"] == ref.token_ids, cached
+
+
 def test_padding_is_what_the_ranks_declare():
     """Each rank's paged cache declares the most full heads any rank holds in the layer."""
     mask = ~torch.tensor([[True, False, True, True], [False, False, False, True]])

@@ -183,12 +183,14 @@ def token_prefix_reason(policy_config) -> tuple[str, str]:
 def token_prefix_error(policy_config, prefix_caching: bool, sizes: dict[str, int],
                        speculative: str | None, lora: bool, chunk: int,
                        block_size: int) -> str | None:
-    """Naive token eviction with prefix caching on: the parts of vLLM it is tested with
-    (one engine, no draft tokens, no adapters) and canonical chunks of whole blocks."""
+    """Token eviction with prefix caching on: the parts of vLLM it is tested with (one
+    engine, tensor parallel or not; no draft tokens, no adapters) and canonical chunks of
+    whole blocks."""
     if not prefix_caching or not getattr(policy_config, "caches_token_prefixes", False):
         return None
+    # (tensor parallel: the cache is the engine core's; every rank's worker starts at the hit)
     what = ([f"{flag} {sizes[field]}" for field, flag in PARALLEL_FLAGS
-             if sizes.get(field, 1) != 1]
+             if sizes.get(field, 1) != 1 and field != "tensor_parallel_size"]
             + (["speculative decoding"] if speculative else [])
             + (["--enable-lora"] if lora else []))
     if what:

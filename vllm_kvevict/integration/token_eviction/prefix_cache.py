@@ -28,7 +28,9 @@ under the question of the request that computed it: served only under the declar
 
 Not served (refused at start-up, `features.token_prefix_error`, `prefix_caching_error`):
 patched eviction without that mode, decode-time eviction (it rewrites the whole row in place, cached blocks included),
-the hybrid, the FlexAttention path, tensor/data parallel, speculative decoding, LoRA. A request
+the hybrid, the FlexAttention path, data/pipeline parallel, speculative decoding, LoRA
+(tensor parallel is served: the cache is the engine core's, each rank's worker starts at the
+hit). A request
 with per-request policy overrides neither reads nor writes the cache (its kept counts differ).
 """
 
