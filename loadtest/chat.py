@@ -261,6 +261,28 @@ def server_argv(model: str, text: str, *, kv_cache_bytes: int, chunk: int, port:
                          port=port, extra_args=extra)
 
 
+def add_server_args(p: argparse.ArgumentParser, *, chunk: int, port: int) -> None:
+    """The options of a CLI that starts one server per policy label (`label_server`)."""
+    p.add_argument("--model", help="model directory (default: the bundled one)")
+    p.add_argument("--chunk", type=int, default=chunk, help="--max-num-batched-tokens")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=800 * 2**20)
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--port", type=int, default=port)
+    p.add_argument("--reserved-cpus", default="1",
+                   help="VLLM_CPU_NUM_OF_RESERVED_CPU for every server (as loadtest."
+                        "bench_latency: the plugin's KV connector otherwise changes vLLM's "
+                        "thread count on a 2-core machine); '' = vLLM's choice")
+
+
+def label_server(model: str, text: str, args) -> tuple[list[str], dict[str, str]]:
+    """`server_argv` of a label with `add_server_args`' options applied."""
+    argv, env = server_argv(model, text, kv_cache_bytes=args.kv_cache_memory_bytes,
+                            chunk=args.chunk, port=args.port, max_model_len=args.max_model_len)
+    if args.reserved_cpus:
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = args.reserved_cpus
+    return argv, env
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m loadtest.chat", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -268,22 +290,15 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "prulong:0.7/nopc"],
                    help="stock (vLLM without the plugin), full, or a policy as in "
                         "loadtest.compare; NAME/nopc adds --no-enable-prefix-caching, NAME/pc "
-                        "--enable-prefix-caching (snapkv/pyramidkv naive). The first "
-                        "is the baseline of the ratios")
-    p.add_argument("--model", help="model directory (default: the bundled one)")
+                        "--enable-prefix-caching (snapkv/pyramidkv naive), NAME/reuse that "
+                        "and --kv-prefix-reuse across-questions, NAME/cN --kv-eviction-chunk "
+                        "N. The first is the baseline of the ratios")
     defaults = ChatShape()
     for key, value in asdict(defaults).items():
         p.add_argument(f"--{key.replace('_', '-')}", type=int, default=value)
     p.add_argument("--concurrency", type=int, default=4, help="conversations in flight")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--chunk", type=int, default=512, help="--max-num-batched-tokens")
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=800 * 2**20)
-    p.add_argument("--max-model-len", type=int, default=8192)
-    p.add_argument("--port", type=int, default=8131)
-    p.add_argument("--reserved-cpus", default="1",
-                   help="VLLM_CPU_NUM_OF_RESERVED_CPU for every server (as loadtest."
-                        "bench_latency: the plugin's KV connector otherwise changes vLLM's "
-                        "thread count on a 2-core machine); '' = vLLM's choice")
+    add_server_args(p, chunk=512, port=8131)
     p.add_argument("--max-duration", type=float, default=1800.0, help="seconds per policy")
     p.add_argument("--out-dir", type=Path, default=Path("docs/results/chat"))
     p.add_argument("--rerun", action="store_true",
@@ -327,11 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             print(f"== {text}: {out} is a run of another shape, concurrency or seed; rerunning",
                   flush=True)
-        argv_serve, env = server_argv(model, text, kv_cache_bytes=args.kv_cache_memory_bytes,
-                                      chunk=args.chunk, port=args.port,
-                                      max_model_len=args.max_model_len)
-        if args.reserved_cpus:
-            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = args.reserved_cpus
+        argv_serve, env = label_server(model, text, args)
         print(f"== {text}: {' '.join(argv_serve)}", flush=True)
         with ServerProcess(argv_serve, args.out_dir / f"server_{slug}.log", env=env) as server:
             server.wait_healthy(base_url)

@@ -31,6 +31,7 @@ from typing import Any, Iterable, Sequence
 import httpx
 import numpy as np
 
+from loadtest.chat import add_server_args
 from vllm_kvevict.evaluation import vocabulary as vocab
 from vllm_kvevict.evaluation.tasks import (NIAH_INSTRUCTION, SENTINEL, PromptBuilder, distinct,
                                            insert_at_depths, noise, numbers, score_recall,
@@ -161,8 +162,8 @@ def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
 
 def paired_interval(diffs: Sequence[float], seed: int = 0, n: int = 4000,
                     level: float = 0.95) -> tuple[float, float]:
-    """Percentile bootstrap interval of the mean of paired differences, resampling contexts'
-    questions jointly is left to the caller (pass one difference per example)."""
+    """Percentile bootstrap interval of the mean of paired differences (one per example,
+    resampled independently)."""
     d = np.asarray(diffs, dtype=float)
     if d.size == 0:
         return (math.nan, math.nan)
@@ -286,12 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--questions", type=int, default=4)
     p.add_argument("--length", type=int, default=1536, help="context tokens (about)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--chunk", type=int, default=256, help="--max-num-batched-tokens")
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=800 * 2**20)
-    p.add_argument("--max-model-len", type=int, default=8192)
-    p.add_argument("--port", type=int, default=8133)
-    p.add_argument("--reserved-cpus", default="1")
-    p.add_argument("--model", help="model directory (default: the bundled one)")
+    add_server_args(p, chunk=256, port=8133)
     p.add_argument("--out-dir", type=Path, required=True)
     p.add_argument("--report-only", action="store_true")
     return p
@@ -300,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
-    from loadtest.chat import server_argv
+    from loadtest.chat import label_server
     from vllm_kvevict.launch import ServerProcess
     from vllm_kvevict.model import ensure_bundled_model
 
@@ -333,16 +329,10 @@ def main(argv: list[str] | None = None) -> int:
             sink.flush()
 
         for setting in [] if args.report_only else args.settings:
-            missing = [1 for v in VARIANTS for c in contexts for i in range(len(c.keys))
-                       if record_key(setting, v, c, i) not in done]
-            if not missing:
+            if all(record_key(setting, v, c, i) in done for v in VARIANTS for c in contexts
+                   for i in range(len(c.keys))):
                 continue
-            argv_serve, env = server_argv(model, setting,
-                                          kv_cache_bytes=args.kv_cache_memory_bytes,
-                                          chunk=args.chunk, port=args.port,
-                                          max_model_len=args.max_model_len)
-            if args.reserved_cpus:
-                env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = args.reserved_cpus
+            argv_serve, env = label_server(model, setting, args)
             slug = setting.replace(":", "-").replace("/", "-")
             print(f"== {setting}: {' '.join(argv_serve)}", flush=True)
             with ServerProcess(argv_serve, args.out_dir / "logs" / f"{slug}.log",

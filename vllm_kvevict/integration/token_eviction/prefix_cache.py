@@ -27,11 +27,11 @@ under the question of the request that computed it: served only under the declar
 `reused_chunks_other_question`; the reference's `chunk_questions` computes the same).
 
 Not served (refused at start-up, `features.token_prefix_error`, `prefix_caching_error`):
-patched eviction without that mode, decode-time eviction (it rewrites the whole row in place, cached blocks included),
-the hybrid, the FlexAttention path, data/pipeline parallel, speculative decoding, LoRA
-(tensor parallel is served: the cache is the engine core's, each rank's worker starts at the
-hit). A request
-with per-request policy overrides neither reads nor writes the cache (its kept counts differ).
+patched eviction without that mode, decode-time eviction (it rewrites the whole row in
+place, cached blocks included), the hybrid, the FlexAttention path, data/pipeline parallel,
+speculative decoding, LoRA (tensor parallel is served: the cache is the engine core's, each
+rank's worker starts at the hit). A request with per-request policy overrides neither reads
+nor writes the cache (its kept counts differ).
 """
 
 from __future__ import annotations
@@ -101,20 +101,21 @@ def boundary_key(anchor: bytes, index: int) -> bytes:
                           + index.to_bytes(4, "big")).digest()
 
 
-def boundary_anchor(request, boundary: int, pool) -> bytes:
-    """vLLM's block hash of the request's first `boundary` tokens (a multiple of the pool's
-    hash block size)."""
-    return bytes(request.block_hashes[boundary // pool.hash_block_size - 1])
+def boundary_anchor(request, boundary: int, hash_block_size: int) -> bytes | None:
+    """vLLM's block hash of the request's first `boundary` tokens (None: not a whole number of
+    hashed blocks)."""
+    if boundary % hash_block_size or boundary // hash_block_size > len(request.block_hashes):
+        return None
+    return bytes(request.block_hashes[boundary // hash_block_size - 1])
 
 
 def register_boundary(manager, request, boundary: int) -> int:
     """After the chunk ending at `boundary` was compressed and its tail blocks freed: key every
     block of the request's row in this group (returns how many)."""
     spec, pool = manager.kv_cache_spec, manager.block_pool
-    size = pool.hash_block_size
-    if boundary % size or boundary // size > len(request.block_hashes):
+    anchor = boundary_anchor(request, boundary, pool.hash_block_size)
+    if anchor is None:
         return 0
-    anchor = request.block_hashes[boundary // size - 1]
     blocks = manager.req_to_blocks.get(request.request_id, [])[:cdiv(spec.physical(boundary),
                                                                       manager.block_size)]
     for j, block in enumerate(blocks):

@@ -132,12 +132,12 @@ class TokenEvictionLedger(GrowthReserve):
                 questions = self.chunk_questions.get(req_id)
                 if questions is not None:
                     questions.append(self.question_of(request))
-                anchor = None
+                registered = False
                 for manager in managers:
-                    if getattr(manager, "_reuses", False) \
-                            and register_boundary(manager, request, end):
-                        anchor = boundary_anchor(request, end, manager.block_pool)
-                if anchor is not None and questions is not None:
+                    if getattr(manager, "_reuses", False):
+                        registered |= bool(register_boundary(manager, request, end))
+                if registered and questions is not None:
+                    anchor = boundary_anchor(request, end, managers[0].block_pool.hash_block_size)
                     self.boundary_questions[anchor] = tuple(questions)
                     self.boundary_questions.move_to_end(anchor)
                     while len(self.boundary_questions) > BOUNDARY_QUESTIONS:
@@ -185,9 +185,8 @@ class TokenEvictionLedger(GrowthReserve):
 
     def question_of(self, request) -> int:
         """The request's patched question (its prompt's last k tokens), as a digest."""
-        ids = request.prompt_token_ids
-        k = self.policy.config.question_rows(request_prompt_len(request))
-        return hash(tuple(ids[request_prompt_len(request) - k: request_prompt_len(request)]))
+        n = request_prompt_len(request)
+        return hash(tuple(request.prompt_token_ids[n - self.policy.config.question_rows(n): n]))
 
     def note_reuse(self, req_id: str, boundary: int) -> None:
         """--kv-prefix-reuse across-questions: the reused chunks' questions (from the cached
@@ -200,7 +199,7 @@ class TokenEvictionLedger(GrowthReserve):
             pool = self.scheduler.kv_cache_manager.coordinator.single_type_managers[0].block_pool
             # (a boundary whose questions were dropped from the bounded table: unknown, -1)
             cached = self.boundary_questions.get(
-                boundary_anchor(request, boundary, pool),
+                boundary_anchor(request, boundary, pool.hash_block_size),
                 (-1,) * (boundary // self.policy.config.eviction_chunk))
         own = self.question_of(request)
         self.chunk_questions[req_id] = list(cached)
