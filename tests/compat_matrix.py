@@ -41,7 +41,7 @@ NOT_CACHING = [c for c in EVICTING if c not in HEAD_MASKS]
 # naive token eviction: prefix caching when asked for (integration/token_eviction/prefix_cache.py)
 TOKEN_CACHING = ("snapkv naive", "pyramidkv naive")
 # patched token eviction: prefix caching under --kv-prefix-reuse across-questions
-PATCHED_REUSE = ("snapkv patched", "pyramidkv patched")
+PATCHED_REUSE = ("snapkv patched", "pyramidkv patched", HYBRID)
 # tests/test_pool_storage.py: prefix hits against the reference (prulong decoding in place,
 # sink 32 in 32-token blocks, in CI; the rest slow)
 POOL_STORAGE = lambda c: (("(s)" + f"tests/test_pool_storage.py::test_pool_storage_matches_reference"
@@ -188,11 +188,18 @@ ROWS = [
             "tests/test_token_prefix_cache.py::"
             "test_the_ledger_tells_which_reused_chunks_another_question_selected",
             "tests/test_token_prefix_cache.py::test_patched_reuse_is_a_declared_opt_in",
-            f"tests/test_features.py::test_explicit_prefix_caching[{COLUMNS[c]}]"),
+            f"tests/test_features.py::test_explicit_prefix_caching[{COLUMNS[c]}]",
+            *(("tests/test_token_prefix_cache.py::"
+               "test_a_head_mask_with_a_token_policy_hits_every_group_at_one_boundary",
+               "(s)tests/test_token_prefix_cache.py::test_prefix_hits_match_the_reference"
+               "[hybrid-prulong-0.5-snapkv-naive-0.5]") if c == HYBRID else ())),
             "under the declared mode `--kv-prefix-reuse across-questions` (refused without "
             "it): a hit reuses chunks selected under the earlier request's question, as the "
             "reference given those questions; kv_stats counts them "
-            "(`reused_chunks_other_question`)")
+            "(`reused_chunks_other_question`). A head mask with a token policy (snapkv; "
+            "pyramidkv refused): its streaming heads' sink + window blocks are keyed at the "
+            "same chunk boundaries, registered with the full heads' rows; naive eviction "
+            "there is exact without the mode")
            for c in PATCHED_REUSE},
         **{c: Cell("exact", (
             ("(s)" if c == "snapkv naive" else "") + "tests/test_token_prefix_cache.py::"

@@ -80,10 +80,8 @@ def test_no_policy_given_means_none():
     ({"policy": "prulong", "tiers": 2}, "tiers only applies to snapkv, pyramidkv"),
     ({"policy": "pyramidkv", "tiers": 0}, "tiers must be an integer >= 1"),
     ({"policy": "snapkv", "admission": "greedy"}, "valid modes: reserve, vllm"),
-    ({"policy": "prulong", "eviction_chunk": 1024, "token_policy": "snapkv"},
-     "eviction_chunk only applies to snapkv, pyramidkv, streaming, duo, prulong (a head mask "
-     "without token_policy), not 'prulong' with a token_policy"),
-    ({"policy": "full", "eviction_chunk": 1024}, "eviction_chunk only applies to snapkv"),
+    ({"policy": "full", "eviction_chunk": 1024},
+     "eviction_chunk only applies to snapkv, pyramidkv, streaming, duo, prulong, not 'full'"),
     ({"policy": "snapkv", "eviction_chunk": 0}, "eviction_chunk must be an integer >= 1"),
 ])
 def test_invalid_config_names_the_problem(raw, fragment):

@@ -45,7 +45,7 @@ def test_kv_cache_dtypes(name):
     assert kv_cache_dtype_error(cfg, "int4") == (
         f"--kv-cache-dtype int4 is not supported with --kv-policy {cfg.policy}; valid: auto, "
         "fp8, fp8_e4m3, fp8_e5m2 (--kv-policy full serves any cache dtype vLLM does)")
-    if cfg.evicts_tokens and not cfg.is_hybrid:  # (a token_policy has no eviction_chunk)
+    if cfg.evicts_tokens:
         chunked = cfg.replace(eviction_chunk=256)
         assert kv_cache_dtype_error(chunked, "auto") is None
         assert kv_cache_dtype_error(chunked, "fp8_e5m2") == (

@@ -52,7 +52,6 @@ def test_hybrid_policy_answers_from_its_two_parts():
     ({"policy": "streaming", "token_policy": "snapkv"}, "token_policy"),
     ({"policy": "prulong", "token_policy": "h2o"}, "token_policy"),
     ({"policy": "prulong", "token_policy": "snapkv", "token_sparsity": 1.5}, "token_sparsity"),
-    ({"policy": "prulong", "token_policy": "snapkv", "eviction_chunk": 256}, "eviction_chunk"),
     ({"policy": "prulong", "token_policy": "pyramidkv", "tiers": 2}, "tiers"),
 ])
 def test_bad_hybrid_settings_are_refused(raw, field):

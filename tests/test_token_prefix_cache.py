@@ -39,9 +39,15 @@ def test_prefix_caching_is_served_for_naive_token_eviction_only():
     assert "--kv-decode-budget" in decode
     assert "--kv-attention-backend flex" in prefix_caching_error(
         naive(attention_backend="flex"), True)
+    # a head mask's full heads with snapkv (pyramidkv's unequal layers: not built)
     hybrid = KVPolicyConfig.from_dict({"policy": "prulong", "token_policy": "snapkv",
                                        "eviction": "naive"})
-    assert "--kv-token-policy" in prefix_caching_error(hybrid, True)
+    assert hybrid.caches_token_prefixes and prefix_caching_error(hybrid, True) is None
+    pyramid = prefix_caching_error(hybrid.replace(token_policy="pyramidkv"), True)
+    assert "--kv-token-policy pyramidkv" in pyramid and "not built" in pyramid
+    ok = dict(prefix_caching=True, sizes={"tensor_parallel_size": 2}, speculative=None,
+              lora=False, chunk=E, block_size=BS)
+    assert "--tensor-parallel-size 2" in token_prefix_error(hybrid, **ok)
     # vLLM's default (not asked for) is switched off, not refused
     assert prefix_caching_error(naive(eviction="patched"), None) is None
 
@@ -264,12 +270,18 @@ CHUNK = 256  # --max-num-batched-tokens: the canonical eviction chunk the server
 def served_cases():
     from test_policies_vllm import CASES
 
-    return {case: CASES[case][0] for case in ("snapkv-naive-0.5", "pyramidkv-naive-0.5-tiers3")}
+    cases = {case: CASES[case][0] for case in ("snapkv-naive-0.5", "pyramidkv-naive-0.5-tiers3")}
+    # a head mask with token eviction on its full heads: its streaming heads' groups too
+    hybrid = CASES["hybrid-prulong-0.5-snapkv-patched-0.5"][0]
+    cases["hybrid-prulong-0.5-snapkv-naive-0.5"] = {**hybrid, "eviction": "naive"}
+    return cases
 
 
 @pytest.mark.server
 @pytest.mark.parametrize("case", [pytest.param("snapkv-naive-0.5", marks=pytest.mark.slow),
-                                  "pyramidkv-naive-0.5-tiers3"])
+                                  "pyramidkv-naive-0.5-tiers3",
+                                  pytest.param("hybrid-prulong-0.5-snapkv-naive-0.5",
+                                               marks=pytest.mark.slow)])
 def test_prefix_hits_match_the_reference(case, bundled_model_dir, tokenizer, hf_model):
     """`--enable-prefix-caching` with naive token eviction: a prompt cold, the same prompt
     again (a hit at its last chunk boundary, 1024 of 1100 tokens) and a prompt sharing its
@@ -300,7 +312,8 @@ def test_prefix_hits_match_the_reference(case, bundled_model_dir, tokenizer, hf_
 @pytest.mark.server
 @pytest.mark.slow  # CI's budget: the served path is the naive one's (CI's tiers3 case) plus
 # the questions' bookkeeping, which the ledger test above checks on vLLM's pool in CI
-@pytest.mark.parametrize("case", ["snapkv-patched-0.5", "pyramidkv-patched-0.7"])
+@pytest.mark.parametrize("case", ["snapkv-patched-0.5", "pyramidkv-patched-0.7",
+                                  "hybrid-prulong-0.5-snapkv-patched-0.5"])
 def test_patched_reuse_across_questions_matches_the_reference(case, bundled_model_dir,
                                                               tokenizer, hf_model):
     """`--kv-eviction patched --enable-prefix-caching --kv-prefix-reuse across-questions`:
@@ -313,6 +326,7 @@ def test_patched_reuse_across_questions_matches_the_reference(case, bundled_mode
     from test_policies_vllm import (CASES, LOGPROB_TOL, NEW_TOKENS, flags, served_top_logprobs,
                                     source_prompts)
 
+    from vllm_kvevict.masks import resolve_full_heads
     from vllm_kvevict.reference import ReferenceRunner
 
     policy = {**CASES[case][0], "prefix_reuse": "across-questions"}
@@ -330,7 +344,10 @@ def test_patched_reuse_across_questions_matches_the_reference(case, bundled_mode
             (b, 768, {256: qa, 512: qa, 768: qa}, (3, 3)),
             (a, 1024, {}, (4, 0)),
             (d, 1024, {256: qa, 512: qa, 768: qa, 1024: qb}, (4, 4))]
-    runner = ReferenceRunner(hf_model, build_policy(KVPolicyConfig.from_dict(policy), 30, 3))
+    cfg = KVPolicyConfig.from_dict(policy)
+    full_heads = (resolve_full_heads(cfg, str(bundled_model_dir), 30, 3)[0]
+                  if cfg.is_hybrid else None)
+    runner = ReferenceRunner(hf_model, build_policy(cfg, 30, 3, full_heads=full_heads))
     for prompt, cached, questions, (reused, other_q) in runs:
         text, top, stats = served_top_logprobs(server.base_url, prompt)
         assert (stats["cached_tokens"], stats["reused_chunks"],
@@ -401,3 +418,132 @@ def test_vllm_groups_and_coordinator_serve_our_rows(name, tiers):
     blocks, hit, _ = coordinator.find_longest_cache_hit(
         vllm_request("y", prompt[:chunk + 10] + [1] * 50).block_hashes, chunk + 59)
     assert hit == chunk and [len(b) for b in blocks] == [cdiv(k, BS) for k in kept]
+
+
+def test_a_head_mask_with_a_token_policy_hits_every_group_at_one_boundary():
+    """A head mask with snapkv on its full heads: vLLM's pool plan (our packing), grouping
+    and hybrid coordinator over the full heads' `TokenPrefixSpec` groups and the streaming
+    heads' `TokenPrefixSinkSpec` groups. Rows keyed at two boundaries hit at the later one
+    (streaming rows: the sink's and the window's blocks, the gap null); a streaming window
+    block evicted moves every group's hit back to the earlier boundary, never to a block
+    between; patched rows keep the first request's row at a boundary, naive ones add."""
+    import importlib
+
+    from vllm.config import VllmConfig
+    from vllm.utils.math_utils import cdiv
+    from vllm.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
+    from vllm.v1.core.kv_cache_utils import (generate_scheduler_kv_cache_config,
+                                             make_block_hash_with_group_id)
+
+    from vllm_kvevict.integration.kv_cache_specs import layer_groups
+    from vllm_kvevict.integration.streaming import pool_groups
+    from vllm_kvevict.integration.streaming.sink_window import (COMPANION_SUFFIX,
+                                                                PromptFullSpec, SinkWindowSpec)
+    from vllm_kvevict.integration.token_eviction import prefix_cache
+    from vllm_kvevict.integration.token_eviction.token_ledger import TokenEvictionLedger
+    from vllm_kvevict.integration.versions import KV_CACHE_PLANNING
+
+    planning = importlib.import_module(KV_CACHE_PLANNING)
+    prefix_cache.register_manager()
+    sink, window, chunk = BS, 2 * BS, 4 * BS
+    cfg = KVPolicyConfig.from_dict({"policy": "prulong", "sparsity": 0.5, "sink": sink,
+                                    "window": window, "token_policy": "snapkv",
+                                    "token_sparsity": 0.5, "eviction": "naive",
+                                    "obs_window": 8, "eviction_chunk": chunk})
+    full = torch.tensor([[1, 0], [1, 1], [0, 1], [1, 0]])
+    policy = build_policy(cfg, 4, 2, full_heads=full)
+    specs = {}
+    for i, row in enumerate(full.tolist()):
+        name = f"model.layers.{i}.self_attn.attn"
+        specs[name] = PromptFullSpec(block_size=BS, num_kv_heads=sum(row), head_size=64,
+                                     dtype=torch.float32)
+        if sum(row) < 2:
+            specs[name + COMPANION_SUFFIX] = SinkWindowSpec(
+                block_size=BS, num_kv_heads=2 - sum(row), head_size=64, dtype=torch.float32,
+                sliding_window=window + 1, sink=sink, chunk=chunk, retention=0)
+    vllm_config = VllmConfig()
+    vllm_config.cache_config.kv_cache_layout = "BLHNC"
+    vllm_config.cache_config.enable_prefix_caching = True
+    state = SimpleNamespace(token=object(), config=cfg, served=SimpleNamespace(
+        policy=policy, shape=SimpleNamespace(num_layers=4)))
+    tagged = prefix_cache.prefix_specs(specs, state, vllm_config)
+    plan_config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_batched_tokens=256),
+                                  model_config=SimpleNamespace(max_model_len=1024))
+    groups = pool_groups.kv_cache_groups(plan_config, tagged)
+    config = generate_scheduler_kv_cache_config(
+        [planning.get_kv_cache_config_from_groups(vllm_config, groups, 8 << 20)])
+    coordinator = get_kv_cache_coordinator(config, 1024, 256, False, True, False, 1, 1, BS, BS)
+    managers = coordinator.single_type_managers
+    kinds = {type(m) for m in managers}
+    assert kinds == {prefix_cache.TokenPrefixManager, prefix_cache.TokenPrefixSinkManager}
+    assert all(m._reuses for m in managers)
+    streaming = [m for m in managers if isinstance(m, prefix_cache.TokenPrefixSinkManager)]
+
+    def rows_of(name, end):
+        """A request's rows after its chunks up to `end`: full heads compacted, streaming
+        heads holding the sink and the window before each chunk boundary (as they held when
+        the ledger keyed each boundary; the rest null)."""
+        for m in managers:
+            spec = m.kv_cache_spec
+            if m in streaming:
+                need = {j for b in range(chunk, end + 1, chunk) for j in spec.boundary_blocks(b)}
+                m.req_to_blocks[name] = [m.block_pool.get_new_blocks(1)[0] if j in need
+                                         else m.block_pool.null_block for j in range(end // BS)]
+            else:
+                m.req_to_blocks[name] = m.block_pool.get_new_blocks(
+                    cdiv(spec.physical(end), BS))
+
+    prompt = list(range(500, 800))
+    cold = vllm_request("cold", prompt)
+    rows_of("cold", 2 * chunk)
+    for m in managers:
+        assert prefix_cache.register_boundary(m, cold, chunk) > 0
+        assert prefix_cache.register_boundary(m, cold, 2 * chunk) > 0
+    blocks, hit, _ = coordinator.find_longest_cache_hit(vllm_request("x", prompt).block_hashes,
+                                                        len(prompt) - 1)
+    assert hit == 2 * chunk
+    for b, m in zip(blocks, managers):
+        own = m.req_to_blocks["cold"]
+        if m in streaming:  # sink block 0, window blocks 6-7 of 8
+            assert [j for j, x in enumerate(b) if not x.is_null] == [0, 6, 7]
+            assert [b[j] for j in (0, 6, 7)] == [own[j] for j in (0, 6, 7)]
+        else:
+            assert b == own
+    # a window block of the later boundary evicted: every group hits the earlier one
+    victim = streaming[0].req_to_blocks["cold"][7]
+    streaming[0].block_pool.evict_blocks({victim.block_id})
+    blocks, hit, _ = coordinator.find_longest_cache_hit(vllm_request("y", prompt).block_hashes,
+                                                        len(prompt) - 1)
+    assert hit == chunk
+    for b, m in zip(blocks, managers):
+        if m in streaming:
+            assert len(b) == chunk // BS and [j for j, x in enumerate(b) if not x.is_null] == \
+                [0, 2, 3]
+        else:
+            assert len(b) >= cdiv(m.kv_cache_spec.physical(chunk), BS)
+
+    # registration through the ledger: naive rows add their blocks to a boundary's keys,
+    # patched ones keep the first row keyed there
+    sink_group = streaming[0]
+    for patched in (False, True):
+        served = policy if not patched else build_policy(
+            cfg.replace(eviction="patched", prefix_reuse="across-questions"), 4, 2,
+            full_heads=full)
+        ledger = TokenEvictionLedger(served, chunk, layer_groups(config, 4))
+        ledger.scheduler = SimpleNamespace(requests={}, max_model_len=1024,
+                                           kv_cache_manager=SimpleNamespace(
+                                               coordinator=coordinator))
+        name = f"again-{patched}"
+        req = vllm_request(name, prompt[:chunk + 20] + [3] * 30)
+        ledger.scheduler.requests[name] = req
+        if patched:
+            ledger.note_reuse(name, 0)
+        rows_of(name, chunk)
+        req.num_computed_tokens = chunk
+        ledger.pending[name] = (chunk, False, served, chunk)
+        ledger.before_schedule()
+        mine = sink_group.req_to_blocks[name]
+        added = [sink_group.block_pool.cached_block_hash_to_block.contain(
+            make_block_hash_with_group_id(key, sink_group.kv_cache_group_id), mine[j].block_id)
+            for j, key in prefix_cache._boundary_keys(sink_group, req, chunk)]
+        assert added == [not patched] * 3, (patched, added)

@@ -118,8 +118,10 @@ class KVPolicyConfig:
         by its own queries, so a chunk boundary's compacted row depends only on the tokens
         before it: exact), or patched ones under the declared reuse mode (`reuses_across_
         questions`); no decode-time eviction (it rewrites the row in place), CPU path
-        (integration/token_eviction/prefix_cache.py)."""
-        return (self.policy in TOKEN_EVICTION_POLICIES
+        (integration/token_eviction/prefix_cache.py). A head mask's full heads too, with
+        snapkv (pyramidkv's layers keep unequal counts, which the pool's groups of full heads,
+        packed by width, would mix)."""
+        return (self.token_eviction is not None and self.token_policy != "pyramidkv"
                 and (self.eviction == "naive" or self.reuses_across_questions)
                 and self.decode_budget is None and self.attention_backend == "cpu")
 
@@ -275,14 +277,11 @@ def validate(cfg: KVPolicyConfig) -> None:
     if cfg.eviction_chunk is not None:
         _check_int("eviction_chunk", cfg.eviction_chunk, 1)
         # head masks: the canonical prefill chunk (integration/sink_window.canonical_chunk);
-        # a token_policy's streaming heads take vLLM's prefill steps as their chunks
-        if cfg.policy not in TOKEN_EVICTION_POLICIES and (
-                not cfg.uses_head_mask or cfg.token_policy is not None):
+        # with a token_policy, its full heads' eviction chunk too
+        if cfg.policy not in TOKEN_EVICTION_POLICIES and not cfg.uses_head_mask:
             valid = (*TOKEN_EVICTION_POLICIES, "streaming", *HEAD_MASK_POLICIES)
-            raise KVPolicyError(f"eviction_chunk only applies to {', '.join(valid)} (a head "
-                                f"mask without token_policy), not {cfg.policy!r}"
-                                + (" with a token_policy" if cfg.token_policy else ""),
-                                "eviction_chunk")
+            raise KVPolicyError(f"eviction_chunk only applies to {', '.join(valid)}, not "
+                                f"{cfg.policy!r}", "eviction_chunk")
     _check_int("decode_interval", cfg.decode_interval, 1)
     if cfg.decode_budget is not None:
         _check_int("decode_budget", cfg.decode_budget, 1)

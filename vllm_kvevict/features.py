@@ -162,15 +162,16 @@ def prefix_caching_error(policy_config, requested: bool | None) -> str | None:
     return (f"--enable-prefix-caching is not supported with --kv-policy {policy_config.policy}"
             f"{flag} yet ({why}); valid: leave it out or pass --no-enable-prefix-caching, "
             "which evicting policies run with; prefix caching is served with --kv-policy full, "
-            "with streaming/duo/prulong (not with --kv-token-policy), and with "
-            "snapkv/pyramidkv --kv-eviction naive, or patched with --kv-prefix-reuse "
-            "across-questions (no --kv-decode-budget, CPU attention path)")
+            "with streaming/duo/prulong, and with snapkv/pyramidkv (or --kv-token-policy) "
+            "--kv-eviction naive, or patched with --kv-prefix-reuse across-questions (no "
+            "--kv-decode-budget, CPU attention path)")
 
 
 def token_prefix_reason(policy_config) -> tuple[str, str]:
     """The flag that keeps a token-evicting configuration from prefix caching, and why."""
-    if getattr(policy_config, "is_hybrid", False):
-        return f" --kv-token-policy {policy_config.token_policy}", "untested"
+    if policy_config.token_policy == "pyramidkv":
+        return (" --kv-token-policy pyramidkv", "not built: its layers keep unequal counts per "
+                "chunk, and the pool's groups of full heads, packed by width, mix layers")
     if policy_config.eviction != "naive":
         return (f" --kv-eviction {policy_config.eviction}", "each chunk is scored with the "
                 "prompt's question: a cached chunk was selected under another request's; "
@@ -188,9 +189,11 @@ def token_prefix_error(policy_config, prefix_caching: bool, sizes: dict[str, int
     whole blocks."""
     if not prefix_caching or not getattr(policy_config, "caches_token_prefixes", False):
         return None
-    # (tensor parallel: the cache is the engine core's; every rank's worker starts at the hit)
+    # (tensor parallel: the cache is the engine core's; every rank's worker starts at the hit;
+    # tested without a head mask)
+    hybrid = getattr(policy_config, "is_hybrid", False)
     what = ([f"{flag} {sizes[field]}" for field, flag in PARALLEL_FLAGS
-             if sizes.get(field, 1) != 1 and field != "tensor_parallel_size"]
+             if sizes.get(field, 1) != 1 and (hybrid or field != "tensor_parallel_size")]
             + (["speculative decoding"] if speculative else [])
             + (["--enable-lora"] if lora else []))
     if what:

@@ -51,10 +51,10 @@ def canonical_chunk(vllm_config) -> int:
     """The canonical prefill chunk E of a head mask: `--kv-eviction-chunk` if given, else the
     step budget when prefix caching is on (cached blocks must not depend on how vLLM split the
     steps), 0 otherwise (each step is its own chunk). One value for the scheduler, the specs,
-    the worker and the stats. An E below the budget lets a chunk run in one step beside the
-    decodes sharing that budget, which is what lets a chunk's end drop its positions."""
+    the worker and the stats (a token policy's eviction chunk too). An E below the budget lets
+    a chunk run in one step beside decodes, which is what lets a chunk's end drop positions."""
     cfg = served_policy(vllm_config).config
-    if not cfg.uses_head_mask or cfg.evicts_tokens:
+    if not cfg.uses_head_mask:
         return 0
     if cfg.eviction_chunk:
         return int(cfg.eviction_chunk)

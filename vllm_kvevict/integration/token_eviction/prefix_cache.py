@@ -11,27 +11,30 @@ b tokens, and every later step only appends.
 
 How it is cached, in vLLM's own block pool: when the ledger applies the evictions of a chunk
 that ended at a boundary b before the prompt's last chunk (`TokenEvictionLedger.before_schedule`),
-each block j of each group's row at b is registered under a key derived from vLLM's chained
-block hash of the prompt's first b tokens and j (`boundary_key`): full blocks and the partial
-tail block (whose first slots, the only ones a hit reads, are never written again). A block can
-hold keys of several boundaries; vLLM's pool evicts them together, LRU. `TokenPrefixManager`
-finds the longest boundary whose keys are all cached and hands vLLM the blocks; the partial tail
-goes through vLLM's copy-on-write for partial hits (the worker copies it before the step), so the
-new request appends into its own copy. The new request's ledgers (engine core and worker) start
-from the boundary: k chunks evicted. vLLM's own logical block hashes are never registered for
-these groups (a physical block does not hold the tokens its logical hash names).
+each block j of each group's row at b gets a key from vLLM's chained block hash of the prompt's
+first b tokens and j (`boundary_key`), the partial tail block too (the slots a hit reads are
+never written again). vLLM's pool evicts a block's keys together, LRU. `TokenPrefixManager`
+finds the longest boundary whose keys are all cached; the partial tail goes through vLLM's
+copy-on-write for partial hits. The new request's ledgers (engine core and worker) start from
+the boundary. vLLM's logical hashes are never registered for these groups (a physical block
+does not hold the tokens its logical hash names).
 
 Patched eviction scores each chunk with the prompt's question, so a cached chunk was selected
 under the question of the request that computed it: served only under the declared mode
 `--kv-prefix-reuse across-questions` (the ledger remembers each boundary's questions; kv_stats
 `reused_chunks_other_question`; the reference's `chunk_questions` computes the same).
 
-Not served (refused at start-up, `features.token_prefix_error`, `prefix_caching_error`):
-patched eviction without that mode, decode-time eviction (it rewrites the whole row in
-place, cached blocks included), the hybrid, the FlexAttention path, data/pipeline parallel,
-speculative decoding, LoRA (tensor parallel is served: the cache is the engine core's, each
-rank's worker starts at the hit). A request with per-request policy overrides neither reads
-nor writes the cache (its kept counts differ).
+A head mask with a token policy (snapkv): its full heads' groups as above; its streaming
+heads' groups (`TokenPrefixSinkSpec`) key the sink's and the window's blocks at the same
+boundaries, registered in the same pass, so vLLM's hybrid coordinator settles on a boundary
+every group holds, all from one request (under the declared mode the first row keyed at a
+boundary stays its only one: `TokenEvictionLedger.before_schedule`).
+
+Refused at start-up (`features.token_prefix_error`, `prefix_caching_error`): patched eviction
+without that mode, decode-time eviction (it rewrites the row in place), a head mask with
+pyramidkv or tensor parallel, the flex path, data/pipeline parallel, speculative decoding, LoRA
+(tensor parallel without a head mask is served: each rank's worker starts at the hit). A
+request with per-request overrides neither reads nor writes the cache (other kept counts).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from vllm_kvevict.integration.kv_cache_specs import TierAttentionSpec, retyped, tier_of_layer
+from vllm_kvevict.integration.streaming.sink_window import SinkWindowManager, SinkWindowSpec
 from vllm_kvevict.ledger import LayerGroups, group_evictions
 
 
@@ -61,6 +65,10 @@ class TokenPrefixSpec(TierAttentionSpec):
         """The group's row length at a chunk boundary (k chunks kept)."""
         return boundary // self.prefix_chunk * self.chunk_kept
 
+    def boundary_blocks(self, boundary: int) -> range:
+        """The positions of the row's blocks a hit at `boundary` reads: all of them."""
+        return range(cdiv(self.physical(boundary), self.block_size))
+
     @classmethod
     def merge(cls, specs):
         merged = super().merge(specs)
@@ -75,10 +83,28 @@ class TokenPrefixSpec(TierAttentionSpec):
             for s in kv_cache_specs.values())
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TokenPrefixSinkSpec(SinkWindowSpec):
+    """The streaming heads' spec of a head mask with a token policy, with prefix caching: its
+    rows are keyed at the same chunk boundaries as the full heads' (`prefix_chunk` = E = the
+    canonical chunk), registered together, so a hit reads every group from one request."""
+
+    prefix_chunk: int = 0
+
+    def boundary_blocks(self, boundary: int) -> list[int]:
+        """The positions of the blocks a hit at `boundary` reads: the sink's and the W tokens'
+        before it (the rest of the row is the gap vLLM's null block stands in for)."""
+        bs, window = self.block_size, self.sliding_window - 1
+        end = boundary // bs
+        return sorted(set(range(min(cdiv(self.sink, bs), end)))
+                      | set(range(max(boundary - window, 0) // bs, end)))
+
+
 def prefix_specs(specs: dict, state, vllm_config) -> dict:
     """Token eviction with vLLM's prefix caching on (`served.settle_config` leaves it on only
-    where this is exact): the specs (plain or tiered) as `TokenPrefixSpec`s, with the chunk E
-    and each tier's kept slots per non-final chunk. Anything else: `specs` unchanged."""
+    where this is exact): the specs (plain or tiered; a head mask's full heads) as
+    `TokenPrefixSpec`s, with the chunk E and each tier's kept slots per non-final chunk; a head
+    mask's streaming companions as `TokenPrefixSinkSpec`s. Anything else: `specs` unchanged."""
     if state.token is None or not vllm_config.cache_config.enable_prefix_caching:
         return specs
     policy, num_layers = state.served.policy, state.served.shape.num_layers
@@ -87,6 +113,9 @@ def prefix_specs(specs: dict, state, vllm_config) -> dict:
     freed = group_evictions(policy, chunk, False, LayerGroups.tiers(num_layers, tiers))
     out = {}
     for name, spec in specs.items():
+        if isinstance(spec, SinkWindowSpec):
+            out[name] = retyped(spec, TokenPrefixSinkSpec, prefix_chunk=chunk)
+            continue
         tier = tier_of_layer(extract_layer_index(name), num_layers, tiers)
         out[name] = retyped(spec, TokenPrefixSpec, tier=tier,
                             max_tokens=getattr(spec, "max_tokens", ()), prefix_chunk=chunk,
@@ -109,20 +138,35 @@ def boundary_anchor(request, boundary: int, hash_block_size: int) -> bytes | Non
     return bytes(request.block_hashes[boundary // hash_block_size - 1])
 
 
-def register_boundary(manager, request, boundary: int) -> int:
-    """After the chunk ending at `boundary` was compressed and its tail blocks freed: key every
-    block of the request's row in this group (returns how many)."""
-    spec, pool = manager.kv_cache_spec, manager.block_pool
-    anchor = boundary_anchor(request, boundary, pool.hash_block_size)
+def _boundary_keys(manager, request, boundary: int) -> list[tuple[int, bytes]] | None:
+    """(block position, key) of each block a hit at `boundary` reads in this group (None: the
+    boundary is not a whole number of hashed blocks)."""
+    anchor = boundary_anchor(request, boundary, manager.block_pool.hash_block_size)
     if anchor is None:
+        return None
+    return [(j, boundary_key(anchor, j)) for j in manager.kv_cache_spec.boundary_blocks(boundary)]
+
+
+def boundary_cached(manager, request, boundary: int) -> bool:
+    """Does this group hold a block keyed at the request's `boundary` already?"""
+    group = [manager.kv_cache_group_id]
+    return any(manager.block_pool.get_cached_block(key, group)
+               for _, key in _boundary_keys(manager, request, boundary) or ())
+
+
+def register_boundary(manager, request, boundary: int) -> int:
+    """After the chunk ending at `boundary` was compressed and its tail blocks freed: key each
+    block of the request's row in this group that a hit reads (returns how many)."""
+    keys = _boundary_keys(manager, request, boundary)
+    row = manager.req_to_blocks.get(request.request_id, [])
+    if not keys or keys[-1][0] >= len(row) or any(row[j].is_null for j, _ in keys):
         return 0
-    blocks = manager.req_to_blocks.get(request.request_id, [])[:cdiv(spec.physical(boundary),
-                                                                      manager.block_size)]
-    for j, block in enumerate(blocks):
-        key = make_block_hash_with_group_id(boundary_key(anchor, j), manager.kv_cache_group_id)
+    for j, key in keys:
         # (vLLM's pool keeps several keys per block and drops them together on eviction)
-        pool._insert_block_hash(key, block, num_tokens=None)
-    return len(blocks)
+        manager.block_pool._insert_block_hash(
+            make_block_hash_with_group_id(key, manager.kv_cache_group_id), row[j],
+            num_tokens=None)
+    return len(keys)
 
 
 class TokenPrefixManager(FullAttentionManager):
@@ -204,10 +248,51 @@ class TokenPrefixManager(FullAttentionManager):
             super().cache_blocks(request, num_tokens, *args, **kwargs)
 
 
+class TokenPrefixSinkManager(SinkWindowManager):
+    """The streaming heads' manager of a head mask with a token policy whose spec is a
+    `TokenPrefixSinkSpec`: hits at the chunk boundaries only, read from blocks keyed there
+    (vLLM's logical hashes are never registered: the streaming heads' K/V depend on what the
+    full heads kept, which patched eviction selected under a question)."""
+
+    supports_fine_grained_hash_lookup = False
+    _reuses = TokenPrefixManager._reuses
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool,
+                               kv_cache_spec, drop_eagle_block, alignment_tokens,
+                               dcp_world_size=1, pcp_world_size=1):
+        """The last chunk boundary b <= max_length whose sink and window blocks are keyed in
+        every group of `kv_cache_group_ids`: rows of b / block size entries, the gap null."""
+        chunk, size = kv_cache_spec.prefix_chunk, block_pool.hash_block_size
+        bs, null = kv_cache_spec.block_size, block_pool.null_block
+        for boundary in range(max_length // chunk * chunk if chunk else 0, 0, -chunk):
+            if boundary // size > len(block_hashes):
+                continue
+            anchor, found = block_hashes[boundary // size - 1], {}
+            for j in kv_cache_spec.boundary_blocks(boundary):
+                found[j] = block_pool.get_cached_block(boundary_key(anchor, j),
+                                                       kv_cache_group_ids)
+                if not found[j]:
+                    break
+            else:
+                rows = tuple([null] * (boundary // bs) for _ in kv_cache_group_ids)
+                for j, blocks in found.items():
+                    for row, block in zip(rows, blocks):
+                        row[j] = block
+                return rows, boundary
+        return tuple([] for _ in kv_cache_group_ids), 0
+
+    def cache_blocks(self, request, num_tokens, *args, **kwargs) -> None:
+        if not self._reuses:
+            super().cache_blocks(request, num_tokens, *args, **kwargs)
+
+
 def register_manager() -> None:
-    """Our spec -> our manager in vLLM's KV-cache spec registry (idempotent)."""
+    """Our specs -> our managers in vLLM's KV-cache spec registry (idempotent)."""
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
     KVCacheSpecRegistry._ensure_registered()
     KVCacheSpecRegistry.register(TokenPrefixSpec, TokenPrefixManager,
                                  uniform_type_base_spec=FullAttentionSpec)
+    KVCacheSpecRegistry.register(TokenPrefixSinkSpec, TokenPrefixSinkManager,
+                                 uniform_type_base_spec=SinkWindowSpec)

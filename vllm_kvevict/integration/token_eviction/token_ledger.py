@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 from vllm_kvevict.integration.admission import GrowthReserve
 from vllm_kvevict.integration.token_eviction.prefix_cache import (boundary_anchor,
+                                                                  boundary_cached,
                                                                   register_boundary)
 from vllm_kvevict.ledger import (LayerGroups, cap_step_in_eviction_chunk,
                                  cached_decode_group_budgets, decode_group_evictions,
@@ -132,9 +133,13 @@ class TokenEvictionLedger(GrowthReserve):
                 questions = self.chunk_questions.get(req_id)
                 if questions is not None:
                     questions.append(self.question_of(request))
+                reusing = [m for m in managers if getattr(m, "_reuses", False)]
                 registered = False
-                for manager in managers:
-                    if getattr(manager, "_reuses", False):
+                # patched: the first row keyed at a boundary stays its only one (another
+                # request's, selected under another question, must not mix into its blocks)
+                if questions is None or not any(boundary_cached(m, request, end)
+                                                for m in reusing):
+                    for manager in reusing:
                         registered |= bool(register_boundary(manager, request, end))
                 if registered and questions is not None:
                     anchor = boundary_anchor(request, end, managers[0].block_pool.hash_block_size)
