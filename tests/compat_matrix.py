@@ -206,9 +206,17 @@ ROWS = [
             f"test_prefix_hits_match_the_reference[{COLUMNS[c]}]",
             "tests/test_token_prefix_cache.py::"
             "test_manager_hits_the_last_cached_boundary_and_copies_the_partial_tail",
-            f"tests/test_features.py::test_explicit_prefix_caching[{COLUMNS[c]}]"),
+            f"tests/test_features.py::test_explicit_prefix_caching[{COLUMNS[c]}]",
+            *(("(s)tests/test_tensor_parallel.py::"
+               "test_tp2_prefix_caching_with_naive_token_eviction",
+               "(s)tests/test_data_parallel.py::"
+               "test_dp2_prefix_caching_with_naive_token_eviction",
+               "(s)tests/test_token_prefix_cache.py::test_prefix_hits_with_a_lora_adapter")
+              if c == "snapkv naive" else ())),
             "a hit at a chunk boundary (`--kv-eviction-chunk`, by default the step budget) "
-            "reuses the compacted blocks; one engine, no speculative decoding or LoRA yet")
+            "reuses the compacted blocks; tensor and data parallel (each replica its own "
+            "cache) and LoRA adapters (vLLM's block hashes name the adapter) too; no "
+            "speculative decoding yet")
            for c in TOKEN_CACHING},
         **{c: Cell("exact", ("tests/test_features.py::"
                              f"test_explicit_prefix_caching[{COLUMNS[c]}]",

@@ -203,3 +203,50 @@ def pytest_collection_modifyitems(config, items):
 def pytest_sessionfinish(session, exitstatus):
     while _current:
         _current.pop().stop()
+
+
+# A LoRA adapter for the bundled model (test_compat.py's LoRA row, test_token_prefix_cache.py)
+LORA_NAME, LORA_RANK, LORA_ALPHA = "tiny-lora", 8, 16
+
+
+@pytest.fixture(scope="session")
+def lora_adapter(tmp_path_factory):
+    """A random rank-8 adapter on q_proj and v_proj of every layer, in PEFT's file layout."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    out = tmp_path_factory.mktemp("lora")
+    g = torch.Generator().manual_seed(0)
+    hidden, kv = 576, 3 * 64
+    tensors = {}
+    for i in range(30):
+        for module, rows in (("q_proj", hidden), ("v_proj", kv)):
+            name = f"base_model.model.model.layers.{i}.self_attn.{module}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(LORA_RANK, hidden, generator=g) / 24
+            tensors[f"{name}.lora_B.weight"] = torch.randn(rows, LORA_RANK, generator=g) * 0.5
+    save_file(tensors, out / "adapter_model.safetensors")
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": LORA_RANK, "lora_alpha": LORA_ALPHA, "bias": "none",
+        "target_modules": ["q_proj", "v_proj"]}))
+    return out, tensors
+
+
+@pytest.fixture(scope="session")
+def lora_model(hf_model, lora_adapter):
+    """The bundled model with the adapter merged: W += (alpha / r) B A."""
+    import copy
+
+    import torch
+
+    _, tensors = lora_adapter
+    merged = copy.deepcopy(hf_model)
+    scale = LORA_ALPHA / LORA_RANK
+    with torch.no_grad():
+        for i, layer in enumerate(merged.model.layers):
+            for module in ("q_proj", "v_proj"):
+                name = f"base_model.model.model.layers.{i}.self_attn.{module}"
+                delta = tensors[f"{name}.lora_B.weight"] @ tensors[f"{name}.lora_A.weight"]
+                getattr(layer.self_attn, module).weight += scale * delta
+    return merged

@@ -22,7 +22,6 @@ and per feature the served tokens against the plain-PyTorch reference doing the 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import copy
 import json
 
 import openai
@@ -30,7 +29,7 @@ import pytest
 import torch
 
 from compat_matrix import COLUMNS as MATRIX_COLUMNS, SLOW_COLUMNS
-from conftest import SERVED_NAME, served_policy_builds, start_server
+from conftest import LORA_NAME, LORA_RANK, SERVED_NAME, served_policy_builds, start_server
 from test_policies_vllm import CASES, LOGPROB_TOL, flags, reference, source_prompts
 from vllm_kvevict.config import HEAD_MASK_POLICIES, KVPolicyConfig
 from vllm_kvevict.masks import resolve_full_heads
@@ -49,7 +48,6 @@ COLUMNS = {  # column -> policy: test_policies_vllm's cases, and full
                                          "snapkv-naive-0.5-decode")},
 }
 SLOW = {MATRIX_COLUMNS[c] for c in SLOW_COLUMNS}  # their per-request rows: slow tier
-LORA_NAME, LORA_RANK, LORA_ALPHA = "tiny-lora", 8, 16
 NEW_TOKENS = 8
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"},
                                            "age": {"type": "integer"}},
@@ -57,42 +55,6 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"},
 
 
 # -- fixtures ------------------------------------------------------------------------------------
-@pytest.fixture(scope="session")
-def lora_adapter(tmp_path_factory):
-    """A random rank-8 adapter on q_proj and v_proj of every layer, in PEFT's file layout."""
-    from safetensors.torch import save_file
-
-    out = tmp_path_factory.mktemp("lora")
-    g = torch.Generator().manual_seed(0)
-    hidden, kv = 576, 3 * 64
-    tensors = {}
-    for i in range(30):
-        for module, rows in (("q_proj", hidden), ("v_proj", kv)):
-            name = f"base_model.model.model.layers.{i}.self_attn.{module}"
-            tensors[f"{name}.lora_A.weight"] = torch.randn(LORA_RANK, hidden, generator=g) / 24
-            tensors[f"{name}.lora_B.weight"] = torch.randn(rows, LORA_RANK, generator=g) * 0.5
-    save_file(tensors, out / "adapter_model.safetensors")
-    (out / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": LORA_RANK, "lora_alpha": LORA_ALPHA, "bias": "none",
-        "target_modules": ["q_proj", "v_proj"]}))
-    return out, tensors
-
-
-@pytest.fixture(scope="session")
-def lora_model(hf_model, lora_adapter):
-    """The bundled model with the adapter merged: W += (alpha / r) B A."""
-    _, tensors = lora_adapter
-    merged = copy.deepcopy(hf_model)
-    scale = LORA_ALPHA / LORA_RANK
-    with torch.no_grad():
-        for i, layer in enumerate(merged.model.layers):
-            for module in ("q_proj", "v_proj"):
-                name = f"base_model.model.model.layers.{i}.self_attn.{module}"
-                delta = tensors[f"{name}.lora_B.weight"] @ tensors[f"{name}.lora_A.weight"]
-                getattr(layer.self_attn, module).weight += scale * delta
-    return merged
-
-
 @pytest.fixture(scope="module", params=[
     pytest.param(name, marks=[pytest.mark.slow] if name in SLOW else []) for name in COLUMNS])
 def column(request, bundled_model_dir, lora_adapter):

@@ -79,3 +79,41 @@ def test_dp2_serves_the_reference_tokens_per_replica(column, backend, tiny_qwen3
     for engine in ("0", "1"):
         assert f'vllm_kvevict_pool_blocks{{engine="{engine}",policy="{policy["policy"]}"}}' \
             in metrics
+
+
+@pytest.mark.server
+@pytest.mark.serial
+@pytest.mark.slow  # CI's budget: TP's prefix-caching test is the same mechanism per engine
+def test_dp2_prefix_caching_with_naive_token_eviction(tiny_qwen3, tokenizer, one_torch_thread):
+    """`--enable-prefix-caching` with naive snapkv under DP 2: each replica's engine core
+    keeps its own cache. The same prompt sent four times one after the other reaches one
+    replica at least twice, and a later one there hits its last chunk boundary (256); a prompt
+    sharing the first 200 tokens hits 128 where it meets a replica holding them (256 where it
+    meets its own earlier row). Every answer
+    equals the reference at the canonical chunks, cold or hit."""
+    from transformers import AutoModelForCausalLM
+
+    policy = TP_POLICIES["snapkv naive"]
+    model_dir = tiny_qwen3(4)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    server = start_server(model_dir, [*flags(policy, CHUNK), "--data-parallel-size", "2",
+                                      "--api-server-count", "1", "--enable-prefix-caching"],
+                          env=DP_ENV)
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
+    prompt, other = source_prompts(tokenizer, (340, 340))
+    seen: dict[int, set[int]] = {}  # replica -> cached token counts of the full prompt
+    for ids in [prompt] * 4 + [prompt[:200] + other[200:]] * 2:
+        r = client.completions.create(model=SERVED_NAME, prompt=ids, max_tokens=NEW_TOKENS,
+                                      temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+        stats = r.model_extra["kv_stats"]
+        cached = stats["cached_tokens"]
+        # (the shared one: 128 on a replica holding the prompt, 256 on one holding itself)
+        assert cached in ((0, 256) if ids is prompt else (0, 128, 256)), stats
+        if ids is prompt:
+            seen.setdefault(stats["data_parallel_rank"], set()).add(cached)
+        ends = list(range(CHUNK, len(ids), CHUNK)) + [len(ids)]
+        ref = reference(model, model_dir, policy, ids, ends)
+        assert r.choices[0].model_extra["token_ids"] == ref.token_ids, (cached, stats)
+    assert any(256 in counts for counts in seen.values()), seen

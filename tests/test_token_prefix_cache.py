@@ -58,10 +58,11 @@ def test_naive_prefix_caching_refuses_what_it_was_not_tested_with():
     assert token_prefix_error(naive(), **ok) is None
     assert token_prefix_error(naive(), **{**ok, "prefix_caching": False}) is None
     assert token_prefix_error(naive(), **{**ok, "sizes": {"tensor_parallel_size": 2}}) is None
-    dp = token_prefix_error(naive(), **{**ok, "sizes": {"data_parallel_size": 2}})
-    assert "--data-parallel-size 2" in dp and "--no-enable-prefix-caching" in dp
+    assert token_prefix_error(naive(), **{**ok, "sizes": {"data_parallel_size": 2}}) is None
+    pp = token_prefix_error(naive(), **{**ok, "sizes": {"pipeline_parallel_size": 2}})
+    assert "--pipeline-parallel-size 2" in pp and "--no-enable-prefix-caching" in pp
     assert "speculative" in token_prefix_error(naive(), **{**ok, "speculative": "ngram"})
-    assert "--enable-lora" in token_prefix_error(naive(), **{**ok, "lora": True})
+    assert token_prefix_error(naive(), **{**ok, "lora": True}) is None
     odd = token_prefix_error(naive(), **{**ok, "chunk": 100})
     assert "multiple of --block-size 16" in odd and "100" in odd
 
@@ -307,6 +308,33 @@ def test_prefix_hits_match_the_reference(case, bundled_model_dir, tokenizer, hf_
         assert text == tokenizer.decode(ref.token_ids), (case, len(p), cached)
         for token, lp in top.items():
             assert abs(lp - float(ref.first_token_logprobs[token])) < LOGPROB_TOL, (case, cached)
+
+
+@pytest.mark.server
+@pytest.mark.slow  # CI's budget: the served path is CI's tiers3 case's, the adapter vLLM's
+def test_prefix_hits_with_a_lora_adapter(bundled_model_dir, tokenizer, hf_model, lora_adapter,
+                                         lora_model):
+    """Naive snapkv with `--enable-prefix-caching --enable-lora`: vLLM's block hashes, and so
+    the boundary keys, name the adapter. A prompt with the adapter cold, then again (a hit at
+    512), then without it (cold: the adapter's rows are not the base model's), then again (a
+    hit): each equals the reference of its model (the adapter merged, or not)."""
+    from conftest import LORA_NAME, LORA_RANK, SERVED_NAME, start_server
+    from test_policies_vllm import NEW_TOKENS, flags, reference, source_prompts
+
+    policy = served_cases()["snapkv-naive-0.5"]
+    server = start_server(bundled_model_dir, [
+        *flags(policy, CHUNK), "--enable-prefix-caching", "--enable-lora", "--max-lora-rank",
+        str(LORA_RANK), "--lora-modules", f"{LORA_NAME}={lora_adapter[0]}"])
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
+    (prompt,) = source_prompts(tokenizer, (700,))
+    refs = {name: reference(model, bundled_model_dir, policy, prompt, CHUNK).token_ids
+            for name, model in ((LORA_NAME, lora_model), (SERVED_NAME, hf_model))}
+    assert refs[LORA_NAME] != refs[SERVED_NAME]  # (the adapter changes the answer)
+    for name, cached in ((LORA_NAME, 0), (LORA_NAME, 512), (SERVED_NAME, 0), (SERVED_NAME, 512)):
+        r = client.completions.create(model=name, prompt=prompt, max_tokens=NEW_TOKENS,
+                                      temperature=0, extra_body={"return_token_ids": True})
+        assert r.model_extra["kv_stats"]["cached_tokens"] == cached, (name, cached)
+        assert r.choices[0].model_extra["token_ids"] == refs[name], (name, cached)
 
 
 @pytest.mark.server

@@ -184,18 +184,20 @@ def token_prefix_reason(policy_config) -> tuple[str, str]:
 def token_prefix_error(policy_config, prefix_caching: bool, sizes: dict[str, int],
                        speculative: str | None, lora: bool, chunk: int,
                        block_size: int) -> str | None:
-    """Token eviction with prefix caching on: the parts of vLLM it is tested with (one
-    engine, tensor parallel or not; no draft tokens, no adapters) and canonical chunks of
-    whole blocks."""
+    """Token eviction with prefix caching on: the parts of vLLM it is tested with (tensor
+    and data parallel, LoRA; no draft tokens) and canonical chunks of whole blocks."""
     if not prefix_caching or not getattr(policy_config, "caches_token_prefixes", False):
         return None
-    # (tensor parallel: the cache is the engine core's; every rank's worker starts at the hit;
-    # tested without a head mask)
+    # (tensor parallel: the cache is the engine core's, every rank's worker starts at the hit;
+    # data parallel: each replica's engine core has its own cache; both tested without a
+    # head mask)
     hybrid = getattr(policy_config, "is_hybrid", False)
     what = ([f"{flag} {sizes[field]}" for field, flag in PARALLEL_FLAGS
-             if sizes.get(field, 1) != 1 and (hybrid or field != "tensor_parallel_size")]
+             if sizes.get(field, 1) != 1
+             and (hybrid or field == "pipeline_parallel_size")]
             + (["speculative decoding"] if speculative else [])
-            + (["--enable-lora"] if lora else []))
+            # (LoRA: vLLM's block hashes, and so our boundary keys, name the adapter)
+            + (["--enable-lora"] if lora and hybrid else []))
     if what:
         return (f"--enable-prefix-caching with --kv-policy {policy_config.policy} is not "
                 f"supported with {', '.join(what)} yet (untested); valid: one engine without "

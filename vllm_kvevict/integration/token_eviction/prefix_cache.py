@@ -32,9 +32,9 @@ boundary stays its only one: `TokenEvictionLedger.before_schedule`).
 
 Refused at start-up (`features.token_prefix_error`, `prefix_caching_error`): patched eviction
 without that mode, decode-time eviction (it rewrites the row in place), a head mask with
-pyramidkv or tensor parallel, the flex path, data/pipeline parallel, speculative decoding, LoRA
-(tensor parallel without a head mask is served: each rank's worker starts at the hit). A
-request with per-request overrides neither reads nor writes the cache (other kept counts).
+pyramidkv, tensor / data parallel or LoRA, the flex path, pipeline parallel, speculative
+decoding (served without a head mask: tensor and data parallel, LoRA, whose adapter vLLM's
+block hashes name). A request with per-request overrides neither reads nor writes the cache.
 """
 
 from __future__ import annotations
