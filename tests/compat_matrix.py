@@ -293,11 +293,19 @@ ROWS = [
          DECODE: Cell("exact", (f"(s){DECODE_TEST}[snapkv-naive-0.5-flex]",),
                       "decode-time eviction on the flex path: three prompts at once, 100 tokens "
                       "each, a compression every 32"),
-         HYBRID: Cell("refused", ("tests/test_flex_vllm.py::test_flex_refusals_name_the_flag"
-                                  "[hybrid]",
-                                  "tests/test_flex_vllm.py::"
-                                  "test_vllm_serve_refuses_the_hybrid_on_flex"),
-                      "not built on the flex path yet (--kv-token-policy)")}),
+         HYBRID: Cell("exact", ("(s)tests/test_flex_vllm.py::test_flex_matches_reference"
+                                "[hybrid-prulong-0.5-snapkv-patched-0.5]",
+                                "(s)tests/test_flex_vllm.py::test_flex_matches_reference"
+                                "[hybrid-prulong-0.5-snapkv-naive-0.5]",
+                                "(s)tests/test_flex_vllm.py::test_flex_eviction_chunk_over_several"
+                                "_steps[hybrid-prulong-0.5-snapkv-patched-0.5]",
+                                "tests/test_flex_vllm.py::test_streaming_question_rows_see_what_"
+                                "the_cpu_path_lays_out[canonical-32]",
+                                "tests/test_flex_vllm.py::test_flex_refusals_name_the_flag"
+                                "[hybrid-tp]"),
+                      "full heads evicting tokens in their head slots, streaming heads "
+                      "block-sparse, patched scoring's question rows on both; refused under "
+                      "tensor parallel (untested)")}),
     Row("tensor parallel (`--tensor-parallel-size 2`)",
         {**{c: Cell("exact", (("" if c in TP_CI else "(s)")
                               + "tests/test_tensor_parallel.py::"

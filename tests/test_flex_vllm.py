@@ -18,10 +18,12 @@ from test_policies_vllm import (DECOUPLED, LOGPROB_TOL, check_decoupled, check_m
                                 flags, reference, served, served_top_logprobs, source_prompts)
 
 FLEX = {"attention_backend": "flex"}
-# the CPU path's cases and `full`; not the hybrid (refused on flex) nor post-fill (not run here)
+# the CPU path's cases, `full` and the naive hybrid; not post-fill (not run here)
 CASES = {"full": ({"policy": "full"}, 256),
-         **{name: case for name, case in POLICY_CASES.items()
-            if not name.startswith("hybrid") and "postfill" not in name}}
+         **{name: case for name, case in POLICY_CASES.items() if "postfill" not in name},
+         "hybrid-prulong-0.5-snapkv-naive-0.5": (
+             {**POLICY_CASES["hybrid-prulong-0.5-snapkv-patched-0.5"][0], "eviction": "naive"},
+             256)}
 PROMPT_LENGTHS = (1100,)  # five 256-token chunks (one prompt: CI's budget)
 
 
@@ -30,7 +32,8 @@ PROMPT_LENGTHS = (1100,)  # five 256-token chunks (one prompt: CI's budget)
     "prulong-0.7", "pyramidkv-patched-0.7",  # docs/results/flex's policy matrix)
     *(pytest.param(c, marks=pytest.mark.slow) for c in (
         "full", "streaming", "duo-0.3", "snapkv-naive-0.5", "snapkv-patched-0.5",
-        "pyramidkv-naive-0.5-tiers3"))])
+        "pyramidkv-naive-0.5-tiers3", "hybrid-prulong-0.5-snapkv-naive-0.5",
+        "hybrid-prulong-0.5-snapkv-patched-0.5"))])
 def test_flex_matches_reference(case, bundled_model_dir, tokenizer, hf_model):
     policy, chunk = CASES[case]
     server = start_server(bundled_model_dir, flags({**policy, **FLEX}, chunk))
@@ -101,6 +104,56 @@ def test_flex_prefix_cache_hits_match_reference(case, bundled_model_dir, tokeniz
     assert results[-1][0] == results[2][0]
 
 
+@pytest.mark.parametrize("chunk", [None, 32], ids=["step-chunk", "canonical-32"])
+def test_streaming_question_rows_see_what_the_cpu_path_lays_out(chunk):
+    """Patched scoring's question rows on a hybrid's streaming heads (flex path): question i of
+    a row whose step runs positions [a, a + c) sees the sink, the window before the chunk's
+    start (a, or a // E * E with canonical chunks), the step and questions 0..i; checked
+    against attention over a dense cache by logical position, with that mask written out."""
+    from vllm_kvevict.flex.block_mask import paged_queries
+    from vllm_kvevict.integration.flex_token import streaming_questions
+    from vllm_kvevict.integration.token_eviction.token_eviction_worker import (EvictionJob,
+                                                                               TokenStepPlan)
+
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(0)
+    sink, window, bs, hs, kv_heads, per_kv, k = 4, 16, 16, 8, 2, 3, 5
+    computed, q_lens = [57, 100], [1, 40]  # a decode row, then a prefill step with a question
+    end = computed[1] + q_lens[1]
+    pages = torch.randperm(40, generator=g)[: -(-end // bs)].int()
+    table = torch.zeros(2, 20, dtype=torch.int32)
+    table[0, :4] = torch.tensor([36, 37, 38, 39])
+    table[1, : len(pages)] = pages
+    dense = torch.randn(end, kv_heads, 2 * hs, generator=g)  # row 1's K|V by position
+    slots = torch.zeros(40 * bs, kv_heads, 2 * hs)
+    positions = torch.arange(end)
+    slots[table[1, positions // bs].long() * bs + positions % bs] = dense
+    n, off = sum(q_lens), 48  # the questions sit after the padded token axis
+    query = torch.randn(off + k, kv_heads * per_kv, hs, generator=g)
+    key, value = torch.randn(2, off + k, kv_heads, hs, generator=g)
+    job = EvictionJob(req_id="r", row=1, computed=computed[1], start=1, end=n, is_final=False,
+                      phys_before=[0], keep=[], question=list(range(k)), question_start=n)
+    plan = TokenStepPlan(num_reqs=2, query_start_loc=torch.tensor([0, 1, n]),
+                         block_table=table[None], seq_lens=torch.tensor([[58, end]]),
+                         slots=torch.zeros(1, n + k), jobs=[job], block_size=bs, num_tokens=n,
+                         question_ids=torch.zeros(k, dtype=torch.long), question_offset=off)
+    queries = paged_queries(computed, q_lens, table, bs, 40, [58, 1000], chunk)
+    got = streaming_questions(plan, queries, query, key, value, slots, hs ** -0.5, sink, window)
+    start = computed[1] // chunk * chunk if chunk else computed[1]
+    seen = (positions < sink) | (positions >= start - window)
+    past_k = dense[seen, :, :hs].repeat_interleave(per_kv, 1)
+    past_v = dense[seen, :, hs:].repeat_interleave(per_kv, 1)
+    q_k = key[off:].repeat_interleave(per_kv, 1)
+    q_v = value[off:].repeat_interleave(per_kv, 1)
+    for i in range(k):
+        keys, vals = torch.cat([past_k, q_k[: i + 1]]), torch.cat([past_v, q_v[: i + 1]])
+        weights = torch.softmax(torch.einsum("hd,khd->hk", query[off + i], keys) * hs ** -0.5,
+                                dim=-1)
+        want = torch.einsum("hk,khd->hd", weights, vals)
+        assert torch.allclose(got[i], want, atol=1e-5), (chunk, i)
+    assert int(seen.sum()) == sink + window + q_lens[1] + (computed[1] - start)
+
+
 # -- what is refused (one line at start-up, naming the flag and what is supported) ------------
 
 class _Stand:
@@ -115,11 +168,12 @@ def _vllm_config(cache_dtype="auto", tp=1, pp=1, spec=None):
 
 
 @pytest.mark.parametrize("policy,vllm_kwargs,named", [
-    ({"policy": "prulong", "token_policy": "snapkv"}, {}, "--kv-token-policy"),
+    ({"policy": "prulong", "token_policy": "snapkv"}, {"tp": 2},
+     "--kv-token-policy snapkv with --tensor-parallel-size 2"),
     ({"policy": "full"}, {"cache_dtype": "fp8"}, "--kv-cache-dtype fp8"),
     ({"policy": "duo"}, {"pp": 2}, "--pipeline-parallel-size 2"),
     ({"policy": "duo"}, {"spec": object()}, "speculative decoding"),
-], ids=["hybrid", "fp8", "pp", "spec"])
+], ids=["hybrid-tp", "fp8", "pp", "spec"])
 def test_flex_refusals_name_the_flag(policy, vllm_kwargs, named):
     from vllm_kvevict.config import KVPolicyConfig
     from vllm_kvevict.flex.support import flex_error
@@ -135,7 +189,9 @@ def test_flex_refusals_name_the_flag(policy, vllm_kwargs, named):
 @pytest.mark.parametrize("policy", [{"policy": p} for p in (
     "full", "streaming", "duo", "prulong", "snapkv", "pyramidkv")] + [
     {"policy": "snapkv", "eviction_chunk": 512}, {"policy": "pyramidkv", "eviction": "naive"},
-    {"policy": "streaming", "eviction_chunk": 512}])
+    {"policy": "streaming", "eviction_chunk": 512},
+    {"policy": "prulong", "token_policy": "snapkv"},
+    {"policy": "duo", "token_policy": "pyramidkv", "eviction": "naive"}])
 def test_flex_serves(policy):
     from vllm_kvevict.config import KVPolicyConfig
     from vllm_kvevict.flex.support import flex_error
@@ -173,14 +229,14 @@ def test_unknown_attention_backend_is_refused():
 
 
 @pytest.mark.server
-def test_vllm_serve_refuses_the_hybrid_on_flex(bundled_model_dir):
+def test_vllm_serve_refuses_fp8_on_flex(bundled_model_dir):
     """The real CLI: exit 2 with one line before any model loads."""
     vllm = Path(sys.executable).parent / "vllm"
     proc = subprocess.run([str(vllm), "serve", str(bundled_model_dir), "--port", "8799",
-                           "--kv-policy", "prulong", "--kv-token-policy", "snapkv",
+                           "--kv-policy", "prulong", "--kv-cache-dtype", "fp8",
                            "--kv-attention-backend", "flex"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [l for l in proc.stderr.splitlines() if l.startswith("vllm-kvevict: error:")]
-    refusal = "--kv-attention-backend flex does not serve --kv-token-policy snapkv"
+    refusal = "--kv-attention-backend flex does not serve --kv-cache-dtype fp8"
     assert len(lines) == 1 and refusal in lines[0], proc.stderr[-2000:]

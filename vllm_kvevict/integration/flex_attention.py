@@ -26,12 +26,10 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backends.flex_attention import (FlexAttentionBackend, FlexAttentionImpl,
                                                        FlexAttentionMetadataBuilder)
 
-from vllm_kvevict.flex.block_mask import (PagedQueries, chunk_starts, head_mask_block_mask,
-                                          paged_queries)
+from vllm_kvevict.flex.block_mask import PagedQueries, chunk_starts, head_mask_block_mask
+from vllm_kvevict.integration import flex_token
 from vllm_kvevict.integration.streaming.head_pages import HeadSlots, head_slots
 from vllm_kvevict.integration.streaming.sink_window import canonical_chunk
-from vllm_kvevict.integration.token_eviction.decode_eviction import compress_decode
-from vllm_kvevict.integration.token_eviction.token_eviction_worker import compress_chunks
 from vllm_kvevict.integration.worker import init_state
 from vllm_kvevict.overrides import policy_prompt_len
 from vllm_kvevict.served import policy_config_of
@@ -170,15 +168,21 @@ class KVEvictFlexImpl(FlexAttentionImpl):
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         """The step's K/V at their slots (vLLM's CPU build has no `reshape_and_cache_flash`).
         Token eviction: at their physical slots after earlier evictions, the patched
-        questions' rows included (the step plan's)."""
+        questions' rows included (the step plan's); a head mask: each kind in its group,
+        with a token policy its full heads so."""
         state = self.kv_state
-        if state is not None and state.token is None:  # a head mask: each kind in its group
+        if state is not None and state.in_pool:
             context = get_forward_context()
             for slots in self.head_slots(layer):
                 meta = slots.metadata(context)
-                if meta is not None:
-                    self._write(slots.cache(context), key[:, slots.kv_heads],
-                                value[:, slots.kv_heads], meta.slot_mapping)
+                if meta is None:
+                    continue
+                k, v, where = key[:, slots.kv_heads], value[:, slots.kv_heads], meta.slot_mapping
+                if state.token is not None and not slots.streaming:
+                    plan = state.plan
+                    k, v = plan.with_questions(k), plan.with_questions(v)
+                    where = plan.slots[extract_layer_index(layer.layer_name)]
+                self._write(slots.cache(context), k, v, where)
             return
         if state is not None:
             plan = state.plan
@@ -198,10 +202,10 @@ class KVEvictFlexImpl(FlexAttentionImpl):
                 output_scale=None, output_block_scale=None):
         state = self.kv_state
         if attn_metadata is not None and state is not None:
-            if state.token is not None:
-                return self._forward_token_eviction(layer, query, key, value, kv_cache,
-                                                    attn_metadata, output)
-            return self._forward_head_slots(layer, query, key, value, output)
+            if state.in_pool:
+                return self._forward_head_slots(layer, query, key, value, output)
+            return flex_token.forward(self, layer, query, key, value, kv_cache, attn_metadata,
+                                      output)
         # `full`: our block mask all the same: vLLM's direct one lists at most a sequence's
         # pages per query block, and torch's CPU template refuses a mask narrower than the
         # whole paged cache ("KV seqlen must be smaller than the block_mask size").
@@ -226,66 +230,32 @@ class KVEvictFlexImpl(FlexAttentionImpl):
 
     def _forward_head_slots(self, layer, query, key, value, output):
         """A head mask: each kind of head (full, streaming) attends over its own group's pages
-        with that group's block mask (a streaming head's lists sink + window + chunk)."""
-        context, cfg = get_forward_context(), self.kv_state.config
+        with that group's block mask (a streaming head's lists sink + window + chunk); with a
+        token policy its full heads as token eviction does (`flex_token`), and patched
+        scoring's question rows on its streaming heads too."""
+        context, state = get_forward_context(), self.kv_state
+        cfg = state.config
         for slots in self.head_slots(layer):
-            meta = slots.metadata(context)
-            n, q = meta.num_actual_tokens, query[:, slots.q_heads]
+            meta, impl = slots.metadata(context), self._narrowed(len(slots.kv_heads))
+            q, k, v = query[:, slots.q_heads], key[:, slots.kv_heads], value[:, slots.kv_heads]
+            out = torch.zeros_like(q)  # (all rows are copied: padding ones too)
+            if state.token is not None and not slots.streaming:
+                flex_token.forward(impl, layer, q, k, v, slots.cache(context), meta, out)
+                output[:, slots.q_heads] = out
+                continue
+            n = meta.num_actual_tokens
             meta.block_mask = self._mask(meta, slots.streaming, cfg.sink, cfg.window)
-            out = torch.empty_like(q)
             # (vLLM's decoder forward reads K and V from the cache do_kv_cache_update wrote)
-            FlexAttentionImpl.forward(self._narrowed(len(slots.kv_heads)), layer, q, key,
-                                      value, slots.cache(context), meta, out)
+            FlexAttentionImpl.forward(impl, layer, q, k, v, slots.cache(context), meta, out)
             output[:n, slots.q_heads] = out[:n]
+            plan = getattr(meta, "plan", None)
+            if plan is not None and plan.num_questions:
+                off = plan.question_offset
+                output[off:off + plan.num_questions, slots.q_heads] = \
+                    flex_token.streaming_questions(plan, meta.kvevict_queries, q, k, v,
+                                                   self._slots(slots.cache(context)),
+                                                   self.scale, cfg.sink, cfg.window)
         return output
-
-    def _forward_token_eviction(self, layer, query, key, value, kv_cache, attn_metadata,
-                                output):
-        """snapkv / pyramidkv: every head attends over its layer's kept (compacted) past and
-        the step, the patched questions' rows as extra rows of their request, by physical
-        position; then the step's eviction chunks are compressed (`compress_chunks`)."""
-        plan, l = attn_metadata.plan, extract_layer_index(layer.layer_name)
-        n = attn_metadata.num_actual_tokens
-        masks = attn_metadata.kvevict_masks
-        key_ = ("token", plan.layer_group[l], tuple(plan.seq_lens[l].tolist()))
-        if key_ not in masks:
-            q_start = plan.query_start_loc.long()
-            q_lens = (q_start[1:] - q_start[:-1]).tolist()
-            computed = [s - q for s, q in zip(plan.seq_lens[l].tolist(), q_lens)]
-            device = query.device
-            queries = paged_queries(computed, q_lens, plan.table(l).to(device),
-                                    attn_metadata.block_size, self._slots(kv_cache).shape[0]
-                                    // attn_metadata.block_size)
-            tokens, rows = attn_metadata.kvevict_capacity
-            masks[key_] = head_mask_block_mask(
-                queries, torch.zeros(query.shape[1], dtype=torch.bool, device=device), 0, 0,
-                q_block=attn_metadata.q_block_size, token_capacity=tokens, row_capacity=rows)
-        rows_q = plan.with_questions(query)
-        meta = copy.copy(attn_metadata)  # (the questions' rows count as tokens here)
-        meta.num_actual_tokens, meta.block_mask = rows_q.shape[0], masks[key_]
-        out = torch.empty_like(rows_q)
-        super().forward(layer, rows_q, key, value, kv_cache, meta, out)
-        output[:n] = out[:n]
-        if plan.num_questions:
-            off = plan.question_offset
-            output[off:off + plan.num_questions] = out[n:]
-        if plan.valid and (plan.jobs or plan.decode):
-            self._compress(l, plan, query, key, value, kv_cache)
-        return output
-
-    def _compress(self, l, plan, query, key, value, kv_cache) -> None:
-        """Compress the step's chunks and decode-time jobs (K/V read back by position)."""
-        cache, hs = self._slots(kv_cache), self.head_size
-
-        def read(job, start, count):
-            past = cache[plan.physical_slots(l, job.row, start + torch.arange(count))]
-            return past[..., :hs], past[..., hs:]
-
-        for kept in (plan.jobs and compress_chunks(plan, l, query, key, value, lambda j, c:
-                                                   read(j, j.phys_before[l], c)),
-                     plan.decode and compress_decode(plan, l, query, lambda j, c: read(j, 0, c))):
-            if kept:
-                self._write(kv_cache, *kept)
 
 
 class KVEvictFlexBackend(FlexAttentionBackend):

@@ -185,7 +185,8 @@ def layer_groups(kv_cache_config, num_layers: int) -> LayerGroups:
     heads' group only, a layer without full heads (sharing its companion's cache) in none."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     streaming = {g for g, group in enumerate(groups)
-                 if any(n.endswith(COMPANION_SUFFIX) for n in group.layer_names)}
+                 if any(n.endswith(COMPANION_SUFFIX) for n in group.layer_names)
+                 or isinstance(_first_spec(group), SinkWindowSpec)}  # (flex: head slots)
     of_layer = [-1 if streaming else 0] * num_layers
     seen = [False] * num_layers
     for g, group in enumerate(groups):
@@ -284,15 +285,6 @@ def _declare_pool_specs(runner, stock_specs, state, layers, index) -> dict:
     return specs
 
 
-def share_layer_specs(shared: dict, groups) -> None:
-    """Before vLLM's `add_kv_sharing_layers_to_kv_cache_groups` (KVEvictWorker): it adds the
-    sharing layers' names to the groups but not their per-layer spec entry; a layer sharing
-    another's cache shares its spec too."""
-    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
-
-    for group in groups:
-        spec = group.kv_cache_spec
-        if isinstance(spec, UniformTypeKVCacheSpecs):
-            for name, target in shared.items():
-                if target in spec.kv_cache_specs:
-                    spec.kv_cache_specs.setdefault(name, spec.kv_cache_specs[target])
+def _first_spec(group):
+    spec = getattr(group, "kv_cache_spec", None)  # (a group of one type: its first layer's)
+    return getattr(spec, "kv_cache_specs", {}).get(group.layer_names[0], spec)

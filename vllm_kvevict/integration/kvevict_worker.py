@@ -17,7 +17,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_kvevict.integration import flex_attention, head_order, seeded_sampling
 from vllm_kvevict.integration.composition import install_over, resolve
-from vllm_kvevict.integration.kv_cache_specs import declare_specs, share_layer_specs
+from vllm_kvevict.integration.kv_cache_specs import declare_specs
 from vllm_kvevict.integration.token_eviction.prefix_cache import prefix_specs
 from vllm_kvevict.integration.worker import init_state, question_rows_runner
 
@@ -83,6 +83,20 @@ class KVEvictWorker(CPUWorker):
         if state is not None:
             state.finish_step()
         return output
+
+
+def share_layer_specs(shared: dict, groups) -> None:
+    """Before vLLM's `add_kv_sharing_layers_to_kv_cache_groups` (KVEvictWorker): it adds the
+    sharing layers' names to the groups but not their per-layer spec entry; a layer sharing
+    another's cache shares its spec too."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    for group in groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            for name, target in shared.items():
+                if target in spec.kv_cache_specs:
+                    spec.kv_cache_specs.setdefault(name, spec.kv_cache_specs[target])
 
 
 def __getattr__(name: str):

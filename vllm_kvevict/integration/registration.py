@@ -151,8 +151,8 @@ TOUCHED = (
     ("flex_attention.py", "_dynamo", "torch's compiler config (below)"),
     ("flex_attention.py", "recompile_limit", "raised above vLLM's 16: one compilation per "
                                              "layer's count of full / streaming heads"),
-    ("flex_attention.py", "num_actual_tokens", "token eviction, on a copy of the step's "
-                                               "metadata: the patched questions' rows count"),
+    ("flex_token.py", "block_mask", "the same, token eviction's (on a copy of the metadata)"),
+    ("flex_token.py", "num_actual_tokens", "on a copy of the metadata: questions' rows count"),
     ("kv_transfer.py", "kv_transfer_config", "our stats connector, alone or beside the "
                                              "user's, before vLLM builds the config"),
     ("kvevict_scheduler.py", "scheduler_cls", "our Scheduler subclass, vLLM's extension point"),
