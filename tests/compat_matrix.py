@@ -301,11 +301,10 @@ ROWS = [
                                 "_steps[hybrid-prulong-0.5-snapkv-patched-0.5]",
                                 "tests/test_flex_vllm.py::test_streaming_question_rows_see_what_"
                                 "the_cpu_path_lays_out[canonical-32]",
-                                "tests/test_flex_vllm.py::test_flex_refusals_name_the_flag"
-                                "[hybrid-tp]"),
+                                "(s)tests/test_tensor_parallel.py::test_tp2_flex_serves_the_reference"
+                                f"_tokens[{HYBRID}]"),
                       "full heads evicting tokens in their head slots, streaming heads "
-                      "block-sparse, patched scoring's question rows on both; refused under "
-                      "tensor parallel (untested)")}),
+                      "block-sparse, patched scoring's question rows on both; TP 2 too")}),
     Row("tensor parallel (`--tensor-parallel-size 2`)",
         {**{c: Cell("exact", (("" if c in TP_CI else "(s)")
                               + "tests/test_tensor_parallel.py::"

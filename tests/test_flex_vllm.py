@@ -168,12 +168,10 @@ def _vllm_config(cache_dtype="auto", tp=1, pp=1, spec=None):
 
 
 @pytest.mark.parametrize("policy,vllm_kwargs,named", [
-    ({"policy": "prulong", "token_policy": "snapkv"}, {"tp": 2},
-     "--kv-token-policy snapkv with --tensor-parallel-size 2"),
     ({"policy": "full"}, {"cache_dtype": "fp8"}, "--kv-cache-dtype fp8"),
     ({"policy": "duo"}, {"pp": 2}, "--pipeline-parallel-size 2"),
     ({"policy": "duo"}, {"spec": object()}, "speculative decoding"),
-], ids=["hybrid-tp", "fp8", "pp", "spec"])
+], ids=["fp8", "pp", "spec"])
 def test_flex_refusals_name_the_flag(policy, vllm_kwargs, named):
     from vllm_kvevict.config import KVPolicyConfig
     from vllm_kvevict.flex.support import flex_error

@@ -279,11 +279,12 @@ def test_padding_is_what_the_ranks_declare():
 @pytest.mark.server
 @pytest.mark.serial
 @pytest.mark.slow  # CI's budget (181 s on CI): the CPU path's TP = 2 runs in CI
-@pytest.mark.parametrize("column", ["prulong 0.7", "snapkv patched"])
+@pytest.mark.parametrize("column", ["prulong 0.7", "snapkv patched", HYBRID])
 def test_tp2_flex_serves_the_reference_tokens(column, tiny_qwen3, tokenizer, one_torch_thread):
     """`--kv-attention-backend flex --tensor-parallel-size 2`: each rank masks its slice of the
     heads, its streaming heads in their groups of vLLM's pool (head masks), or compresses its
-    heads' chunks (token eviction); the tokens are the reference's."""
+    heads' chunks (token eviction), or both (a head mask with a token policy, the ranks holding
+    different numbers of full heads); the tokens are the reference's."""
     policy = {**TP_POLICIES[column], "attention_backend": "flex"}
     server, model, model_dir, policy = _tp2_server(policy, 4, tiny_qwen3)
     assert "attention_backend=flex" in server.log_tail(10 ** 7)

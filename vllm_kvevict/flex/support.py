@@ -9,8 +9,8 @@ the step budget or of `--kv-eviction-chunk`, per token); the token policies
 blocks go back to vLLM's pool as on the CPU path; a head mask with `--kv-token-policy` (its
 full heads evicting tokens, its streaming heads block-sparse, patched scoring's question rows
 on both). Tensor parallel: each rank its slice of the heads, as on the CPU path
-(`features.parallel_error` refuses what that path refuses; not yet with `--kv-token-policy`);
-data parallel: one engine core per replica, as on the CPU path.
+(`features.parallel_error` refuses what that path refuses); data parallel: one engine core per
+replica, as on the CPU path.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from __future__ import annotations
 SERVED_POLICIES = ("full", "streaming", "duo", "prulong", "snapkv", "pyramidkv")
 SUPPORTED = ("--kv-attention-backend flex serves --kv-policy full, streaming, duo, prulong "
              "(with or without --kv-token-policy), snapkv, pyramidkv; "
-             "unquantized KV, tensor parallel (not with --kv-token-policy) and data parallel "
-             "(no pipeline parallel), no speculative decoding")
+             "unquantized KV, tensor and data parallel (no pipeline parallel), no "
+             "speculative decoding")
 
 
 def _refusal(what: str) -> str:
@@ -40,10 +40,6 @@ def flex_error(cfg, vllm_config) -> str | None:
     size = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
     if size != 1:
         return _refusal(f"--pipeline-parallel-size {size}")
-    size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
-    if size != 1 and cfg.token_policy is not None:  # (untested)
-        return _refusal(f"--kv-token-policy {cfg.token_policy} with --tensor-parallel-size "
-                        f"{size}")
     if getattr(vllm_config, "speculative_config", None) is not None:
         return _refusal("speculative decoding")
     return None
