@@ -138,6 +138,17 @@ def boundary_anchor(request, boundary: int, hash_block_size: int) -> bytes | Non
     return bytes(request.block_hashes[boundary // hash_block_size - 1])
 
 
+def keyed_blocks(block_pool, anchor: bytes, positions, groups) -> dict[int, list] | None:
+    """Per block position keyed at the boundary whose vLLM block hash is `anchor`: the cached
+    block of each group in `groups` (None: one is not; the keys after it are not hashed)."""
+    found = {}
+    for j in positions:
+        found[j] = block_pool.get_cached_block(boundary_key(anchor, j), groups)
+        if not found[j]:
+            return None
+    return found
+
+
 def _boundary_keys(manager, request, boundary: int) -> list[tuple[int, bytes]] | None:
     """(block position, key) of each block a hit at `boundary` reads in this group (None: the
     boundary is not a whole number of hashed blocks)."""
@@ -190,23 +201,18 @@ class TokenPrefixManager(FullAttentionManager):
         chunk, size = kv_cache_spec.prefix_chunk, block_pool.hash_block_size
         if not chunk:
             return rows, 0
-        found: list[list] = []  # per block index: the cached block of each group
+        found: dict[int, list] = {}  # per block position: the cached block of each group
         for boundary in range(chunk, max_length + 1, chunk):
             if boundary // size > len(block_hashes):
                 break
-            anchor = block_hashes[boundary // size - 1]
-            need = cdiv(kv_cache_spec.physical(boundary), kv_cache_spec.block_size)
-            blocks = []
-            for j in range(need):  # (stops hashing at the first block not cached)
-                cached = block_pool.get_cached_block(boundary_key(anchor, j), kv_cache_group_ids)
-                if not cached:
-                    break
-                blocks.append(cached)
-            if len(blocks) < need:  # (a block evicted is gone for every later boundary too)
+            blocks = keyed_blocks(block_pool, block_hashes[boundary // size - 1],
+                                  kv_cache_spec.boundary_blocks(boundary), kv_cache_group_ids)
+            if blocks is None:  # (a block evicted is gone for every later boundary too)
                 break
             found, hit = blocks, boundary
         if hit:
-            rows = tuple([b[i] for b in found] for i in range(len(kv_cache_group_ids)))
+            rows = tuple([found[j][i] for j in sorted(found)]
+                         for i in range(len(kv_cache_group_ids)))
         return rows, hit
 
     def _physical_hit(self, hit: int, blocks) -> tuple[int, list]:
@@ -268,13 +274,9 @@ class TokenPrefixSinkManager(SinkWindowManager):
         for boundary in range(max_length // chunk * chunk if chunk else 0, 0, -chunk):
             if boundary // size > len(block_hashes):
                 continue
-            anchor, found = block_hashes[boundary // size - 1], {}
-            for j in kv_cache_spec.boundary_blocks(boundary):
-                found[j] = block_pool.get_cached_block(boundary_key(anchor, j),
-                                                       kv_cache_group_ids)
-                if not found[j]:
-                    break
-            else:
+            found = keyed_blocks(block_pool, block_hashes[boundary // size - 1],
+                                 kv_cache_spec.boundary_blocks(boundary), kv_cache_group_ids)
+            if found is not None:
                 rows = tuple([null] * (boundary // bs) for _ in kv_cache_group_ids)
                 for j, blocks in found.items():
                     for row, block in zip(rows, blocks):
