@@ -246,7 +246,18 @@ def analyse(rows: dict, probe: dict, args) -> tuple[list[str], dict]:
             f"| {name} | {pre:.2f} | {f(pre_lim)} | {f(pre / pre_lim if pre_lim else None)} | "
             f"{d1:.2f} | {f(d1_lim)} | {f(d1 / d1_lim if d1_lim else None)} | {dB:.2f} | "
             f"{f(dB_lim)} | {f(dB / dB_lim if dB_lim else None)} | {thr:.2f} | {f(thr_full)} |")
-    return lines, {"model": model, "table": table}
+    # Load test (`docs/results/loadtest`: 6,500-token prompts, 64 generated tokens each): its
+    # time is mostly prefill, whose share of the throughput gain is at most full's prefill
+    # time over the policy's prefill limit (at this run's input length); the decodes gain
+    # beyond it where more requests at once batch them.
+    bound = {name: 1 / t["prefill_limit"] for name, t in table.items()
+             if name not in ("stock", "full") and t["prefill_limit"]}
+    lines += ["", "Under load (`docs/results/loadtest`: 6,500-token prompts, 64 generated, "
+              "mostly prefill): token throughput x full from prefill alone at most 1 / the "
+              f"prefill limit at {N} tokens: " + ", ".join(f"{n} {v:.2f}x"
+                                                        for n, v in bound.items())
+              + " (more requests at once batch the decodes: a load can pass it)"]
+    return lines, {"model": model, "table": table, "load_throughput_limit_x_full": bound}
 
 
 def plot(table: dict, path: Path, batch: int) -> None:

@@ -571,7 +571,7 @@ def test_flex_head_pages_put_a_layers_heads_of_one_kind_side_by_side(world):
 
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from vllm_kvevict.integration.kv_cache_specs import layer_heads
+    from vllm_kvevict.integration.head_split import layer_heads
     from vllm_kvevict.integration.streaming.head_pages import (head_page_groups,
                                                                head_page_specs, head_slots)
 

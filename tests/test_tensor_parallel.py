@@ -23,7 +23,8 @@ from conftest import SERVED_NAME, pool_width, start_server
 from test_model_families_vllm import NEW_TOKENS, random_mask, reference
 from test_policies_vllm import flags, source_prompts
 from vllm_kvevict.config import HEAD_MASK_POLICIES
-from vllm_kvevict.integration.kv_cache_specs import layer_heads, paged_spec
+from vllm_kvevict.integration.head_split import layer_heads
+from vllm_kvevict.integration.kv_cache_specs import paged_spec
 from vllm_kvevict.stats import ByteLayout
 
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank (vLLM asserts without it)

@@ -277,6 +277,52 @@ def test_cpu_fp8_cache_rounds_toward_zero(kv_cache_dtype):
     assert (out - ref).abs().max() < 1e-3 * ref.abs().max()
 
 
+@pytest.mark.served_release
+def test_cpu_kernel_reads_query_row_strides_and_writes_dense_rows():
+    """backend.py passes a view of some heads of every query row to vLLM's CPU kernel (the
+    kernel reads the query's row stride, as it must for vLLM's own query, a view of the qkv
+    projection) and hands it a dense output unless the output view is dense (one row): the
+    kernel writes rows at a stride of its own heads, whatever the output's stride."""
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    torch.manual_seed(0)
+    bs, d, group, n = 64, 64, 3, 200
+    isa = _get_attn_isa(torch.float32, bs, d)
+    cache = torch.zeros(4, 3, 2 * bs, d)  # three KV heads; heads 1-2 attended
+    key_cache, value_cache = cache.chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(torch.randn(n, 3, d), torch.randn(n, 3, d), key_cache,
+                                   value_cache, torch.arange(n), isa, k_scale=1.0, v_scale=1.0,
+                                   kv_cache_dtype="auto")
+    qsl = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    lens = torch.tensor([n, 150, 90], dtype=torch.int32)
+    query = torch.randn(3, 3 * group, d)
+
+    def attend(q, out):
+        sched = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=3, num_heads=2 * group, num_kv_heads=2, head_dim=d, seq_lens=lens,
+            dtype=torch.float32, query_start_loc=qsl, causal=True, sliding_window_size=-1,
+            isa=isa, enable_kv_split=False, dynamic_causal=None, kv_cache_dtype="auto")
+        ops.cpu_attention_with_kv_cache(
+            query=q, key_cache=key_cache[:, 1:], value_cache=value_cache[:, 1:], output=out,
+            query_start_loc=qsl, seq_lens=lens, scale=0.125, causal=True, alibi_slopes=None,
+            sliding_window=-1, block_table=torch.arange(4, dtype=torch.int32).repeat(3, 1),
+            softcap=0.0, scheduler_metadata=sched, s_aux=None, dynamic_causal=None,
+            k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+
+    dense = torch.empty(3, 2 * group, d)
+    attend(query[:, group:].contiguous(), dense)
+    viewed = torch.empty(3, 2 * group, d)
+    attend(query[:, group:], viewed)  # a strided view of the query rows: read as such
+    assert torch.equal(viewed, dense)
+    rows = torch.zeros(3, 3 * group, d)
+    attend(query[:, group:], rows[:, group:])  # a strided output: not written as such
+    assert not torch.equal(rows[:, group:], dense)
+    one = torch.zeros(1, 3 * group, d)  # one row: the heads' view is dense
+    assert one[:, group:].is_contiguous()
+
+
 def test_replay_hook():
     """Exact recompute after preemption (admission.py) caps the token count both scheduling
     branches compute, through the call each makes right before skipping a 0-token request;

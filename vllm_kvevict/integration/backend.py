@@ -25,13 +25,11 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
                                                  CPUAttentionMetadataBuilder)
 
+from vllm_kvevict.integration import cpu_token
 from vllm_kvevict.integration.fp8 import is_fp8
 from vllm_kvevict.integration.paged_layout import (POOL_LAYOUTS, decode_in_place,
-                                                   decode_window, lay_out_from_pool,
-                                                   paged_layout)
+                                                   decode_window, lay_out_from_pool)
 from vllm_kvevict.integration.streaming.step_plan import decode_attention
-from vllm_kvevict.integration.token_eviction.decode_eviction import compress_decode
-from vllm_kvevict.integration.token_eviction.token_eviction_worker import compress_chunks
 from vllm_kvevict.integration.worker import get_state, init_state
 
 
@@ -42,6 +40,17 @@ def _index_of(layer_name: str) -> int:
 
 def _layer_index(layer) -> int:
     return _index_of(layer.layer_name)
+
+
+def _dense(x: torch.Tensor, n: int, at) -> torch.Tensor | None:
+    """x[:n, at] if that view is dense (one row, the heads side by side), else None: vLLM's CPU
+    kernel writes its output as dense [tokens, heads, d] rows (it ignores the output's row
+    stride; it reads the query's, so a query may be a view of some heads of every row)."""
+    if isinstance(at, slice):
+        view = x[:n, at]
+        if view.is_contiguous():
+            return view
+    return None
 
 
 class KVEvictMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -66,6 +75,11 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
         super().__init__(*args, **kwargs)
         # built before the model (KVEvictWorker.init_device), which builds these per layer
         self.kv_state = init_state(get_current_vllm_config())
+        # vLLM's kernel with nothing but causal attention: the streaming heads' fast paths
+        self._plain = not is_fp8(self.kv_cache_dtype) and self.alibi_slopes is None \
+            and not self.logits_soft_cap and self.sliding_window in (None, -1)
+        self._pool_views: tuple = (None, None)  # (companion cache, its K and V views)
+        self._full_views: tuple = (None, 0, None)  # (paged cache, full heads, K and V views)
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         state = self.kv_state
@@ -77,17 +91,18 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
             if not heads.all_full:
                 if not heads.full_kv:
                     return None
-                full = list(heads.full_kv)  # (tensor parallel: a padded spec's first heads)
-                key, value, kv_cache = key[:, full], value[:, full], kv_cache[:, :len(full)]
+                # (tensor parallel: a padded spec's first heads)
+                full, num_full = heads.full_kv_at, len(heads.full_kv)
+                key, value, kv_cache = key[:, full], value[:, full], kv_cache[:, :num_full]
             slots = plan.slots[heads.layer]
             return super().do_kv_cache_update(layer, plan.with_questions(key),
                                               plan.with_questions(value), kv_cache, slots)
         if heads.all_full:
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        if heads.full_kv:
-            full = list(heads.full_kv)
+        if heads.full_kv:  # (a view where the full heads sit side by side: the write takes it)
+            full = heads.full_kv_at
             super().do_kv_cache_update(layer, key[:, full], value[:, full],
-                                       kv_cache[:, :len(full)], slot_mapping)
+                                       kv_cache[:, :len(heads.full_kv)], slot_mapping)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
@@ -95,8 +110,8 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
             return output
         state = self.kv_state
         if state.token is not None:
-            return self._forward_token_eviction(state, layer, query, key, value, kv_cache,
-                                                attn_metadata, output)
+            return cpu_token.forward(self, state, layer, query, key, value, kv_cache,
+                                     attn_metadata, output)
         heads = state.heads[_layer_index(layer)]
         if heads.all_full:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
@@ -112,31 +127,50 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
                     layer, attn_metadata.__dict__.setdefault("full_head_schedules", {}),
                     num_full, attn_metadata.common.num_reqs, len(full_q), num_full,
                     attn_metadata.seq_lens, attn_metadata.query_start_loc, output.dtype)
-            out_full = torch.empty(n, len(full_q), self.head_size, dtype=output.dtype)
-            self._kernel(layer, query[:n, full_q], kv_cache[:, :num_full], out_full,
-                         attn_metadata.query_start_loc, attn_metadata.seq_lens,
+            # the kernel writes dense rows: into `output` where its rows are (one row), else
+            # a copy after
+            into = _dense(output, n, heads.full_q_at)
+            out = torch.empty(n, len(full_q), self.head_size, dtype=output.dtype) \
+                if into is None else into
+            self._kernel(layer, query[:n, heads.full_q_at], self._full_caches(kv_cache, num_full),
+                         out, attn_metadata.query_start_loc, attn_metadata.seq_lens,
                          attn_metadata.block_table, sched)
-            output[:n, full_q] = out_full  # the kernel needs a dense output; copy after
-        output[:n, heads.streaming_q] = self._streaming(state, layer, heads, attn_metadata.plan,
-                                                        query[:n], key[:n], value[:n])
+            if into is None:
+                output[:n, full_q] = out
+        into = _dense(output, n, heads.streaming_q_at)
+        out = self._streaming(state, layer, heads, attn_metadata.plan, query[:n], key[:n],
+                              value[:n], into)
+        if out is not into:
+            output[:n, heads.streaming_q] = out
         return output
 
-    def _streaming(self, state, layer, heads, plan, query, key, value) -> torch.Tensor:
+    def _full_caches(self, kv_cache: torch.Tensor, num_full: int):
+        """(K, V) of the layer's paged cache, its first `num_full` heads (views made once)."""
+        views = self._full_views
+        if views[0] is not kv_cache or views[1] != num_full:
+            views = self._full_views = (kv_cache, num_full, self._split(kv_cache[:, :num_full]))
+        return views[2]
+
+    def _streaming(self, state, layer, heads, plan, query, key, value,
+                   into: torch.Tensor | None = None) -> torch.Tensor:
         """The streaming heads' outputs for the rows of `query` (the plan's kernel queries),
         over [sink | window | chunk] laid out from the pool (the step's K/V written there
         first)."""
-        stream_q, stream_kv = heads.streaming_q, list(heads.streaming_kv)
-        out = torch.zeros(query.shape[0], len(stream_q), self.head_size, dtype=query.dtype)
+        stream_q, num_stream = heads.streaming_q, len(heads.streaming_kv)
         if not plan.valid:  # profiling / warm-up runs without real requests
-            return out
-        keys, values = key[:, stream_kv], value[:, stream_kv]
-        plain = not is_fp8(self.kv_cache_dtype) and self.alibi_slopes is None \
-            and not self.logits_soft_cap and self.sliding_window in (None, -1)
+            return torch.zeros(query.shape[0], len(stream_q), self.head_size, dtype=query.dtype)
+        at = heads.streaming_kv_at  # (views where side by side: only the cache write reads them)
+        keys, values = key[:, at], value[:, at]
+        plain = self._plain
         if plan.decode_q is not None and plain and state.in_place:
-            # one decode query per row, sink in whole blocks: the kernel in place, no read-back
-            decode_in_place(self, layer, plan, state.config, query[:, stream_q], keys, values,
-                            out)
+            # one decode query per row, sink in whole blocks: the kernel in place, no read-back;
+            # it writes every row (one per request): `into` if dense, else no zeroed output
+            out = torch.empty(query.shape[0], len(stream_q), self.head_size, dtype=query.dtype) \
+                if into is None else into
+            decode_in_place(self, layer, plan, state.config, query[:, heads.streaming_q_at],
+                            keys, values, out)
             return out
+        out = torch.zeros(query.shape[0], len(stream_q), self.head_size, dtype=query.dtype)
         if plan.decode_pos is not None and plain:
             # one decode query per row: attention on the window read back, no scratch cache
             k, v = decode_window(self, layer, plan, keys, values)
@@ -146,89 +180,19 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
         # fp8: the laid-out values are already the codes' grid values (step_plan.py)
         dtype, write_scale = ((torch.uint8, (1.0, 1.0)) if is_fp8(self.kv_cache_dtype)
                               else (keys.dtype, scales))
-        scratch = self._scratch_cache(len(stream_kv), int(plan.block_table.max()) + 1,
+        scratch = self._scratch_cache(num_stream, int(plan.block_table.max()) + 1,
                                       state.block_size, dtype)
         k_cache, v_cache = self._split(scratch)
         ops.cpu_attn_reshape_and_cache(laid_k, laid_v, k_cache, v_cache, plan.scratch_slots,
                                        layer.isa, k_scale=write_scale[0],
                                        v_scale=write_scale[1],
                                        kv_cache_dtype=self.kv_cache_dtype)
-        sched = self._schedule(layer, plan.kernel_schedules, len(stream_kv), plan.num_reqs,
-                               len(stream_q), len(stream_kv), plan.seq_lens,
+        sched = self._schedule(layer, plan.kernel_schedules, num_stream, plan.num_reqs,
+                               len(stream_q), num_stream, plan.seq_lens,
                                plan.query_start_loc, query.dtype)
         self._kernel(layer, query[:, stream_q], scratch, out, plan.query_start_loc,
                      plan.seq_lens, plan.block_table, sched)
         return out
-
-    def _forward_token_eviction(self, state, layer, query, key, value, kv_cache, attn_metadata,
-                                output):
-        """Attention over the kept (compacted) past + the chunk, then compress the chunk. A
-        head mask with a token policy: its full heads so; its streaming heads over their pool blocks,
-        the patched questions' rows included."""
-        plan, n = attn_metadata.plan, attn_metadata.num_actual_tokens
-        heads = state.heads[_layer_index(layer)]
-        if heads.all_full:
-            self._paged_with_eviction(layer, plan, n, query, key, value, kv_cache, output)
-            return output
-        if heads.full_kv:
-            full_q, full_kv = heads.full_q, list(heads.full_kv)
-            out = output[:, full_q]
-            # (tensor parallel: this rank's full heads first, the padded spec's rest unused)
-            self._paged_with_eviction(layer, plan, n, query[:, full_q], key[:, full_kv],
-                                      value[:, full_kv], kv_cache[:, :len(full_kv)], out)
-            output[:, full_q] = out
-        rows = plan.with_questions
-        out = self._streaming(state, layer, heads, plan.streaming, rows(query), rows(key),
-                              rows(value))
-        stream_q, off = heads.streaming_q, plan.question_offset
-        output[:n, stream_q] = out[:n]
-        if plan.num_questions:
-            output[off:off + plan.num_questions, stream_q] = out[n:]
-        return output
-
-    def _paged_with_eviction(self, layer, plan, n, query, key, value, kv_cache, output):
-        l = _layer_index(layer)
-        num_kv, num_q = key.shape[1], query.shape[1]
-        seq_lens = plan.seq_lens[l]
-        sched = self._schedule(layer, plan.kernel_schedules, (num_kv, *seq_lens.tolist()),
-                               plan.num_reqs, num_q, num_kv, seq_lens, plan.query_start_loc,
-                               output.dtype)
-        table = plan.table(l)  # the block rows of this layer's KV-cache group
-        if plan.num_questions:
-            out = torch.empty(n + plan.num_questions, *output.shape[1:], dtype=output.dtype)
-            self._kernel(layer, plan.with_questions(query), kv_cache, out,
-                         plan.query_start_loc, seq_lens, table, sched)
-            output[:n] = out[:n]
-            off = plan.question_offset
-            output[off:off + plan.num_questions] = out[n:]
-        else:
-            self._kernel(layer, query[:n], kv_cache, output[:n], plan.query_start_loc,
-                         seq_lens, table, sched)
-        if plan.valid and plan.jobs:
-            self._compress(layer, l, plan, kv_cache, lambda read: compress_chunks(
-                plan, l, query, key, value, lambda job, count: read(job, job.phys_before[l],
-                                                                    count)))
-        if plan.valid and plan.decode:
-            self._compress(layer, l, plan, kv_cache, lambda read: compress_decode(
-                plan, l, query, lambda job, count: read(job, 0, count)))
-
-    def _compress(self, layer, l, plan, kv_cache, compress) -> None:
-        """Run `compress(read)` (token eviction of prefill chunks or decode-time) and write the
-        kept KVs it returns at their physical slots, through vLLM's CPU kernel layout;
-        `read(job, start, count)` gives K/V of a job's row from the paged cache."""
-        key_cache, value_cache = self._split(kv_cache)
-
-        def read(job, start, count):
-            layout = paged_layout(key_cache.dtype, self.kv_state.block_size, self.head_size,
-                                  layer.isa)
-            return layout.read(key_cache, value_cache, plan.table(l)[job.row], start, count)
-
-        kept = compress(read)
-        if kept is not None:
-            ops.cpu_attn_reshape_and_cache(*kept[:2], key_cache, value_cache, kept[2],
-                                           layer.isa, k_scale=layer._k_scale_float,
-                                           v_scale=layer._v_scale_float,
-                                           kv_cache_dtype=self.kv_cache_dtype)
 
     # -- helpers -------------------------------------------------------------------------
     @staticmethod

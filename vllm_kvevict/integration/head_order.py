@@ -48,7 +48,7 @@ def balanced_order(streaming: torch.Tensor, world: int) -> torch.Tensor:
 
 def padded_heads(streaming: torch.Tensor, world: int) -> tuple[int, int]:
     """(paged full heads, streaming companion heads) one rank declares over all layers."""
-    from vllm_kvevict.integration.kv_cache_specs import layer_heads
+    from vllm_kvevict.integration.head_split import layer_heads
 
     declared = layer_heads(streaming, 1, rank=0, world=world)
     return sum(h.paged_heads for h in declared), sum(h.companion_heads for h in declared)

@@ -18,6 +18,7 @@ import functools
 
 import torch
 from vllm import _custom_ops as ops
+from vllm.forward_context import get_forward_context
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from vllm_kvevict.integration.fp8 import grid_values, is_fp8
@@ -139,17 +140,22 @@ def store_step(impl, layer, keys, values):
     """Write the step's K/V of `layer`'s streaming heads at their logical slots in the
     companion layer's cache (vLLM's slot mapping of its KV-cache group; the manager above frees
     what leaves sink + window). Returns the group's metadata and this rank's K and V caches."""
-    from vllm.forward_context import get_forward_context
-
     context = get_forward_context()
     name = layer.layer_name + COMPANION_SUFFIX
     meta = context.attn_metadata[name]
-    key_cache, value_cache = impl._split(context.no_compile_layers[name].kv_cache)
-    # tensor parallel: this rank's streaming heads first, the companion's padding heads unused
-    key_cache, value_cache = key_cache[:, :keys.shape[1]], value_cache[:, :keys.shape[1]]
-    n = meta.num_actual_tokens
-    ops.cpu_attn_reshape_and_cache(keys[:n], values[:n], key_cache, value_cache,
-                                   meta.slot_mapping[:n], layer.isa,
+    cache = context.no_compile_layers[name].kv_cache
+    views = impl._pool_views
+    if views[0] is not cache:  # (the views of a layer's companion cache, made once)
+        key_cache, value_cache = impl._split(cache)
+        # tensor parallel: this rank's streaming heads first, the companion's padding unused
+        views = impl._pool_views = (cache, (key_cache[:, :keys.shape[1]],
+                                            value_cache[:, :keys.shape[1]]))
+    key_cache, value_cache = views[1]
+    n, slots = meta.num_actual_tokens, meta.slot_mapping
+    if keys.shape[0] != n:  # (rows past the step's tokens: patched questions, never stored)
+        keys, values = keys[:n], values[:n]
+    ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache,
+                                   slots if slots.shape[0] == n else slots[:n], layer.isa,
                                    k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
                                    kv_cache_dtype=impl.kv_cache_dtype)
     return meta, key_cache, value_cache

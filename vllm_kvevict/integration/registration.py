@@ -3,10 +3,11 @@
 Every patch of vLLM internals is a row of `WRAPS`, one row per vLLM name: the name, the function
 of ours that runs around it (it gets vLLM's original as an argument and decides when to call
 it), and the process it matters in. Where vLLM has an extension point we use it instead (the
-scheduler is a subclass, `kvevict_scheduler.py`, installed by `create_engine_config` below). `register` applies the table once per process (workers are
-spawned and load plugins again). tests/test_vllm_contract.py resolves every name in `PATCHED`
-and `RELIED_ON`, so a vLLM upgrade that moves one fails loudly instead of serving wrong
-attention. Keep this file import-light: vLLM modules are imported when the table is applied.
+scheduler is a subclass, `kvevict_scheduler.py`, installed by `create_engine_config` below).
+`register` applies the table once per process (workers are spawned and load plugins again).
+tests/test_vllm_contract.py resolves every name in `PATCHED` and `RELIED_ON`, so a vLLM upgrade
+that moves one fails loudly instead of serving wrong attention. Keep this file import-light:
+vLLM modules are imported when the table is applied.
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ TOUCHED = (
                              "per-step plan (streaming heads, token eviction)"),
     ("backend.py", "_k_scale_float", "the layer's fp8 K scale, as vLLM's CPU kernel reads it"),
     ("backend.py", "_v_scale_float", "the layer's fp8 V scale"),
+    ("cpu_token.py", "_k_scale_float", "as backend.py"), ("cpu_token.py", "_v_scale_float", ""),
     ("paged_layout.py", "_k_scale_float", "the same scale, reading fp8 K back from the cache"),
     ("paged_layout.py", "_v_scale_float", "the same, V"),
     ("cli.py", "_actions", "argparse's: add the --kv-* group once"),
@@ -146,8 +148,7 @@ TOUCHED = (
                                              "FlexAttention metadata"),
     ("flex_attention.py", "kvevict_masks", "the step's block masks, one per head split"),
     ("flex_attention.py", "kvevict_capacity", "the padded mask-table sizes (one compile)"),
-    ("flex_attention.py", "block_mask", "the layer's block mask for vLLM's FlexAttention "
-                                        "forward to use"),
+    ("flex_attention.py", "block_mask", "the layer's block mask for vLLM's FlexAttention"),
     ("flex_attention.py", "_dynamo", "torch's compiler config (below)"),
     ("flex_attention.py", "recompile_limit", "raised above vLLM's 16: one compilation per "
                                              "layer's count of full / streaming heads"),
@@ -158,8 +159,7 @@ TOUCHED = (
     ("kvevict_scheduler.py", "scheduler_cls", "our Scheduler subclass, vLLM's extension point"),
     ("kvevict_scheduler.py", "kvevict_reserve", "the scheduler's admission rule / ledger, handed "
                                                 "to each KV-cache manager it built"),
-    ("kvevict_scheduler.py", "skip_reading_prefix_cache",
-     "a teacher-forced tail must not be served from the prefix cache"),
+    ("kvevict_scheduler.py", "skip_reading_prefix_cache", "a teacher-forced tail: no prefix hit"),
     ("kvevict_worker.py", "worker_cls", "our CPUWorker subclass, vLLM's extension point"),
     ("kvevict_worker.py", "__class__", "the runner CPUWorker built inline, as our subclass of "
                                        "its class (question rows; no runner-class hook)"),

@@ -13,7 +13,8 @@ import torch
 
 from vllm_kvevict.config import KVPolicyConfig
 from vllm_kvevict.integration import head_order
-from vllm_kvevict.integration.kv_cache_specs import LayerHeads, layer_groups, layer_heads
+from vllm_kvevict.integration.head_split import LayerHeads, layer_heads
+from vllm_kvevict.integration.kv_cache_specs import layer_groups
 from vllm_kvevict.integration.streaming.sink_window import canonical_chunk
 from vllm_kvevict.integration.streaming.step_plan import StepPlan, build_step_plan
 from vllm_kvevict.integration.token_eviction.token_eviction_worker import TokenEvictionWorker, TokenStepPlan

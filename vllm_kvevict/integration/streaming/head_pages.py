@@ -19,7 +19,8 @@ import logging
 
 import torch
 
-from vllm_kvevict.integration.kv_cache_specs import LayerHeads, StreamingCacheLayer, retyped
+from vllm_kvevict.integration.head_split import LayerHeads
+from vllm_kvevict.integration.kv_cache_specs import StreamingCacheLayer, retyped
 from vllm_kvevict.integration.streaming.pool_groups import planned_groups
 from vllm_kvevict.integration.streaming.sink_window import (PromptFullSpec, SinkWindowSpec,
                                                             prefix_retention)
