@@ -60,7 +60,9 @@ def blocks_to_allocate(manager, stock_count, *args, **kwargs):
     admitted request is ever preempted."""
     rule = getattr(manager, "kvevict_reserve", None)
     book = rule if isinstance(rule, TokenEvictionLedger) else None
-    if rule is None:
+    if rule is None or (book is None and kwargs.get("apply_admission_cap") is False):
+        # (a step's allocation without a token ledger: vLLM's count, no binding; its
+        # coordinator passes the cap by keyword)
         return stock_count(manager, *args, **kwargs)
     bound = _signature(stock_count).bind(manager, *args, **kwargs)
     arguments, group = bound.arguments, manager.kv_cache_group_id
