@@ -78,8 +78,7 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
         # vLLM's kernel with nothing but causal attention: the streaming heads' fast paths
         self._plain = not is_fp8(self.kv_cache_dtype) and self.alibi_slopes is None \
             and not self.logits_soft_cap and self.sliding_window in (None, -1)
-        self._pool_views: tuple = (None, None)  # (companion cache, its K and V views)
-        self._full_views: tuple = (None, 0, None)  # (paged cache, full heads, K and V views)
+        self._views: dict[str, tuple] = {}  # `head_caches`: per use, (cache, heads, K/V views)
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         state = self.kv_state
@@ -109,10 +108,11 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
         if attn_metadata is None:
             return output
         state = self.kv_state
+        l = _layer_index(layer)
         if state.token is not None:
-            return cpu_token.forward(self, state, layer, query, key, value, kv_cache,
+            return cpu_token.forward(self, state, layer, l, query, key, value, kv_cache,
                                      attn_metadata, output)
-        heads = state.heads[_layer_index(layer)]
+        heads = state.heads[l]
         if heads.all_full:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
@@ -132,7 +132,7 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
             into = _dense(output, n, heads.full_q_at)
             out = torch.empty(n, len(full_q), self.head_size, dtype=output.dtype) \
                 if into is None else into
-            self._kernel(layer, query[:n, heads.full_q_at], self._full_caches(kv_cache, num_full),
+            self._kernel(layer, query[:n, heads.full_q_at], self.head_caches("full", kv_cache, num_full),
                          out, attn_metadata.query_start_loc, attn_metadata.seq_lens,
                          attn_metadata.block_table, sched)
             if into is None:
@@ -144,11 +144,12 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
             output[:n, heads.streaming_q] = out
         return output
 
-    def _full_caches(self, kv_cache: torch.Tensor, num_full: int):
-        """(K, V) of the layer's paged cache, its first `num_full` heads (views made once)."""
-        views = self._full_views
-        if views[0] is not kv_cache or views[1] != num_full:
-            views = self._full_views = (kv_cache, num_full, self._split(kv_cache[:, :num_full]))
+    def head_caches(self, use: str, kv_cache: torch.Tensor, heads: int):
+        """(K, V) of a cache of this layer (its own: "full"; its streaming companion's: "pool"),
+        its first `heads` heads (tensor parallel pads the rest): views made once per use."""
+        views = self._views.get(use)
+        if views is None or views[0] is not kv_cache or views[1] != heads:
+            views = self._views[use] = (kv_cache, heads, self._split(kv_cache[:, :heads]))
         return views[2]
 
     def _streaming(self, state, layer, heads, plan, query, key, value,

@@ -13,27 +13,27 @@ from __future__ import annotations
 
 import torch
 from vllm import _custom_ops as ops
-from vllm.model_executor.models.utils import extract_layer_index
 
 from vllm_kvevict.integration.paged_layout import paged_layout
 from vllm_kvevict.integration.token_eviction.decode_eviction import compress_decode
 from vllm_kvevict.integration.token_eviction.token_eviction_worker import compress_chunks
 
 
-def forward(impl, state, layer, query, key, value, kv_cache, attn_metadata, output):
+def forward(impl, state, layer, l, query, key, value, kv_cache, attn_metadata, output):
     """Attention over the kept (compacted) past + the chunk, then compress the chunk (`impl`:
-    the layer's `KVEvictAttentionImpl`). A head mask with a token policy: its full heads so;
-    its streaming heads over their pool blocks, the patched questions' rows included."""
+    the `KVEvictAttentionImpl` of `layer`, model layer `l`). A head mask with a token policy:
+    its full heads so; its streaming heads over their pool blocks, the patched questions'
+    rows included."""
     plan, n = attn_metadata.plan, attn_metadata.num_actual_tokens
-    heads = state.heads[extract_layer_index(layer.layer_name)]
+    heads = state.heads[l]
     if heads.all_full:
-        _paged_with_eviction(impl, layer, plan, n, query, key, value, kv_cache, output)
+        _paged_with_eviction(impl, layer, l, plan, n, query, key, value, kv_cache, output)
         return output
     if heads.full_kv:
         full_q, full_kv = heads.full_q, list(heads.full_kv)
         out = output[:, full_q]
         # (tensor parallel: this rank's full heads first, the padded spec's rest unused)
-        _paged_with_eviction(impl, layer, plan, n, query[:, full_q], key[:, full_kv],
+        _paged_with_eviction(impl, layer, l, plan, n, query[:, full_q], key[:, full_kv],
                              value[:, full_kv], kv_cache[:, :len(full_kv)], out)
         output[:, full_q] = out
     rows = plan.with_questions
@@ -46,8 +46,7 @@ def forward(impl, state, layer, query, key, value, kv_cache, attn_metadata, outp
     return output
 
 
-def _paged_with_eviction(impl, layer, plan, n, query, key, value, kv_cache, output):
-    l = extract_layer_index(layer.layer_name)
+def _paged_with_eviction(impl, layer, l, plan, n, query, key, value, kv_cache, output):
     num_kv, num_q = key.shape[1], query.shape[1]
     seq_lens = plan.seq_lens[l]
     sched = impl._schedule(layer, plan.kernel_schedules, (num_kv, *seq_lens.tolist()),

@@ -143,14 +143,9 @@ def store_step(impl, layer, keys, values):
     context = get_forward_context()
     name = layer.layer_name + COMPANION_SUFFIX
     meta = context.attn_metadata[name]
-    cache = context.no_compile_layers[name].kv_cache
-    views = impl._pool_views
-    if views[0] is not cache:  # (the views of a layer's companion cache, made once)
-        key_cache, value_cache = impl._split(cache)
-        # tensor parallel: this rank's streaming heads first, the companion's padding unused
-        views = impl._pool_views = (cache, (key_cache[:, :keys.shape[1]],
-                                            value_cache[:, :keys.shape[1]]))
-    key_cache, value_cache = views[1]
+    # tensor parallel: this rank's streaming heads first, the companion's padding unused
+    key_cache, value_cache = impl.head_caches("pool", context.no_compile_layers[name].kv_cache,
+                                              keys.shape[1])
     n, slots = meta.num_actual_tokens, meta.slot_mapping
     if keys.shape[0] != n:  # (rows past the step's tokens: patched questions, never stored)
         keys, values = keys[:n], values[:n]
