@@ -271,14 +271,20 @@ ROWS = [
     Row("async scheduling (`--async-scheduling`)",
         each("n/a", "tests/test_vllm_contract.py::test_cpu_platform_turns_async_scheduling_off",
              why="vLLM 0.32's CPU platform turns it off")),
-    Row("vLLM's V2 model runner (`VLLM_USE_V2_MODEL_RUNNER=1`)",
-        {**each("refused", "tests/test_features.py::test_v2_model_runner_refused",
-                columns=[c for c in COLUMNS if c != "full"],
-                why="the policies' worker side runs in vLLM's V1 model runner (here vLLM "
-                    "refuses first: its V2 runner needs Triton's CPU backend)"),
-         "full": Cell("n/a", ("tests/test_features.py::test_v2_model_runner_refused",),
-                      "vLLM 0.32 CPU refuses it itself here (its V2 runner needs Triton's CPU "
-                      "backend); `full` would be served by it as stock vLLM")}),
+    Row("vLLM's V2 model runner (`VLLM_USE_V2_MODEL_RUNNER=1`; the default where Triton runs)",
+        {**{c: Cell("exact", (("" if c == "prulong 0.7" else "(s)")
+                              + "tests/test_v2_runner.py::test_v2_runner_serves_head_masks_as_"
+                                f"the_reference[{COLUMNS[c]}-cpu]",)
+                    + (("tests/test_v2_runner.py::test_v2_runner_serves_head_masks_as_the_"
+                        "reference[prulong-0.7-flex]",) if c == "prulong 0.7" else ()),
+                    "vLLM 0.32's V2 runner, its Triton kernels in Triton's interpreter (no "
+                    "Triton CPU backend here): a batch of three prompts and a prefix hit "
+                    "(design.md, \"vLLM's V2 model runner\")")
+            for c in ("full",) + HEAD_MASKS},
+         **each("refused", "tests/test_features.py::test_v2_model_runner_refused",
+                columns=[c for c in EVICTING if c not in HEAD_MASKS],
+                why="token eviction's worker side edits the V1 runner's block lists and runs "
+                    "question rows through V1's `_model_forward`")}),
     Row("FlexAttention path (`--kv-attention-backend flex`, 256-token chunks)",
         {**{c: Cell("exact", (("" if c in FLEX_CI else "(s)")
                               + f"tests/test_flex_vllm.py::test_flex_matches_reference"

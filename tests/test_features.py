@@ -223,9 +223,10 @@ def test_vllm_serve_refuses_a_sliding_window_model(bundled_model_dir, tmp_path):
 
 @pytest.mark.served_release
 def test_v2_model_runner_refused(bundled_model_dir):
-    """On vLLM 0.32 CPU, VLLM_USE_V2_MODEL_RUNNER=1 makes CPUWorker build the V2 runner, which
-    none of the worker hooks reach: refused with one line, never served without them. (Here
-    vLLM refuses first: its V2 runner needs Triton's CPU backend, which this build lacks.)"""
+    """On vLLM 0.32 CPU, VLLM_USE_V2_MODEL_RUNNER=1 (or Triton present) makes CPUWorker build
+    the V2 runner. Head masks are served there (tests/test_v2_runner.py); token eviction's
+    worker side is V1-only: refused with one line, never served without it. (Here vLLM refuses
+    first: its V2 runner needs Triton's CPU backend, which this build lacks.)"""
     import inspect
 
     from vllm.v1.worker.cpu_worker import CPUWorker
@@ -234,13 +235,17 @@ def test_v2_model_runner_refused(bundled_model_dir):
 
     assert "if self.use_v2_model_runner:" in inspect.getsource(CPUWorker.init_device)
     assert model_runner_error(config("full"), True) is None
-    assert model_runner_error(config("prulong-0.7"), False) is None
-    ours = model_runner_error(config("prulong-0.7"), True)
+    assert model_runner_error(config("prulong-0.7"), True) is None
+    assert model_runner_error(config("snapkv-patched-0.5"), False) is None
+    ours = model_runner_error(config("snapkv-patched-0.5"), True)
     assert ours.startswith("VLLM_USE_V2_MODEL_RUNNER=1 (vLLM's V2 model runner) is not "
-                           "supported with --kv-policy prulong yet")
+                           "supported with --kv-policy snapkv yet")
+    hybrid = model_runner_error(config("hybrid-prulong-0.5-snapkv-patched-0.5"), True)
+    assert hybrid.startswith("VLLM_USE_V2_MODEL_RUNNER=1 (vLLM's V2 model runner) is not "
+                             "supported with --kv-policy prulong --kv-token-policy snapkv yet")
     vllm = Path(sys.executable).parent / "vllm"
     proc = subprocess.run([str(vllm), "serve", str(bundled_model_dir), "--dtype", "float32",
-                           "--kv-policy", "prulong"], capture_output=True, text=True,
+                           "--kv-policy", "snapkv"], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "1"})
     assert proc.returncode != 0
     assert ("Model Runner V2 requires Triton" in proc.stderr

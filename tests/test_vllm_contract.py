@@ -649,6 +649,37 @@ def test_the_v2_runner_keeps_the_sink_readable():
         assert "0 disables it for the group" in inspect.getsource(block_table)
 
 
+def test_what_the_worker_side_reads_of_the_v2_runner():
+    """integration/runners.py under the V2 runner (both releases): each step's rows name their
+    request's slot (`CommonAttentionMetadata.req_idx` = the input batch's `idx_mapping_np`), the
+    slot's id and prompt length are in `req_states`; its dummy runs number rows 0..n-1 like real
+    slots (so a plan is valid only inside a scheduled step); the layers sharing a cache come
+    from `attn_utils.get_shared_kv_cache_layers(vllm_config)`; the runner has `req_states` and
+    no `input_batch` (how `runners.is_v2` tells the runners apart); and the CPU worker builds
+    the V2 runner of `vllm.v1.worker.cpu.model_runner` when asked."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.worker import cpu_worker, gpu_model_runner
+    from vllm.v1.worker.gpu import attn_utils, input_batch, model_runner, states
+    from vllm.v1.worker.gpu.model_states import default
+
+    assert "req_idx" in CommonAttentionMetadata.__dataclass_fields__
+    assert "req_idx=input_batch.idx_mapping_np" in inspect.getsource(default)
+    assert "idx_mapping_np = np.arange(num_reqs" in inspect.getsource(
+        input_batch.InputBatch.make_dummy)
+    state_init = inspect.getsource(states.RequestState.__init__)
+    for name in ("self.req_id_to_index:", "self.index_to_req_id:", "self.prompt_len ="):
+        assert name in state_init
+    assert list(inspect.signature(attn_utils.get_shared_kv_cache_layers).parameters) == [
+        "vllm_config"]
+    assert "get_shared_kv_cache_layers(vllm_config)" in inspect.getsource(
+        attn_utils.init_attn_backend)
+    v2, v1 = inspect.getsource(model_runner), inspect.getsource(gpu_model_runner)
+    assert "self.req_states = RequestState(" in v2 and "self.input_batch" not in v2
+    assert "self.req_states" not in v1 and "self.input_batch = InputBatch(" in v1
+    assert "from vllm.v1.worker.cpu.model_runner import" in inspect.getsource(
+        cpu_worker.CPUWorker.init_device)
+
+
 def test_a_data_parallel_replica_knows_its_index():
     """kv_stats' `data_parallel_rank` is `parallel_config.data_parallel_index`: the engine core
     sets it to the replica's rank, also for a dense model, whose replicas vLLM runs as

@@ -210,15 +210,21 @@ def token_prefix_error(policy_config, prefix_caching: bool, sizes: dict[str, int
 
 
 def model_runner_error(policy_config, uses_v2: bool) -> str | None:
-    """vLLM's V2 model runner (`VLLM_USE_V2_MODEL_RUNNER=1`; on CPU 0.32 `CPUWorker` then
-    builds `vllm.v1.worker.cpu.model_runner.CPUModelRunner`) runs none of the V1 runner hooks
-    the policies' worker side lives in: it would serve without them, silently wrong. `full`
-    needs none of them (stock vLLM, kv_stats from the engine core)."""
-    if not uses_v2 or policy_config.policy == "full":
+    """vLLM's V2 model runner (`VLLM_USE_V2_MODEL_RUNNER=1`, or Triton present: on CPU 0.32
+    `CPUWorker` then builds `vllm.v1.worker.cpu.model_runner.CPUModelRunner`) serves the head
+    masks (the worker side reads either runner, `integration/runners.py`; tokens == the
+    reference, tests/test_v2_runner.py). Token eviction's worker side edits the V1 runner's
+    per-request block lists and runs its question rows through the V1 runner's
+    `_model_forward`, which the V2 runner does not have: refused there."""
+    if not uses_v2 or not policy_config.evicts_tokens:
         return None
     return (f"VLLM_USE_V2_MODEL_RUNNER=1 (vLLM's V2 model runner) is not supported with "
-            f"--kv-policy {policy_config.policy} yet: the policy's worker side runs in vLLM's "
-            "V1 model runner; valid: VLLM_USE_V2_MODEL_RUNNER unset or 0, or --kv-policy full")
+            f"--kv-policy {policy_config.policy}"
+            + (f" --kv-token-policy {policy_config.token_policy}" if policy_config.is_hybrid
+               else "")
+            + " yet: token eviction's worker side runs in vLLM's V1 model runner; valid: "
+            "VLLM_USE_V2_MODEL_RUNNER=0, or a head mask (--kv-policy prulong, duo, streaming) "
+            "or full")
 
 
 def lora_error(policy_config, enabled: bool) -> str | None:

@@ -27,10 +27,10 @@ from vllm.v1.attention.backends.flex_attention import (FlexAttentionBackend, Fle
                                                        FlexAttentionMetadataBuilder)
 
 from vllm_kvevict.flex.block_mask import PagedQueries, chunk_starts, head_mask_block_mask
-from vllm_kvevict.integration import flex_token
+from vllm_kvevict.integration import flex_token, runners
 from vllm_kvevict.integration.streaming.head_pages import HeadSlots, head_slots
 from vllm_kvevict.integration.streaming.sink_window import canonical_chunk
-from vllm_kvevict.integration.worker import init_state
+from vllm_kvevict.integration.worker import get_state, init_state
 from vllm_kvevict.overrides import policy_prompt_len
 from vllm_kvevict.served import policy_config_of
 
@@ -66,19 +66,16 @@ def remember_runner(runner) -> None:
     _runner = runner
 
 
-def _prompt_lens(num_reqs: int) -> list[int] | None:
+def _prompt_lens(common, num_reqs: int) -> list[int] | None:
     """Each row's prompt as the policy serves it (None: unknown, as in warm-up runs; every
     query is then a prompt query of its step)."""
-    batch = getattr(_runner, "input_batch", None)
-    req_ids = list(getattr(batch, "req_ids", []) or [])[:num_reqs]
-    if len(req_ids) < num_reqs or any(r is None for r in req_ids):
+    state = get_state()
+    req_ids = runners.row_requests(_runner, common, num_reqs, state is None or state.in_step)
+    if req_ids is None:
         return None
-    requests = getattr(_runner, "requests", {})
-    out = []
-    for r, n in zip(req_ids, batch.num_prompt_tokens[:num_reqs]):
-        params = getattr(requests.get(r), "sampling_params", None)
-        out.append(policy_prompt_len(int(n), getattr(params, "extra_args", None)))
-    return out
+    extra = state.extra_args if state is not None else {}
+    return [policy_prompt_len(n, extra.get(r))
+            for r, n in zip(req_ids, runners.prompt_tokens(_runner, req_ids))]
 
 
 class KVEvictFlexMetadataBuilder(FlexAttentionMetadataBuilder):
@@ -102,7 +99,7 @@ class KVEvictFlexMetadataBuilder(FlexAttentionMetadataBuilder):
         device = common.seq_lens.device
         metadata.kvevict_queries = PagedQueries(
             doc=doc.to(device), position=position.to(device),
-            chunk_start=chunk_starts(computed, q_lens, _prompt_lens(n),
+            chunk_start=chunk_starts(computed, q_lens, _prompt_lens(common, n),
                                      self.kvevict_chunk or None).to(device),
             block_table=common.block_table_tensor[:n], seq_lens=seq_lens.to(device),
             page_size=self.block_size, num_pages=self.cache_config.num_gpu_blocks)

@@ -15,7 +15,7 @@ import copy
 
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from vllm_kvevict.integration import flex_attention, head_order, seeded_sampling
+from vllm_kvevict.integration import flex_attention, head_order, runners, seeded_sampling
 from vllm_kvevict.integration.composition import install_over, resolve
 from vllm_kvevict.integration.kv_cache_specs import declare_specs
 from vllm_kvevict.integration.token_eviction.prefix_cache import prefix_specs
@@ -65,7 +65,7 @@ class KVEvictWorker(CPUWorker):
         give it its target's."""
         if self.flex:
             flex_attention.remember_runner(self.model_runner)
-        shared = getattr(self.model_runner, "shared_kv_cache_layers", None)
+        shared = runners.shared_layers(self.model_runner, self.vllm_config)
         if self.kv_state is not None and shared:
             kv_cache_config = copy.deepcopy(kv_cache_config)  # the engine core's is not ours
             share_layer_specs(shared, kv_cache_config.kv_cache_groups)
@@ -78,10 +78,12 @@ class KVEvictWorker(CPUWorker):
         state = self.kv_state
         if state is not None:
             state.begin_step(self.model_runner, scheduler_output)
-        output = super().execute_model(scheduler_output)
-        seeded_sampling.prepare(self.model_runner)  # any policy: stock vLLM's CPU worker too
-        if state is not None:
-            state.finish_step()
+        try:
+            output = super().execute_model(scheduler_output)
+            seeded_sampling.prepare(self.model_runner)  # any policy: stock vLLM's CPU worker too
+        finally:
+            if state is not None:
+                state.finish_step()
         return output
 
 

@@ -69,15 +69,17 @@ RELIED_ON = (
     "vllm.v1.core.sched.scheduler.Scheduler.schedule",
     "vllm.v1.core.sched.scheduler.Scheduler._reserve_prefill_lookahead",
     "vllm.v1.core.sched.scheduler.Scheduler.update_from_output",
-    # our worker class (kvevict_worker.py): installed through the engine config over vLLM's CPU
-    # worker; vLLM adds a cache-sharing layer to its target's group after
-    # initialize_from_config, reading the runner's shared_kv_cache_layers
+    # our worker class (kvevict_worker.py), over vLLM's CPU worker; vLLM adds a cache-sharing
+    # layer to its target's group after initialize_from_config (V1: the runner's attribute)
     "vllm.config.parallel.ParallelConfig.worker_cls",
     "vllm.v1.worker.cpu_worker.CPUWorker",
     "vllm.v1.worker.gpu_worker.Worker.get_kv_cache_spec",
     "vllm.v1.worker.gpu_worker.Worker.initialize_from_config",
     "vllm.v1.worker.gpu_worker.Worker.execute_model",
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner.maybe_add_kv_sharing_layers_to_kv_cache_groups",
+    # vLLM's V2 model runner (runners.py): rows -> request slots, the cache-sharing layers
+    "vllm.v1.worker.gpu.states.RequestState",
+    "vllm.v1.worker.gpu.attn_utils.get_shared_kv_cache_layers",
     # vLLM's documented override point for a runner subclass (worker.QuestionRowsRunner); the
     # CPU worker builds its runner at the end of init_device
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner._model_forward",
@@ -181,8 +183,7 @@ TOUCHED = (
 
 PATCHED = tuple(w.target.replace(":", ".") for w in WRAPS)
 
-# Where the plugin is inactive (`support.py`), only these rows apply: a --kv-* flag or a policy
-# in the config gets our error, not argparse's or silence.
+# Where the plugin is inactive (`support.py`), only these rows apply (a policy gets our error)
 INERT_WRAPS = ("vllm.engine.arg_utils:EngineArgs.add_cli_args",
                "vllm.engine.arg_utils:EngineArgs.from_cli_args",
                "vllm.engine.arg_utils:EngineArgs.create_engine_config")
@@ -276,10 +277,9 @@ def _apply(wrap: Wrap) -> None:
 # -- hooks that only route (the work is in the concept modules) ---------------------------------
 
 def create_engine_config(engine_args, stock_create, *args, **kwargs):
-    """`EngineArgs.create_engine_config`: our stats connector in the engine's KV-transfer
-    config (unless the user chose one), then vLLM's config, then validation against the model
-    (which builds this process's served policy), then our scheduler and worker classes in
-    the config."""
+    """`EngineArgs.create_engine_config`: our stats connector in the KV-transfer config (unless
+    the user chose one), vLLM's config, validation against the model (which builds this
+    process's served policy), then our scheduler and worker classes in the config."""
     # (in here: these import vLLM, which the plugin entry point must not do at load)
     from vllm_kvevict.integration import validation
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from vllm_kvevict.config import KVPolicyConfig
-from vllm_kvevict.integration import head_order
+from vllm_kvevict.integration import head_order, runners
 from vllm_kvevict.integration.head_split import LayerHeads, layer_heads
 from vllm_kvevict.integration.kv_cache_specs import layer_groups
 from vllm_kvevict.integration.streaming.sink_window import canonical_chunk
@@ -47,6 +47,10 @@ class WorkerState:
     _finished_key: tuple | None = None
     _groups_of: object = None
     _plan_anchor: object = None
+    in_step: bool = False  # inside KVEvictWorker.execute_model (not a profile or dummy run)
+    # request id -> its sampling params' extra_args (per-request overrides), from the
+    # scheduler's output: neither of vLLM's runners needs to be asked for it
+    extra_args: dict = field(default_factory=dict)
 
     @property
     def config(self) -> KVPolicyConfig:
@@ -67,6 +71,11 @@ class WorkerState:
         release their state."""
         self.runner = runner
         self.step += 1
+        self.in_step = True
+        for new in scheduler_output.scheduled_new_reqs:
+            self.extra_args[new.req_id] = getattr(new.sampling_params, "extra_args", None)
+        for req_id in scheduler_output.finished_req_ids:
+            self.extra_args.pop(req_id, None)
         self.release(scheduler_output.finished_req_ids)
         self.release(getattr(scheduler_output, "preempted_req_ids", None))
 
@@ -88,8 +97,9 @@ class WorkerState:
         q_lens = [q_start[i + 1] - q_start[i] for i in range(num_reqs)]
         seq_lens = common.seq_lens[:num_reqs].cpu().tolist()
         computed = [s - q for s, q in zip(seq_lens, q_lens)]
-        req_ids = list(getattr(getattr(self.runner, "input_batch", None), "req_ids", []) or [])
-        valid = len(req_ids) >= num_reqs and all(r is not None for r in req_ids[:num_reqs])
+        req_ids = runners.row_requests(self.runner, common, num_reqs, self.in_step)
+        valid = req_ids is not None
+        req_ids = req_ids or []
         if self.token is not None:
             plan = self._token_plan(req_ids[:num_reqs], computed, q_lens, valid)
             if self.config.is_hybrid:  # its streaming heads: the head-mask plan, + questions
@@ -122,7 +132,7 @@ class WorkerState:
         requests = getattr(self.runner, "requests", {})
         plan = self.token.plan(req_ids, computed, q_lens, prompt_lens, block_ids,
                                prompt_ids=lambda row: requests[req_ids[row]].prompt_token_ids,
-                               extra_args=lambda row: _extra_args(requests.get(req_ids[row])))
+                               extra_args=lambda row: self.extra_args.get(req_ids[row]))
         plan.valid = valid
         if not valid:
             self.token.release(req_ids)
@@ -130,9 +140,8 @@ class WorkerState:
 
     def _prompt_lens(self, req_ids) -> list[int]:
         """Each row's prompt as the policy serves it (a teacher-forced tail is decoded)."""
-        requests = getattr(self.runner, "requests", {})
-        return [policy_prompt_len(int(n), _extra_args(requests.get(r))) for r, n in
-                zip(req_ids, self.runner.input_batch.num_prompt_tokens[: len(req_ids)])]
+        return [policy_prompt_len(n, self.extra_args.get(r)) for r, n in
+                zip(req_ids, runners.prompt_tokens(self.runner, req_ids))]
 
     def _ensure_groups(self) -> None:
         """The token ledger's layer -> KV-cache group map, from the runner's KV cache config
@@ -151,6 +160,7 @@ class WorkerState:
 
     def finish_step(self) -> None:
         """End of an engine step (worker): book token evictions once per plan."""
+        self.in_step = False
         plan = self.plan
         if (self.token is None or plan is None or not plan.valid
                 or self._finished_key == self._plan_key or self._plan_key[0] != self.step):
@@ -163,11 +173,6 @@ class WorkerState:
 
 
 _state: WorkerState | None = None
-
-
-def _extra_args(request_state):
-    params = getattr(request_state, "sampling_params", None)
-    return getattr(params, "extra_args", None)
 
 
 def tensor_parallel_rank(vllm_config) -> tuple[int, int]:
