@@ -70,6 +70,14 @@ DP_CI = ("snapkv patched",)
 FP8_CI = ("prulong 0.7", "snapkv patched")  # tests/test_fp8.py: the same model and ids
 FP8_IDS = {c: i for c, i in TP_IDS.items() if c != DECODE}  # (refused with a decode budget)
 FLEX_CI = ("prulong 0.7", "pyramidkv patched")  # tests/test_flex_vllm.py
+# tests/test_v2_runner.py, (parameter id, attention backend): CI serves a head mask on the
+# portable path (the CUDA combination: V2 runner + FlexAttention) and patched token eviction
+# (question rows) on the CPU path; the slow tier every other column
+V2_CI = [("prulong-0.7", "flex"), ("snapkv-patched-0.5", "cpu")]
+V2_SLOW = [("full", "cpu"), ("streaming", "cpu"), ("duo-0.3", "cpu"), ("prulong-0.7", "cpu"),
+           ("snapkv-naive-0.5", "cpu"), ("pyramidkv-naive-0.5-tiers3", "cpu"),
+           ("pyramidkv-patched-0.7", "cpu"), ("pyramidkv-patched-0.7", "flex"),
+           ("hybrid-prulong-0.5-snapkv-patched-0.5", "cpu"), ("snapkv-naive-0.5-decode", "cpu")]
 
 
 @dataclass(frozen=True)
@@ -272,19 +280,16 @@ ROWS = [
         each("n/a", "tests/test_vllm_contract.py::test_cpu_platform_turns_async_scheduling_off",
              why="vLLM 0.32's CPU platform turns it off")),
     Row("vLLM's V2 model runner (`VLLM_USE_V2_MODEL_RUNNER=1`; the default where Triton runs)",
-        {**{c: Cell("exact", (("" if c == "prulong 0.7" else "(s)")
-                              + "tests/test_v2_runner.py::test_v2_runner_serves_head_masks_as_"
-                                f"the_reference[{COLUMNS[c]}-cpu]",)
-                    + (("tests/test_v2_runner.py::test_v2_runner_serves_head_masks_as_the_"
-                        "reference[prulong-0.7-flex]",) if c == "prulong 0.7" else ()),
-                    "vLLM 0.32's V2 runner, its Triton kernels in Triton's interpreter (no "
-                    "Triton CPU backend here): a batch of three prompts and a prefix hit "
-                    "(design.md, \"vLLM's V2 model runner\")")
-            for c in ("full",) + HEAD_MASKS},
-         **each("refused", "tests/test_features.py::test_v2_model_runner_refused",
-                columns=[c for c in EVICTING if c not in HEAD_MASKS],
-                why="token eviction's worker side edits the V1 runner's block lists and runs "
-                    "question rows through V1's `_model_forward`")}),
+        {c: Cell("exact", tuple(("" if (COLUMNS[c], b) in V2_CI else "(s)")
+                                + f"tests/test_v2_runner.py::test_v2_runner_serves_the_reference"
+                                  f"[{COLUMNS[c]}-{b}]" for b in ("cpu", "flex")
+                                if (COLUMNS[c], b) in V2_CI + V2_SLOW),
+                 "vLLM 0.32's V2 runner, its Triton kernels in Triton's interpreter (no Triton "
+                 "CPU backend here): a batch of three prompts, then a repeat (a prefix hit where "
+                 "the policy caches); eager, one rank, no speculation, fp8 or LoRA under V2 yet: "
+                 "refused (tests/test_features.py::test_v2_model_runner_refuses_what_is_untested_"
+                 "there)")
+         for c in COLUMNS}),
     Row("FlexAttention path (`--kv-attention-backend flex`, 256-token chunks)",
         {**{c: Cell("exact", (("" if c in FLEX_CI else "(s)")
                               + f"tests/test_flex_vllm.py::test_flex_matches_reference"

@@ -221,33 +221,34 @@ def test_vllm_serve_refuses_a_sliding_window_model(bundled_model_dir, tmp_path):
                            "tokens"), proc.stderr[-3000:]
 
 
-@pytest.mark.served_release
-def test_v2_model_runner_refused(bundled_model_dir):
-    """On vLLM 0.32 CPU, VLLM_USE_V2_MODEL_RUNNER=1 (or Triton present) makes CPUWorker build
-    the V2 runner. Head masks are served there (tests/test_v2_runner.py); token eviction's
-    worker side is V1-only: refused with one line, never served without it. (Here vLLM refuses
-    first: its V2 runner needs Triton's CPU backend, which this build lacks.)"""
-    import inspect
+def test_v2_model_runner_refuses_what_is_untested_there():
+    """Under vLLM's V2 model runner every policy is served in eager mode, one engine of one
+    rank, the model's KV-cache dtype, no speculation, no LoRA (tests/test_v2_runner.py); each
+    other feature turned on is refused with the flag that turned it on. `full` is stock vLLM.
+    (Served: tests/test_v2_runner.py::test_v2_runner_refuses_untested_features.)"""
+    from types import SimpleNamespace as NS
 
-    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm_kvevict.features import model_runner_error, v2_features_on
 
-    from vllm_kvevict.features import model_runner_error
-
-    assert "if self.use_v2_model_runner:" in inspect.getsource(CPUWorker.init_device)
-    assert model_runner_error(config("full"), True) is None
-    assert model_runner_error(config("prulong-0.7"), True) is None
-    assert model_runner_error(config("snapkv-patched-0.5"), False) is None
-    ours = model_runner_error(config("snapkv-patched-0.5"), True)
-    assert ours.startswith("VLLM_USE_V2_MODEL_RUNNER=1 (vLLM's V2 model runner) is not "
-                           "supported with --kv-policy snapkv yet")
-    hybrid = model_runner_error(config("hybrid-prulong-0.5-snapkv-patched-0.5"), True)
-    assert hybrid.startswith("VLLM_USE_V2_MODEL_RUNNER=1 (vLLM's V2 model runner) is not "
-                             "supported with --kv-policy prulong --kv-token-policy snapkv yet")
-    vllm = Path(sys.executable).parent / "vllm"
-    proc = subprocess.run([str(vllm), "serve", str(bundled_model_dir), "--dtype", "float32",
-                           "--kv-policy", "snapkv"], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "1"})
-    assert proc.returncode != 0
-    assert ("Model Runner V2 requires Triton" in proc.stderr
-            or f"vllm-kvevict: error: {ours}" in proc.stderr), proc.stderr[-3000:]
-    assert "Loading weights" not in proc.stderr + proc.stdout
+    plain = NS(parallel_config=NS(tensor_parallel_size=1, pipeline_parallel_size=1,
+                                  data_parallel_size=1),
+               compilation_config=NS(mode=0), cache_config=NS(cache_dtype="auto"),
+               speculative_config=None, lora_config=None)
+    assert v2_features_on(plain) == []
+    busy = NS(parallel_config=NS(tensor_parallel_size=2, pipeline_parallel_size=1,
+                                 data_parallel_size=2),
+              compilation_config=NS(mode=3), cache_config=NS(cache_dtype="fp8"),
+              speculative_config=NS(method="ngram"), lora_config=object())
+    on = v2_features_on(busy)
+    assert on[:2] == ["--tensor-parallel-size 2", "--data-parallel-size 2"]
+    assert on[2].startswith("torch.compile (compilation mode 3;")
+    assert on[3:] == ["--kv-cache-dtype fp8", "--speculative-config", "--enable-lora"]
+    for name in EVICTING:
+        assert model_runner_error(config(name), True, []) is None
+        assert model_runner_error(config(name), False, on) is None
+        error = model_runner_error(config(name), True, on[3:4])
+        assert error.startswith("VLLM_USE_V2_MODEL_RUNNER=1 (vLLM's V2 model runner) with "
+                                f"--kv-policy {config(name).policy} is not supported with "
+                                "--kv-cache-dtype fp8 yet (untested); valid: "
+                                "VLLM_USE_V2_MODEL_RUNNER=0"), error
+    assert model_runner_error(config("full"), True, on) is None

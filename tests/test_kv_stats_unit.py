@@ -97,7 +97,8 @@ def test_record_canonical_chunks_whatever_the_steps():
     rec.canonical_chunk = 256
     for computed, step in ((0, 200), (200, 56), (256, 300), (556, 144), (700, 1)):
         rec.on_step(computed, step, [blocks(1)], now=1.0)
-    assert rec.boundaries == [256, 512, 700]
+    # (a first step shorter than E leaves no boundary: the second is no prefix-cache hit)
+    assert rec.boundaries == [256, 512, 700] and rec.cached_tokens == 0
     for computed, step in ((0, 256), (256, 256), (512, 188)):  # preempted: recomputed
         rec.on_step(computed, step, [blocks(1)], now=2.0, preemptions=1)
     assert rec.boundaries == [256, 512, 700]

@@ -1,9 +1,9 @@
 """vLLM's V2 model runner (`vllm/v1/worker/gpu/model_runner.py`, CUDA's default from vLLM 0.33)
-serving head-mask policies, executed here: vLLM 0.32's CPU worker builds it when Triton is on,
-and its Triton kernels run in Triton's interpreter (`triton_interpreter.py`). Tokens ==
-the plain-PyTorch reference, for a batch whose rows the V2 runner orders itself, and again for
-a prefix-cache hit; on vLLM's CPU attention and on the portable FlexAttention path. What the
-plugin does not serve under the V2 runner yet (token eviction) is refused at start-up."""
+serving the policies, executed here: vLLM 0.32's CPU worker builds it when Triton is on, and
+its Triton kernels run in Triton's interpreter (`triton_interpreter.py`). Tokens == the
+plain-PyTorch reference for a batch whose rows the V2 runner orders itself, and again for the
+first prompt repeated (a prefix-cache hit where the policy caches prefixes), on vLLM's CPU
+attention and on the portable FlexAttention path."""
 
 from __future__ import annotations
 
@@ -16,7 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from compat_matrix import V2_CI, V2_SLOW
 from test_policies_vllm import CASES, reference, source_prompts
+from vllm_kvevict.config import KVPolicyConfig
+from vllm_kvevict.footprint import eviction_boundaries
 
 pytestmark = pytest.mark.server  # loads the model in its own engine
 
@@ -30,10 +33,11 @@ SCRIPT = textwrap.dedent("""
     import triton_interpreter
     triton_interpreter.enable()
     from vllm import LLM, SamplingParams
-    policy, chunk, prompts, new_tokens = json.loads(sys.argv[1])
-    llm = LLM(model=sys.argv[2], additional_config={"kv_policy": policy}, enforce_eager=True,
-              dtype="float32", max_model_len=4096, kv_cache_memory_bytes=256 << 20,
-              max_num_batched_tokens=chunk, enable_prefix_caching=True, seed=0)
+    policy, chunk, prompts, new_tokens, caching, more = json.loads(sys.argv[1])
+    llm = LLM(model=sys.argv[2], additional_config={"kv_policy": policy}, **{
+              "enforce_eager": True, "dtype": "float32", "max_model_len": 4096,
+              "kv_cache_memory_bytes": 256 << 20, "max_num_batched_tokens": chunk,
+              "enable_prefix_caching": caching, "seed": 0, **more})
     runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
     params = SamplingParams(temperature=0, max_tokens=new_tokens)
     batch = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
@@ -45,13 +49,14 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def run_v2(model_dir, policy, chunk, prompts) -> subprocess.CompletedProcess:
+def run_v2(model_dir, policy, chunk, prompts, caching=None, **more) -> subprocess.CompletedProcess:
     """In a subprocess: Triton's interpreter must be on before vLLM is imported, and vLLM's
     engine core and its plugin state belong to one process."""
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_USE_V2_MODEL_RUNNER": "1",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     return subprocess.run([sys.executable, "-c", SCRIPT,
-                           json.dumps([policy, chunk, prompts, NEW_TOKENS]), str(model_dir),
+                           json.dumps([policy, chunk, prompts, NEW_TOKENS, caching, more]),
+                           str(model_dir),
                            str(TESTS)], capture_output=True, text=True, timeout=1200, cwd=REPO,
                           env=env)
 
@@ -62,29 +67,43 @@ def result_of(proc) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
-@pytest.mark.parametrize("case, backend", [
-    ("prulong-0.7", "cpu"), ("prulong-0.7", "flex"),
-    pytest.param("full", "cpu", marks=pytest.mark.slow),
-    pytest.param("streaming", "cpu", marks=pytest.mark.slow),
-    pytest.param("duo-0.3", "cpu", marks=pytest.mark.slow)])
-def test_v2_runner_serves_head_masks_as_the_reference(bundled_model_dir, tokenizer, hf_model,
-                                                      case, backend):
+slow = pytest.mark.slow
+# (which cases CI serves: compat_matrix.py, beside the other rows')
+V2_CASES = V2_CI + [pytest.param(c, b, marks=slow) for c, b in V2_SLOW]
+
+
+@pytest.mark.parametrize("case, backend", V2_CASES)
+def test_v2_runner_serves_the_reference(bundled_model_dir, tokenizer, hf_model, case, backend):
     policy, chunk = CASES.get(case, ({"policy": "full"}, 256))
     policy = {**policy, "attention_backend": backend}
+    config = KVPolicyConfig.from_dict(policy)
+    # prefix caching where the policy serves it without more flags (design.md)
+    caching = not config.patched and config.decode_budget is None
     prompts = source_prompts(tokenizer, (700, 1600, 1000))
-    result = result_of(run_v2(bundled_model_dir, policy, chunk, prompts))
+    result = result_of(run_v2(bundled_model_dir, policy, chunk, prompts, caching))
     assert result["runner"] == "vllm.v1.worker.cpu.model_runner"  # the V2 runner, not V1's
-    for prompt, got in zip(prompts + prompts[:1], result["token_ids"]):
-        ref = reference(hf_model, bundled_model_dir, policy, prompt, chunk, NEW_TOKENS)
-        assert got == list(ref.token_ids)
     stats = result["kv_stats"]
-    assert stats[-1]["cached_tokens"] > 0  # the repeat was served from cached blocks
-    for s in stats:  # full attention holds what it reads; a head mask holds less
+    for prompt, got, s in zip(prompts + prompts[:1], result["token_ids"], stats):
+        # token eviction: at the eviction chunks among the steps the batch was split into (a
+        # pinned eviction chunk, as naive eviction's prefix caching pins, or every step's end;
+        # a head mask's stats give its canonical chunks, whatever the split)
+        chunks = eviction_boundaries(s["chunk_boundaries"], len(prompt),
+                                     s["params"]["eviction_chunk"])
+        ref = reference(hf_model, bundled_model_dir, policy, prompt, chunks, NEW_TOKENS)
+        assert got == list(ref.token_ids), (len(prompt), s["chunk_boundaries"], chunks)
+    # the batch's prompts share no prefix; the repeat is served from cached blocks
+    assert [s["cached_tokens"] for s in stats[:3]] == [0, 0, 0]
+    assert (stats[-1]["cached_tokens"] > 0) == caching
+    for s in stats:  # full attention holds what it reads; the policies hold less
         assert s["measured_footprint"] == 1 if case == "full" else 0 < s["measured_footprint"] < 1
 
 
-def test_v2_runner_refuses_token_eviction_at_start_up(bundled_model_dir):
-    policy, chunk = CASES["snapkv-naive-0.5"]
-    proc = run_v2(bundled_model_dir, policy, chunk, [[1, 2, 3]])
+def test_v2_runner_refuses_untested_features(bundled_model_dir):
+    """A feature not yet served under the V2 runner is refused when the engine is built, naming
+    its flag (the rule: features.model_runner_error; every feature: tests/test_features.py)."""
+    policy, chunk = CASES["snapkv-patched-0.5"]
+    proc = run_v2(bundled_model_dir, policy, chunk, [[1, 2, 3]], kv_cache_dtype="fp8")
     assert proc.returncode != 0 and "RESULT" not in proc.stdout
-    assert "VLLM_USE_V2_MODEL_RUNNER" in proc.stderr and "--kv-policy snapkv" in proc.stderr
+    assert ("KVPolicyError: VLLM_USE_V2_MODEL_RUNNER=1 (vLLM's V2 model runner) with --kv-policy "
+            "snapkv is not supported with --kv-cache-dtype fp8 yet (untested)") in proc.stderr, \
+        proc.stderr[-3000:]

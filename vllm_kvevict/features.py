@@ -209,22 +209,40 @@ def token_prefix_error(policy_config, prefix_caching: bool, sizes: dict[str, int
     return None
 
 
-def model_runner_error(policy_config, uses_v2: bool) -> str | None:
+def model_runner_error(policy_config, uses_v2: bool, turned_on: list[str]) -> str | None:
     """vLLM's V2 model runner (`VLLM_USE_V2_MODEL_RUNNER=1`, or Triton present: on CPU 0.32
-    `CPUWorker` then builds `vllm.v1.worker.cpu.model_runner.CPUModelRunner`) serves the head
-    masks (the worker side reads either runner, `integration/runners.py`; tokens == the
-    reference, tests/test_v2_runner.py). Token eviction's worker side edits the V1 runner's
-    per-request block lists and runs its question rows through the V1 runner's
-    `_model_forward`, which the V2 runner does not have: refused there."""
-    if not uses_v2 or not policy_config.evicts_tokens:
+    `CPUWorker` then builds `vllm.v1.worker.cpu.model_runner.CPUModelRunner`) serves every
+    policy (the worker side reads it through `integration/runners.py`, question rows in
+    `question_rows.py`; tokens == the reference, tests/test_v2_runner.py) in eager mode, in one
+    engine of one rank, at the model's KV-cache dtype, without speculation or LoRA. With the
+    V2 runner, each of `turned_on` (the vLLM features the user turned on, by flag) is untested:
+    refused. `full` runs as stock vLLM."""
+    if not uses_v2 or policy_config.policy == "full" or not turned_on:
         return None
-    return (f"VLLM_USE_V2_MODEL_RUNNER=1 (vLLM's V2 model runner) is not supported with "
-            f"--kv-policy {policy_config.policy}"
-            + (f" --kv-token-policy {policy_config.token_policy}" if policy_config.is_hybrid
-               else "")
-            + " yet: token eviction's worker side runs in vLLM's V1 model runner; valid: "
-            "VLLM_USE_V2_MODEL_RUNNER=0, or a head mask (--kv-policy prulong, duo, streaming) "
-            "or full")
+    return (f"VLLM_USE_V2_MODEL_RUNNER=1 (vLLM's V2 model runner) with --kv-policy "
+            f"{policy_config.policy} is not supported with {', '.join(turned_on)} yet "
+            "(untested); valid: VLLM_USE_V2_MODEL_RUNNER=0 (vLLM's V1 runner serves them), or "
+            "the V2 runner with --enforce-eager, one engine of one rank, --kv-cache-dtype auto, "
+            "no speculative decoding and no LoRA")
+
+
+def v2_features_on(vllm_config) -> list[str]:
+    """The features `model_runner_error` checks, as the flags that turned them on."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    out = [f"{flag} {getattr(parallel, field, 1)}" for field, flag in PARALLEL_FLAGS
+           if int(getattr(parallel, field, 1) or 1) != 1]
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "mode", 0)
+    if int(mode or 0) != 0:
+        out.append("torch.compile (compilation mode "
+                   f"{getattr(mode, 'name', mode)}; --enforce-eager turns it off)")
+    dtype = str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto"))
+    if dtype != "auto":
+        out.append(f"--kv-cache-dtype {dtype}")
+    if getattr(getattr(vllm_config, "speculative_config", None), "method", None):
+        out.append("--speculative-config")
+    if getattr(vllm_config, "lora_config", None) is not None:
+        out.append("--enable-lora")
+    return out
 
 
 def lora_error(policy_config, enabled: bool) -> str | None:

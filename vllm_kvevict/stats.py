@@ -99,7 +99,8 @@ class RequestRecord:
         """Account one engine step: `held_ids` per KV-cache group after this step's allocation,
         `new_ids` per group the blocks allocated this step (vLLM's new_block_ids).
         Returns True when this step ends the prompt's prefill."""
-        if self.t_first_scheduled is None:
+        first = self.t_first_scheduled is None
+        if first:
             self.t_first_scheduled = now
         if preemptions != self.preemptions:
             # Preemption freed every block and restarts the prefill: not eviction.
@@ -108,7 +109,9 @@ class RequestRecord:
         ends_prefill = False
         if computed < self.prompt_len:
             E = self.canonical_chunk
-            if not self.boundaries and computed > 0:  # a prefix-cache hit served [0, computed)
+            # a prefix-cache hit served [0, computed): only at the request's first step (with a
+            # canonical chunk, a first step shorter than it leaves no boundary behind)
+            if first and computed > 0:
                 self.cached_tokens = computed
                 if not E:
                     self.boundaries.append(computed)

@@ -15,11 +15,12 @@ import copy
 
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from vllm_kvevict.integration import flex_attention, head_order, runners, seeded_sampling
+from vllm_kvevict.integration import (flex_attention, head_order, question_rows, runners,
+                                     seeded_sampling)
 from vllm_kvevict.integration.composition import install_over, resolve
 from vllm_kvevict.integration.kv_cache_specs import declare_specs
 from vllm_kvevict.integration.token_eviction.prefix_cache import prefix_specs
-from vllm_kvevict.integration.worker import init_state, question_rows_runner
+from vllm_kvevict.integration.worker import init_state
 
 
 class KVEvictWorker(CPUWorker):
@@ -32,24 +33,21 @@ class KVEvictWorker(CPUWorker):
 
     def init_device(self) -> None:
         """The state is built once vLLM's distributed set-up is done (a tensor-parallel rank's
-        heads need it). vLLM's CPU worker builds its model runner inline, with no runner-class
-        hook: for token eviction the runner becomes an instance of our subclass of its own
-        class (`worker.QuestionRowsRunner`, patched eviction's question rows), handed the
-        state."""
+        heads need it)."""
         super().init_device()
         self.kv_state = init_state(self.vllm_config)
-        if self.kv_state is None:
-            return
-        self.kv_state.runner = self.model_runner
-        if self.kv_state.token is not None:
-            self.model_runner.__class__ = question_rows_runner(type(self.model_runner))
-            self.model_runner.kv_state = self.kv_state
+        if self.kv_state is not None:
+            self.kv_state.runner = self.model_runner
 
     def load_model(self, *args, **kwargs) -> None:
         """A head mask under tensor parallel: vLLM's loader reads the weights with each layer's
-        KV heads in the balanced order the state chose (`head_order.py`)."""
+        KV heads in the balanced order the state chose (`head_order.py`). Token eviction:
+        patched eviction's question rows on the runner (V1) or its model state (V2, built with
+        the model), `question_rows.py`."""
         with head_order.loading(self.vllm_config, self.kv_state):
             super().load_model(*args, **kwargs)
+        if self.kv_state is not None and self.kv_state.token is not None:
+            question_rows.install(self.model_runner, self.kv_state)
 
     def get_kv_cache_spec(self):
         """Our specs (`kv_cache_specs.declare_specs`): a head mask's streaming heads in their

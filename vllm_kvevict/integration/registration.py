@@ -80,7 +80,7 @@ RELIED_ON = (
     # vLLM's V2 model runner (runners.py): rows -> request slots, the cache-sharing layers
     "vllm.v1.worker.gpu.states.RequestState",
     "vllm.v1.worker.gpu.attn_utils.get_shared_kv_cache_layers",
-    # vLLM's documented override point for a runner subclass (worker.QuestionRowsRunner); the
+    # vLLM's documented override point for a V1 runner subclass (question_rows.py); the
     # CPU worker builds its runner at the end of init_device
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner._model_forward",
     "vllm.v1.worker.cpu_worker.CPUWorker.init_device",
@@ -163,8 +163,8 @@ TOUCHED = (
                                                 "to each KV-cache manager it built"),
     ("kvevict_scheduler.py", "skip_reading_prefix_cache", "a teacher-forced tail: no prefix hit"),
     ("kvevict_worker.py", "worker_cls", "our CPUWorker subclass, vLLM's extension point"),
-    ("kvevict_worker.py", "__class__", "the runner CPUWorker built inline, as our subclass of "
-                                       "its class (question rows; no runner-class hook)"),
+    ("question_rows.py", "__class__", "the V1 runner / V2 model state vLLM built inline, as "
+                                      "our subclass of its class (no class hook)"),
     ("kv_cache_specs.py", "kv_sharing_target_layer_name",
      "a layer without full heads shares its companion's cache"),
     ("registration.py", "_registry", "KVConnectorFactory's: register our connector once"),

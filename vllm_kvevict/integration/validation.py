@@ -10,11 +10,10 @@ import sys
 
 from vllm_kvevict.config import KVPolicyError
 from vllm_kvevict.features import (PARALLEL_FLAGS, connector_error, decode_eviction_error,
-                                     kv_cache_dtype_error,
-                                     lora_error, model_error, model_runner_error,
-                                     parallel_error,
-                                     prefix_caching_error, prompt_embeds_error,
-                                     speculative_error, token_prefix_error)
+                                   kv_cache_dtype_error, lora_error, model_error,
+                                   model_runner_error, parallel_error, prefix_caching_error,
+                                   prompt_embeds_error, speculative_error, token_prefix_error,
+                                   v2_features_on)
 from vllm_kvevict.flags import fail
 from vllm_kvevict.flex.support import flex_error
 from vllm_kvevict.integration.kv_stats.kv_transfer import user_connectors
@@ -61,7 +60,7 @@ def validate_against_model(vllm_config, prefix_caching_requested: bool | None = 
                           cfg.eviction_chunk or 0, int(getattr(cache, "block_size", 0) or 0)),
                       lora_error(cfg, getattr(vllm_config, "lora_config", None) is not None),
                       model_runner_error(cfg, bool(getattr(vllm_config, "use_v2_model_runner",
-                                                           False)))):
+                                                           False)), v2_features_on(vllm_config))):
             if error:
                 raise KVPolicyError(error)
         if cfg.policy == "full":

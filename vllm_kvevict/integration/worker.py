@@ -1,11 +1,9 @@
 """Worker side: the policy's per-process state (the served policy, per-layer head splits, the
-token-eviction ledgers, the current step's plan) and the model runner's question rows; our
-worker class, `kvevict_worker.py`, builds the state, hands it down and keeps it in step with
-vLLM."""
+token-eviction ledgers, the current step's plan); our worker class, `kvevict_worker.py`, builds
+the state, hands it down and keeps it in step with vLLM."""
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -51,6 +49,8 @@ class WorkerState:
     # request id -> its sampling params' extra_args (per-request overrides), from the
     # scheduler's output: neither of vLLM's runners needs to be asked for it
     extra_args: dict = field(default_factory=dict)
+    blocks: object = None  # token eviction: runners.V1Blocks / V2Blocks, this runner's
+    _rows: list = field(default_factory=list)  # the token plan's request id per row
 
     @property
     def config(self) -> KVPolicyConfig:
@@ -76,6 +76,10 @@ class WorkerState:
             self.extra_args[new.req_id] = getattr(new.sampling_params, "extra_args", None)
         for req_id in scheduler_output.finished_req_ids:
             self.extra_args.pop(req_id, None)
+        if self.token is not None:
+            if self.blocks is None or self.blocks.runner is not runner:
+                self.blocks = runners.request_blocks(runner)
+            self.blocks.update(scheduler_output)
         self.release(scheduler_output.finished_req_ids)
         self.release(getattr(scheduler_output, "preempted_req_ids", None))
 
@@ -128,10 +132,10 @@ class WorkerState:
             block_ids = [[[0]] * self.token.groups.num_groups] * n
         else:
             prompt_lens = self._prompt_lens(req_ids)
-            block_ids = [self.runner.requests[r].block_ids for r in req_ids]
-        requests = getattr(self.runner, "requests", {})
+            block_ids = [self.blocks.block_ids(r) for r in req_ids]
+        self._rows = req_ids
         plan = self.token.plan(req_ids, computed, q_lens, prompt_lens, block_ids,
-                               prompt_ids=lambda row: requests[req_ids[row]].prompt_token_ids,
+                               prompt_ids=lambda row: self.blocks.prompt_ids(req_ids[row]),
                                extra_args=lambda row: self.extra_args.get(req_ids[row]))
         plan.valid = valid
         if not valid:
@@ -166,10 +170,7 @@ class WorkerState:
                 or self._finished_key == self._plan_key or self._plan_key[0] != self.step):
             return
         self._finished_key = self._plan_key
-        requests = self.runner.requests
-        counts = [t.num_blocks_per_row for t in self.runner.input_batch.block_table.block_tables]
-        self.token.finish_step(
-            plan, lambda r: requests[r].block_ids if r in requests else None, counts)
+        self.token.finish_step(plan, self.blocks.block_ids, self.blocks.row_counts(self._rows))
 
 
 _state: WorkerState | None = None
@@ -258,31 +259,3 @@ def in_place_hint(sink: int, window: int, block_size: int) -> str | None:
     return (f"decode reads each streaming head's sink + window back from the pool every step: "
             f"{why}" + (f"; --block-size {fits[0]} lets vLLM's kernel read them in place"
                         if fits else ""))
-
-
-# -- the model runner (vLLM's CPU worker builds its runner inline: KVEvictWorker.init_device
-# makes it an instance of the class below, over the runner's own class) ----------------------
-
-class QuestionRowsRunner:
-    """Mixed into vLLM's model runner for token eviction. Patched chunked eviction: the question
-    tokens ride along as extra rows after the (padded) batch; the attention backend knows where
-    they are from the step plan. `_model_forward` is the override point vLLM documents for
-    subclasses."""
-
-    kv_state: WorkerState
-
-    def _model_forward(self, input_ids=None, positions=None, *args, **kwargs):
-        plan = self.kv_state.plan
-        if plan is None or not plan.valid or not plan.num_questions or input_ids is None:
-            return super()._model_forward(input_ids, positions, *args, **kwargs)
-        plan.question_offset = input_ids.shape[0]
-        input_ids = torch.cat([input_ids, plan.question_ids.to(input_ids.dtype)])
-        positions = torch.cat([positions, plan.question_positions.to(positions.dtype)])
-        out = super()._model_forward(input_ids, positions, *args, **kwargs)
-        return out[: plan.question_offset] if isinstance(out, torch.Tensor) else out
-
-
-@functools.cache
-def question_rows_runner(runner_cls: type) -> type:
-    """vLLM's runner class with question rows (one class per runner class)."""
-    return type(f"QuestionRows{runner_cls.__name__}", (QuestionRowsRunner, runner_cls), {})
