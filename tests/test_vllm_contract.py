@@ -680,6 +680,31 @@ def test_what_the_worker_side_reads_of_the_v2_runner():
         cpu_worker.CPUWorker.init_device)
 
 
+def test_what_token_eviction_relies_on_in_the_v2_runner():
+    """runners.V2Blocks and question_rows.question_rows_model_state (both releases): V2 appends
+    a running request's new blocks after its per-slot count (`num_blocks.np`, host side) and
+    overwrites a new request's, copying the counts to the device at the start of each step,
+    before the step's forward; its model state's `prepare_inputs` runs after the attention
+    metadata (where our step plan is built) and its values override the input ids and
+    positions the eager model is called with."""
+    from vllm.v1.worker.gpu import block_table, model_runner
+
+    append = inspect.getsource(block_table.BlockTables.append_block_ids)
+    assert "start = self.num_blocks.np[i, req_index] if not overwrite else 0" in append
+    assert "self.num_blocks.copy_to_uva()" in inspect.getsource(
+        block_table.BlockTables.apply_staged_writes)
+    runner = model_runner.GPUModelRunner
+    assert "new_req_data.block_ids, overwrite=True" in inspect.getsource(runner.add_requests)
+    assert "req_new_block_ids, overwrite=False" in inspect.getsource(runner.update_requests)
+    step = inspect.getsource(runner.execute_model)
+    order = [step.index(x) for x in (
+        "self.block_tables.apply_staged_writes()", "self.model_state.prepare_attn(",
+        "**self.model_state.prepare_inputs(input_batch, self.req_states),",
+        "model_output = self.model(**model_inputs)")]
+    assert order == sorted(order)
+    assert "Values returned by `prepare_inputs` will override" in step
+
+
 def test_a_data_parallel_replica_knows_its_index():
     """kv_stats' `data_parallel_rank` is `parallel_config.data_parallel_index`: the engine core
     sets it to the replica's rank, also for a dense model, whose replicas vLLM runs as
