@@ -78,6 +78,7 @@ V2_SLOW = [("full", "cpu"), ("streaming", "cpu"), ("duo-0.3", "cpu"), ("prulong-
            ("snapkv-naive-0.5", "cpu"), ("pyramidkv-naive-0.5-tiers3", "cpu"),
            ("pyramidkv-patched-0.7", "cpu"), ("pyramidkv-patched-0.7", "flex"),
            ("hybrid-prulong-0.5-snapkv-patched-0.5", "cpu"), ("snapkv-naive-0.5-decode", "cpu")]
+V2_COMPILED = ("prulong-0.7", "snapkv-patched-0.5")  # without --enforce-eager (slow tier)
 
 
 @dataclass(frozen=True)
@@ -283,10 +284,13 @@ ROWS = [
         {c: Cell("exact", tuple(("" if (COLUMNS[c], b) in V2_CI else "(s)")
                                 + f"tests/test_v2_runner.py::test_v2_runner_serves_the_reference"
                                   f"[{COLUMNS[c]}-{b}]" for b in ("cpu", "flex")
-                                if (COLUMNS[c], b) in V2_CI + V2_SLOW),
+                                if (COLUMNS[c], b) in V2_CI + V2_SLOW)
+                 + (("(s)tests/test_v2_runner.py::test_v2_runner_compiled_serves_the_"
+                     f"reference[{COLUMNS[c]}]",) if COLUMNS[c] in V2_COMPILED else ()),
                  "vLLM 0.32's V2 runner, its Triton kernels in Triton's interpreter (no Triton "
                  "CPU backend here): a batch of three prompts, then a repeat (a prefix hit where "
-                 "the policy caches); eager, one rank, no speculation, fp8 or LoRA under V2 yet: "
+                 "the policy caches); compiled too (prulong, patched snapkv); TP / DP, fp8, "
+                 "speculation or LoRA under V2: "
                  "refused (tests/test_features.py::test_v2_model_runner_refuses_what_is_untested_"
                  "there)")
          for c in COLUMNS}),

@@ -222,9 +222,10 @@ def test_vllm_serve_refuses_a_sliding_window_model(bundled_model_dir, tmp_path):
 
 
 def test_v2_model_runner_refuses_what_is_untested_there():
-    """Under vLLM's V2 model runner every policy is served in eager mode, one engine of one
-    rank, the model's KV-cache dtype, no speculation, no LoRA (tests/test_v2_runner.py); each
-    other feature turned on is refused with the flag that turned it on. `full` is stock vLLM.
+    """Under vLLM's V2 model runner every policy is served, eager or compiled, in one engine of
+    one rank, the model's KV-cache dtype, no speculation, no LoRA (tests/test_v2_runner.py);
+    each other feature turned on is refused with the flag that turned it on. `full` is stock
+    vLLM.
     (Served: tests/test_v2_runner.py::test_v2_runner_refuses_untested_features.)"""
     from types import SimpleNamespace as NS
 
@@ -240,13 +241,12 @@ def test_v2_model_runner_refuses_what_is_untested_there():
               compilation_config=NS(mode=3), cache_config=NS(cache_dtype="fp8"),
               speculative_config=NS(method="ngram"), lora_config=object())
     on = v2_features_on(busy)
-    assert on[:2] == ["--tensor-parallel-size 2", "--data-parallel-size 2"]
-    assert on[2].startswith("torch.compile (compilation mode 3;")
-    assert on[3:] == ["--kv-cache-dtype fp8", "--speculative-config", "--enable-lora"]
+    assert on == ["--tensor-parallel-size 2", "--data-parallel-size 2", "--kv-cache-dtype fp8",
+                  "--speculative-config", "--enable-lora"]  # (compiled mode is served)
     for name in EVICTING:
         assert model_runner_error(config(name), True, []) is None
         assert model_runner_error(config(name), False, on) is None
-        error = model_runner_error(config(name), True, on[3:4])
+        error = model_runner_error(config(name), True, on[2:3])
         assert error.startswith("VLLM_USE_V2_MODEL_RUNNER=1 (vLLM's V2 model runner) with "
                                 f"--kv-policy {config(name).policy} is not supported with "
                                 "--kv-cache-dtype fp8 yet (untested); valid: "

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from compat_matrix import V2_CI, V2_SLOW
+from compat_matrix import V2_CI, V2_COMPILED, V2_SLOW
 from test_policies_vllm import CASES, reference, source_prompts
 from vllm_kvevict.config import KVPolicyConfig
 from vllm_kvevict.footprint import eviction_boundaries
@@ -44,6 +44,7 @@ SCRIPT = textwrap.dedent("""
     [again] = llm.generate([{"prompt_token_ids": prompts[0]}], params)  # a prefix-cache hit
     print("RESULT " + json.dumps({
         "runner": type(runner).__module__,
+        "compilation_mode": int(llm.llm_engine.vllm_config.compilation_config.mode),
         "token_ids": [list(o.outputs[0].token_ids) for o in batch + [again]],
         "kv_stats": [o.kv_transfer_params["kv_stats"] for o in batch + [again]]}))
 """)
@@ -74,13 +75,26 @@ V2_CASES = V2_CI + [pytest.param(c, b, marks=slow) for c, b in V2_SLOW]
 
 @pytest.mark.parametrize("case, backend", V2_CASES)
 def test_v2_runner_serves_the_reference(bundled_model_dir, tokenizer, hf_model, case, backend):
+    check_v2(bundled_model_dir, tokenizer, hf_model, case, backend)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", V2_COMPILED)
+def test_v2_runner_compiled_serves_the_reference(bundled_model_dir, tokenizer, hf_model, case):
+    """Without --enforce-eager: vLLM compiles the model (torch.compile, piecewise around the
+    attention op) and the V2 runner calls it through its compiled path."""
+    result = check_v2(bundled_model_dir, tokenizer, hf_model, case, "cpu", enforce_eager=False)
+    assert result["compilation_mode"] != 0
+
+
+def check_v2(bundled_model_dir, tokenizer, hf_model, case, backend, **more) -> dict:
     policy, chunk = CASES.get(case, ({"policy": "full"}, 256))
     policy = {**policy, "attention_backend": backend}
     config = KVPolicyConfig.from_dict(policy)
     # prefix caching where the policy serves it without more flags (design.md)
     caching = not config.patched and config.decode_budget is None
     prompts = source_prompts(tokenizer, (700, 1600, 1000))
-    result = result_of(run_v2(bundled_model_dir, policy, chunk, prompts, caching))
+    result = result_of(run_v2(bundled_model_dir, policy, chunk, prompts, caching, **more))
     assert result["runner"] == "vllm.v1.worker.cpu.model_runner"  # the V2 runner, not V1's
     stats = result["kv_stats"]
     for prompt, got, s in zip(prompts + prompts[:1], result["token_ids"], stats):
@@ -96,6 +110,7 @@ def test_v2_runner_serves_the_reference(bundled_model_dir, tokenizer, hf_model, 
     assert (stats[-1]["cached_tokens"] > 0) == caching
     for s in stats:  # full attention holds what it reads; the policies hold less
         assert s["measured_footprint"] == 1 if case == "full" else 0 < s["measured_footprint"] < 1
+    return result
 
 
 def test_v2_runner_refuses_untested_features(bundled_model_dir):

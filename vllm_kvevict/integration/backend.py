@@ -105,8 +105,8 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
-        if attn_metadata is None:
-            return output
+        if attn_metadata is None:  # a profile run without attention: defined values (V2's
+            return output.zero_()  # sampler runs on them; vLLM's flex backend does the same)
         state = self.kv_state
         l = _layer_index(layer)
         if state.token is not None:
