@@ -693,6 +693,11 @@ def test_what_token_eviction_relies_on_in_the_v2_runner():
     assert "start = self.num_blocks.np[i, req_index] if not overwrite else 0" in append
     assert "self.num_blocks.copy_to_uva()" in inspect.getsource(
         block_table.BlockTables.apply_staged_writes)
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    # (a preempted request comes back to the V2 runner as a new one: its blocks overwritten)
+    assert "scheduled_new_reqs.extend(scheduled_resumed_reqs)" in inspect.getsource(
+        Scheduler.schedule)
     runner = model_runner.GPUModelRunner
     assert "new_req_data.block_ids, overwrite=True" in inspect.getsource(runner.add_requests)
     assert "req_new_block_ids, overwrite=False" in inspect.getsource(runner.update_requests)
