@@ -140,12 +140,20 @@ def hf_model(bundled_model_dir):
 
 def start_server(model_dir: Path, extra_args: list[str], env: dict | None = None,
                  eager: bool = True) -> VLLMServer:
-    """Start a server after stopping any other (two cores: one server at a time)."""
+    """Start a server after stopping any other (two cores: one server at a time). The port
+    `free_port` found can be taken before vLLM binds it (the other pytest worker's servers and
+    engine processes bind ports too; seen once in a dry run): then again on a new port."""
     while _current:
         _current.pop().stop()
-    server = VLLMServer(model_dir, extra_args, env, eager=eager)
-    _current.append(server)
-    return server.wait_ready(300.0 if eager else 900.0)
+    for attempt in range(3):
+        server = VLLMServer(model_dir, extra_args, env, eager=eager)
+        _current.append(server)
+        try:
+            return server.wait_ready(300.0 if eager else 900.0)
+        except RuntimeError as exc:
+            if "Address already in use" not in str(exc) or attempt == 2:
+                raise
+            _current.remove(server)
 
 
 def pool_width(server: VLLMServer) -> int | None:
