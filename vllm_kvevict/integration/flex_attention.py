@@ -31,7 +31,6 @@ from vllm_kvevict.integration import flex_token, runners
 from vllm_kvevict.integration.streaming.head_pages import HeadSlots, head_slots
 from vllm_kvevict.integration.streaming.sink_window import canonical_chunk
 from vllm_kvevict.integration.worker import get_state, init_state
-from vllm_kvevict.overrides import policy_prompt_len
 from vllm_kvevict.served import policy_config_of
 
 FLEX_BACKEND = "vllm_kvevict.integration.flex_attention.KVEvictFlexBackend"
@@ -73,9 +72,8 @@ def _prompt_lens(common, num_reqs: int) -> list[int] | None:
     req_ids = runners.row_requests(_runner, common, num_reqs, state is None or state.in_step)
     if req_ids is None:
         return None
-    extra = state.extra_args if state is not None else {}
-    return [policy_prompt_len(n, extra.get(r))
-            for r, n in zip(req_ids, runners.prompt_tokens(_runner, req_ids))]
+    return runners.policy_prompt_lens(_runner, req_ids,
+                                      state.extra_args if state is not None else {})
 
 
 class KVEvictFlexMetadataBuilder(FlexAttentionMetadataBuilder):

@@ -15,6 +15,8 @@ tail-block drop (`V1Blocks` / `V2Blocks.row_counts`), mirroring what the schedul
 
 from __future__ import annotations
 
+from vllm_kvevict.overrides import policy_prompt_len
+
 
 def is_v2(runner) -> bool:
     """The V2 runner keeps its requests in `req_states`; the V1 runner has none."""
@@ -48,6 +50,13 @@ def row_requests(runner, common, num_reqs: int, in_step: bool = True) -> list[st
     if len(req_ids) < num_reqs or any(r is None for r in req_ids):
         return None
     return req_ids
+
+
+def policy_prompt_lens(runner, req_ids: list[str], extra_args: dict) -> list[int]:
+    """Each request's prompt as the policy serves it (a teacher-forced tail is decoded);
+    `extra_args`: request id -> its per-request overrides."""
+    return [policy_prompt_len(n, extra_args.get(r))
+            for r, n in zip(req_ids, prompt_tokens(runner, req_ids))]
 
 
 def prompt_tokens(runner, req_ids: list[str]) -> list[int]:

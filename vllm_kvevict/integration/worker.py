@@ -16,7 +16,6 @@ from vllm_kvevict.integration.kv_cache_specs import layer_groups
 from vllm_kvevict.integration.streaming.sink_window import canonical_chunk
 from vllm_kvevict.integration.streaming.step_plan import StepPlan, build_step_plan
 from vllm_kvevict.integration.token_eviction.token_eviction_worker import TokenEvictionWorker, TokenStepPlan
-from vllm_kvevict.overrides import policy_prompt_len
 from vllm_kvevict.policies import KVPolicy
 from vllm_kvevict.served import ServedPolicy, served_policy
 
@@ -144,8 +143,7 @@ class WorkerState:
 
     def _prompt_lens(self, req_ids) -> list[int]:
         """Each row's prompt as the policy serves it (a teacher-forced tail is decoded)."""
-        return [policy_prompt_len(n, self.extra_args.get(r)) for r, n in
-                zip(req_ids, runners.prompt_tokens(self.runner, req_ids))]
+        return runners.policy_prompt_lens(self.runner, req_ids, self.extra_args)
 
     def _ensure_groups(self) -> None:
         """The token ledger's layer -> KV-cache group map, from the runner's KV cache config
