@@ -5,6 +5,7 @@ any other kind refused at start-up with one line."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import subprocess
@@ -98,7 +99,7 @@ def installed_worker(worker_cls: str) -> str:
 
 def test_workers_stock_and_composed_by_a_name_a_worker_process_resolves():
     assert installed_worker("vllm.v1.worker.cpu_worker.CPUWorker") == \
-        "vllm_kvevict.integration.kvevict_worker.KVEvictWorker"
+        "vllm_kvevict.integration.kvevict_worker.KVEvictWorker_over_vllm:v1:worker:cpu_worker:CPUWorker"
     name = installed_worker("user_scheduler.StepLoggingWorker")
     assert name == ("vllm_kvevict.integration.kvevict_worker."
                     "KVEvictWorker_over_user_scheduler:StepLoggingWorker")
@@ -146,3 +147,99 @@ def test_served_with_a_user_scheduler_subclass(bundled_model_dir, tokenizer, hf_
     assert "token eviction ledger over 1 KV-cache group(s)" in log
     assert "user scheduler: first step, under KVEvictScheduler" in log
     assert "user worker: first step, under KVEvictWorker" in log
+
+
+# A CUDA platform simulated where the plugin asks which platform it is on (support.platform_name,
+# read by the activation gate, start-up validation, the worker install and the worker's backend
+# registration), on vLLM's real engine configs of this CPU build: the worker class is the one
+# CUDA's platform sets for "auto" (test_vllm_contract checks vllm/platforms/cuda.py says so).
+SIMULATED_CUDA = """
+import json, sys
+sys.path.insert(0, "tests")
+import triton_interpreter
+triton_interpreter.enable()  # vLLM 0.32 wants Triton for its V2 runner (here: the interpreter)
+from vllm_kvevict.integration import support
+support.platform_name = lambda: "cuda"
+from vllm.engine.arg_utils import EngineArgs
+from vllm.utils.import_utils import resolve_obj_by_qualname
+from vllm_kvevict.config import KVPolicyError
+from vllm_kvevict.integration import flex_attention, registration
+registration.register()
+print("REASON", json.dumps(registration.inactive_reason))
+for extra in json.loads(sys.argv[2]):
+    policy = {"policy": "prulong", "sparsity": 0.7, **extra.pop("policy", {})}
+    args = EngineArgs(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=2048,
+                      worker_cls="vllm.v1.worker.gpu_worker.Worker",
+                      additional_config={"kv_policy": policy}, **extra)
+    try:
+        config = args.create_engine_config()
+    except KVPolicyError as exc:
+        print("REFUSED", json.dumps(str(exc)))
+        continue
+    worker = resolve_obj_by_qualname(config.parallel_config.worker_cls)
+    print("WORKER", json.dumps([config.parallel_config.worker_cls,
+                                [k.__name__ for k in worker.__mro__[:3]]]))
+    print("CONFIG", json.dumps([config.use_v2_model_runner,
+                                config.additional_config["kv_policy"]["attention_backend"],
+                                config.attention_config.backend.name, args.async_scheduling]))
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    print("FLEX", flex_attention.use_flex_backend(config, "cuda"),
+          AttentionBackendEnum.FLEX_ATTENTION.get_path() == flex_attention.FLEX_BACKEND,
+          AttentionBackendEnum.CPU_ATTN.get_path() != flex_attention.FLEX_BACKEND)
+"""
+
+
+def simulated_cuda(model_dir, pass_dir, *configs: dict) -> list[tuple[str, str]]:
+    from vllm_kvevict.selfcheck import records
+
+    # (the V2 model runner: what vLLM picks on CUDA, where Triton is present)
+    env = {**os.environ, records.ENV_DIR: str(pass_dir), "VLLM_TARGET_DEVICE": "cpu",
+           "VLLM_USE_V2_MODEL_RUNNER": "1"}
+    env.pop(records.ENV_CHECKING, None)
+    proc = subprocess.run([sys.executable, "-c", SIMULATED_CUDA, str(model_dir),
+                           json.dumps(list(configs))], capture_output=True, text=True,
+                          timeout=600, cwd=Path(__file__).resolve().parent.parent, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [tuple(line.split(" ", 1)) for line in proc.stdout.splitlines()
+            if line.split(" ", 1)[0] in ("REASON", "REFUSED", "WORKER", "CONFIG", "FLEX")]
+
+
+def test_on_a_simulated_cuda_platform_a_pass_unlocks_the_gpu_worker_and_flex_attention(
+        bundled_model_dir, tmp_path):
+    """CUDA (simulated, above): without a recorded pass a policy is refused naming the
+    self-check; with one our worker is composed over vLLM's GPU `Worker` (not the CPU one),
+    the policy runs on FlexAttention by default (vLLM's V2 runner chosen, as on CUDA), vLLM's
+    FLEX_ATTENTION name resolves to our backend in the worker; the CPU kernel and another
+    vLLM backend are refused by flag, and so is async scheduling (off by default then)."""
+    import vllm
+
+    from vllm_kvevict import __version__
+    from vllm_kvevict.selfcheck import records
+
+    [(tag, reason), (tag2, refused)] = simulated_cuda(bundled_model_dir, tmp_path, {})
+    assert tag == "REASON" and " is not supported (supported: " in reason  # version or platform
+    assert "run `python -m vllm_kvevict.selfcheck` here" in reason
+    assert tag2 == "REFUSED" and "needs an active plugin" in refused
+    records.write_pass(records.PassKey(__version__, vllm.__version__.split("+")[0], "cuda",
+                                       records.device_name("cuda"), "float32"), {}, tmp_path)
+    out = simulated_cuda(bundled_model_dir, tmp_path, {},
+                         {"policy": {"attention_backend": "cpu"}},
+                         {"policy": {"attention_backend": "flex"},
+                          "attention_backend": "FLASH_ATTN"},
+                         {"async_scheduling": True})
+    assert out[0] == ("REASON", "null")
+    worker, mro = json.loads(out[1][1])
+    # (our worker subclasses vLLM's Worker itself: over CUDA's, it is installed as it is)
+    assert worker == "vllm_kvevict.integration.kvevict_worker.KVEvictWorker"
+    assert mro == ["KVEvictWorker", "Worker", "WorkerBase"]
+    # (async scheduling, vLLM's default on CUDA: off, as the CPU platform runs every policy)
+    assert json.loads(out[2][1]) == [True, "flex", "FLEX_ATTENTION", False]
+    assert out[3] == ("FLEX", "True True True")
+    assert out[4][0] == "REFUSED" and json.loads(out[4][1]).startswith(
+        "--kv-attention-backend cpu is vLLM's CPU attention kernel, which platform 'cuda' does "
+        "not have; valid there: --kv-attention-backend flex")
+    assert out[5][0] == "REFUSED" and json.loads(out[5][1]).startswith(
+        "--attention-backend FLASH_ATTN: --kv-policy prulong runs on vLLM's FlexAttention "
+        "backend off the CPU platform; valid: leave --attention-backend out")
+    assert out[6][0] == "REFUSED" and json.loads(out[6][1]).startswith(
+        "--async-scheduling is not supported with --kv-policy prulong yet (untested")

@@ -120,6 +120,28 @@ def test_worker_class_contract():
         assert name not in vars(CPUWorker), name  # CPUWorker inherits them
 
 
+def test_our_worker_is_composed_over_the_class_each_platform_builds():
+    """kvevict_worker.PLATFORM_WORKERS is what each platform's check_and_update_config sets for
+    `worker_cls="auto"` (read from source: cuda.py does not import without CUDA), each a
+    subclass of vLLM's Worker, whose methods are the only ones our worker overrides."""
+    from pathlib import Path
+
+    import vllm
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from vllm_kvevict.integration.kvevict_worker import PLATFORM_WORKERS, KVEvictWorker
+
+    platforms = Path(vllm.__file__).parent / "platforms"
+    for platform, cls in PLATFORM_WORKERS.items():
+        source = (platforms / f"{platform}.py").read_text()
+        assert f'parallel_config.worker_cls = "{cls}"' in source, platform
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    assert issubclass(CPUWorker, Worker) and KVEvictWorker.__bases__ == (Worker,)
+    ours = [name for name, value in vars(KVEvictWorker).items() if callable(value)]
+    assert ours and all(name in vars(Worker) for name in ours), ours
+
+
 def test_tier_specs_make_one_kv_cache_group_per_tier():
     """integration/kv_cache_specs.py: layers tagged with different tiers form separate KV-cache groups of
     equal size, in layer order, over one aliased backing buffer, each with vLLM's full-attention

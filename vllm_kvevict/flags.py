@@ -93,10 +93,10 @@ FLAGS = {
                                     "0/1 TSV or DuoAttention gate TSV). Default: the mask shipped "
                                     "in head_masks/ for the served model."),
     "--kv-attention-backend": ("attention_backend", str,
-                               "Attention path: cpu (default: vLLM's CPU attention kernel) or "
-                               "flex (vLLM's FlexAttention backend, streaming heads as "
-                               "block-sparse masks; so far full, streaming, duo, prulong; its "
-                               "streaming heads keep every KV in the pool). One of "
+                               "Attention path: cpu (vLLM's CPU attention kernel; the "
+                               "default on the CPU platform) or flex (vLLM's FlexAttention "
+                               "backend, streaming heads as block-sparse masks; the default, "
+                               "and the only path, on other platforms). One of "
                                f"{', '.join(ATTENTION_BACKENDS)}."),
     "--kv-tp-head-order": ("tp_head_order", str,
                            "A head mask under --tensor-parallel-size: balanced (default: each "

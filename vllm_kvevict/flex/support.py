@@ -43,3 +43,31 @@ def flex_error(cfg, vllm_config) -> str | None:
     if getattr(vllm_config, "speculative_config", None) is not None:
         return _refusal("speculative decoding")
     return None
+
+
+# -- off the CPU platform: FlexAttention is the path (vLLM's CPU kernel exists only there) ------
+
+def default_backend(raw: dict, platform: str) -> None:
+    """A policy given without --kv-attention-backend runs on the platform's path: vLLM's CPU
+    attention kernel on the CPU platform (the config's default), FlexAttention elsewhere.
+    `raw`: the policy as the user gave it (`additional_config["kv_policy"]`), edited in place
+    so every later process serves the same path."""
+    if platform != "cpu" and raw.get("policy", "full") != "full":
+        raw.setdefault("attention_backend", "flex")
+
+
+def platform_error(cfg, platform: str, vllm_backend: str | None) -> str | None:
+    """Off the CPU platform a policy runs on vLLM's FLEX_ATTENTION backend (ours, registered
+    under that name): refuse the CPU kernel and any other vLLM attention backend.
+    `vllm_backend`: the user's `--attention-backend` (None: not chosen)."""
+    if platform == "cpu" or cfg.policy == "full":
+        return None
+    if cfg.attention_backend != "flex":
+        return (f"--kv-attention-backend {cfg.attention_backend} is vLLM's CPU attention "
+                f"kernel, which platform {platform!r} does not have; valid there: "
+                "--kv-attention-backend flex (the default off the CPU platform)")
+    if vllm_backend not in (None, "FLEX_ATTENTION"):
+        return (f"--attention-backend {vllm_backend}: --kv-policy {cfg.policy} runs on vLLM's "
+                "FlexAttention backend off the CPU platform; valid: leave --attention-backend "
+                "out, or --attention-backend FLEX_ATTENTION")
+    return None

@@ -1,6 +1,7 @@
 """Our classes installed where vLLM builds its own from a class name in the engine config
 (`scheduler_config.scheduler_cls`, `parallel_config.worker_cls`), composed with a user's
-subclass of vLLM's class: ours first in the MRO, theirs under `super()`.
+subclass of vLLM's class (or, for a class of ours that subclasses only a base of it, as our
+worker does, with vLLM's own): ours first in the MRO, theirs under `super()`.
 
 vLLM resolves those names in spawned processes (engine core, workers), so a composed class is
 named by a string that process can import: `<module of ours>.<Ours>_over_<user class path>`
@@ -58,7 +59,7 @@ def install_over(ours: type, stock: type, chosen, flag: str) -> str:
             f"{flag} is not a subclass of vLLM's {stock.__name__} "
             f"({class_path(stock)}): vllm-kvevict's {ours.__name__} can only be composed "
             "with one")
-    if base is stock:
+    if base is stock and issubclass(ours, stock):
         return class_path(ours)
     try:
         importable = import_class(class_path(base)) is base

@@ -1,9 +1,10 @@
 """The FlexAttention path: vLLM's FlexAttention backend, subclassed, with the head-mask
 policies' streaming heads as block-sparse masks (`vllm_kvevict/flex/block_mask.py`).
 
-Chosen with `--kv-attention-backend flex`: vLLM's CPU platform answers CPU_ATTN whatever
-backend is asked for, so our worker class registers ours under that name before the model is
-built (`use_flex_backend`), and remembers the model runner before it initialises its KV cache
+Chosen with `--kv-attention-backend flex` (the default off the CPU platform): vLLM's CPU
+platform answers CPU_ATTN whatever backend is asked for, so our worker class registers ours
+under that name before the model is built, and under FLEX_ATTENTION on other platforms
+(`use_flex_backend`), and remembers the model runner before it initialises its KV cache
 (`remember_runner`), since the metadata builder reads the rows' prompt lengths from it.
 
 Head masks keep their heads in vLLM's pool as one cache layer per KV head
@@ -46,15 +47,17 @@ def flex_selected(vllm_config) -> bool:
 
 # -- from our worker class (kvevict_worker.KVEvictWorker) -------------------------------------
 
-def use_flex_backend(vllm_config) -> bool:
+def use_flex_backend(vllm_config, platform: str) -> bool:
     """Before the worker builds its model: our backend is what vLLM's CPU_ATTN resolves to
-    (vLLM's CPU platform answers CPU_ATTN whatever backend is asked for, and `register_backend`
-    is vLLM's way to override a name). MLA models get vLLM's CPU MLA backends, as before."""
+    on the CPU platform (which answers CPU_ATTN whatever backend is asked for), and
+    FLEX_ATTENTION elsewhere (start-up validation set the config's backend to it);
+    `register_backend` is vLLM's way to override a name. MLA models get vLLM's MLA backends."""
     if not flex_selected(vllm_config):
         return False
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    register_backend(AttentionBackendEnum.CPU_ATTN, FLEX_BACKEND)
+    name = "CPU_ATTN" if platform == "cpu" else "FLEX_ATTENTION"
+    register_backend(AttentionBackendEnum[name], FLEX_BACKEND)
     return True
 
 

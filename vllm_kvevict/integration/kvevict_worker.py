@@ -1,7 +1,8 @@
-"""vLLM's CPU worker with the plugin's worker side, installed as vLLM's worker class
-(`parallel_config.worker_cls`) when the engine config is created; a user's `--worker-cls`
-that subclasses vLLM's CPUWorker is composed with it, any other class refused at start-up
-(`composition.py`).
+"""The plugin's worker side, composed over the worker class vLLM's platform builds (CPU:
+`CPUWorker`; CUDA and ROCm: `gpu_worker.Worker`) or over a user's `--worker-cls` that
+subclasses it, and installed as vLLM's worker class (`parallel_config.worker_cls`) when the
+engine config is created; any other class is refused at start-up (`composition.py`). Every
+method overridden here is one of vLLM's `Worker` (the base of every platform's worker).
 
 `KVEvictWorker` builds this process's policy state once, from the config vLLM hands it
 (`worker.init_state`), and keeps it in step with vLLM: the KV-cache specs it declares, the
@@ -13,23 +14,24 @@ from __future__ import annotations
 
 import copy
 
-from vllm.v1.worker.cpu_worker import CPUWorker
+from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_kvevict.integration import (flex_attention, head_order, question_rows, runners,
                                      seeded_sampling)
-from vllm_kvevict.integration.composition import install_over, resolve
+from vllm_kvevict.integration import support
+from vllm_kvevict.integration.composition import import_class, install_over, resolve
 from vllm_kvevict.integration.kv_cache_specs import declare_specs
 from vllm_kvevict.integration.token_eviction.prefix_cache import prefix_specs
 from vllm_kvevict.integration.worker import init_state
 
 
-class KVEvictWorker(CPUWorker):
+class KVEvictWorker(Worker):
     kv_state = None  # this process's WorkerState; None for `full` (stock vLLM runs)
     flex = False  # --kv-attention-backend flex (flex_attention.py)
 
     def __init__(self, vllm_config, *args, **kwargs) -> None:
         super().__init__(vllm_config, *args, **kwargs)
-        self.flex = flex_attention.use_flex_backend(vllm_config)  # before the model is built
+        self.flex = flex_attention.use_flex_backend(vllm_config, support.platform_name())
 
     def init_device(self) -> None:
         """The state is built once vLLM's distributed set-up is done (a tensor-parallel rank's
@@ -104,9 +106,20 @@ def __getattr__(name: str):
     return resolve(KVEvictWorker, name)
 
 
+# The class each platform's `check_and_update_config` sets for `worker_cls="auto"` (contract-
+# tested against vLLM's platform modules); another platform's must subclass vLLM's Worker.
+PLATFORM_WORKERS = {"cpu": "vllm.v1.worker.cpu_worker.CPUWorker",
+                    "cuda": "vllm.v1.worker.gpu_worker.Worker",
+                    "rocm": "vllm.v1.worker.gpu_worker.Worker",
+                    "xpu": "vllm.v1.worker.xpu_worker.XPUWorker"}
+
+
 def install(vllm_config) -> None:
-    """Make vLLM build our worker: over CPUWorker, or over the user's `--worker-cls`. Raises
-    KVPolicyError when the user's class is not a CPUWorker subclass."""
+    """Make vLLM build our worker: over the platform's worker class, or over the user's
+    `--worker-cls`. Raises KVPolicyError when the user's class is not a subclass of the
+    platform's."""
+    stock = import_class(PLATFORM_WORKERS.get(support.platform_name(),
+                                              "vllm.v1.worker.gpu_worker.Worker"))
     parallel = vllm_config.parallel_config
-    parallel.worker_cls = install_over(KVEvictWorker, CPUWorker, parallel.worker_cls,
+    parallel.worker_cls = install_over(KVEvictWorker, stock, parallel.worker_cls,
                                        f"--worker-cls {parallel.worker_cls}")

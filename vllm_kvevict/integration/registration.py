@@ -5,9 +5,8 @@ of ours that runs around it (it gets vLLM's original as an argument and decides 
 it), and the process it matters in. Where vLLM has an extension point we use it instead (the
 scheduler is a subclass, `kvevict_scheduler.py`, installed by `create_engine_config` below).
 `register` applies the table once per process (workers are spawned and load plugins again).
-tests/test_vllm_contract.py resolves every name in `PATCHED` and `RELIED_ON`, so a vLLM upgrade
-that moves one fails loudly instead of serving wrong attention. Keep this file import-light:
-vLLM modules are imported when the table is applied.
+tests/test_vllm_contract.py resolves every name in `PATCHED` and `RELIED_ON`: a vLLM upgrade
+that moves one fails loudly. Import-light: vLLM modules are imported when the table is applied.
 """
 
 from __future__ import annotations
@@ -69,7 +68,7 @@ RELIED_ON = (
     "vllm.v1.core.sched.scheduler.Scheduler.schedule",
     "vllm.v1.core.sched.scheduler.Scheduler._reserve_prefill_lookahead",
     "vllm.v1.core.sched.scheduler.Scheduler.update_from_output",
-    # our worker class (kvevict_worker.py), over vLLM's CPU worker; vLLM adds a cache-sharing
+    # our worker class (kvevict_worker.py), over the platform's worker; vLLM adds a cache-sharing
     # layer to its target's group after initialize_from_config (V1: the runner's attribute)
     "vllm.config.parallel.ParallelConfig.worker_cls",
     "vllm.v1.worker.cpu_worker.CPUWorker",
@@ -140,8 +139,10 @@ TOUCHED = (
     ("backend.py", "_k_scale_float", "the layer's fp8 K scale, as vLLM's CPU kernel reads it"),
     ("backend.py", "_v_scale_float", "the layer's fp8 V scale"),
     ("cpu_token.py", "_k_scale_float", "as backend.py"), ("cpu_token.py", "_v_scale_float", ""),
-    ("paged_layout.py", "_k_scale_float", "the same scale, reading fp8 K back from the cache"),
-    ("paged_layout.py", "_v_scale_float", "the same, V"),
+    ("paged_layout.py", "_k_scale_float", "fp8 K read back from the cache"),
+    ("paged_layout.py", "_v_scale_float", "V"), ("validation.py", "backend", "FLEX_ATTENTION"
+                                                  " off the CPU platform: ours under its name"),
+    ("validation.py", "async_scheduling", "off for a policy off the CPU platform (untested)"),
     ("cli.py", "_actions", "argparse's: add the --kv-* group once"),
     ("cli.py", "additional_config", "the --kv-* flags folded into EngineArgs' JSON form"),
     ("head_order.py", "load_format", "the worker's load format, ours over the user's while it "
@@ -162,7 +163,7 @@ TOUCHED = (
     ("kvevict_scheduler.py", "kvevict_reserve", "the scheduler's admission rule / ledger, handed "
                                                 "to each KV-cache manager it built"),
     ("kvevict_scheduler.py", "skip_reading_prefix_cache", "a teacher-forced tail: no prefix hit"),
-    ("kvevict_worker.py", "worker_cls", "our CPUWorker subclass, vLLM's extension point"),
+    ("kvevict_worker.py", "worker_cls", "our worker over the platform's, vLLM's extension point"),
     ("question_rows.py", "__class__", "the V1 runner / V2 model state vLLM built inline, as "
                                       "our subclass of its class (no class hook)"),
     ("kv_cache_specs.py", "kv_sharing_target_layer_name",
@@ -287,9 +288,8 @@ def create_engine_config(engine_args, stock_create, *args, **kwargs):
         validation.refusing(validation.check_inactive, engine_args, inactive_reason)
         return stock_create(engine_args, *args, **kwargs)
     from vllm_kvevict.integration import api_server, kvevict_scheduler, kvevict_worker
-    from vllm_kvevict.integration.kv_stats import kv_transfer
 
-    kv_transfer.inject_config(engine_args)
+    validation.refusing(validation.before_create, engine_args)  # stats connector, scheduling
     requested = engine_args.enable_prefix_caching  # None unless the user set it
     vllm_config = stock_create(engine_args, *args, **kwargs)
     validation.refusing(validation.check_unlocked, vllm_config, unlocked_by)

@@ -15,9 +15,9 @@ from vllm_kvevict.features import (PARALLEL_FLAGS, connector_error, decode_evict
                                    prompt_embeds_error, speculative_error, token_prefix_error,
                                    v2_features_on)
 from vllm_kvevict.flags import fail
-from vllm_kvevict.flex.support import flex_error
-from vllm_kvevict.integration.kv_stats.kv_transfer import user_connectors
-from vllm_kvevict.integration.support import unlocked_dtype_error
+from vllm_kvevict.flex.support import default_backend, flex_error, platform_error
+from vllm_kvevict.integration.kv_stats.kv_transfer import inject_config, user_connectors
+from vllm_kvevict.integration.support import platform_name, unlocked_dtype_error
 from vllm_kvevict.served import ADDITIONAL_CONFIG_KEY, policy_config_of, settle_config
 
 
@@ -29,6 +29,12 @@ def validate_against_model(vllm_config, prefix_caching_requested: bool | None = 
     """`prefix_caching_requested`: the engine args' value before vLLM resolved its default
     (None: the user did not ask)."""
     try:
+        platform = platform_name()
+        raw = (getattr(vllm_config, "additional_config", None) or {}).get(ADDITIONAL_CONFIG_KEY)
+        if isinstance(raw, dict):
+            default_backend(raw, platform)  # off the CPU platform: FlexAttention
+        attention = getattr(vllm_config, "attention_config", None)
+        chosen = getattr(getattr(attention, "backend", None), "name", None)
         # the model first: a mask lookup for an unsupported model would only confuse
         model = getattr(vllm_config, "model_config", None)
         error = model_error(policy_config_of(vllm_config), getattr(model, "hf_config", None))
@@ -47,7 +53,7 @@ def validate_against_model(vllm_config, prefix_caching_requested: bool | None = 
         # features.py: which vLLM features each policy is served exactly with
         embeds = bool(getattr(getattr(vllm_config, "model_config", None),
                               "enable_prompt_embeds", False))
-        for error in (flex_error(cfg, vllm_config),
+        for error in (platform_error(cfg, platform, chosen), flex_error(cfg, vllm_config),
                       parallel_error(cfg, sizes, served.shape.num_kv_heads),
                       kv_cache_dtype_error(cfg, str(cache_dtype)),
                       speculative_error(cfg, method), connector_error(cfg, users),
@@ -65,6 +71,11 @@ def validate_against_model(vllm_config, prefix_caching_requested: bool | None = 
                 raise KVPolicyError(error)
         if cfg.policy == "full":
             return
+        if platform != "cpu" and chosen is None:
+            # our backend is registered under vLLM's name (flex_attention.use_flex_backend)
+            from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+            attention.backend = AttentionBackendEnum.FLEX_ATTENTION
         num_layers = served.shape.num_layers
         tiers = cfg.num_tiers(num_layers)
         if num_layers % tiers:
@@ -83,6 +94,27 @@ def validate_against_model(vllm_config, prefix_caching_requested: bool | None = 
         if _running_vllm_cli():
             fail(str(exc))
         raise
+
+
+def before_create(engine_args) -> None:
+    """Settled on the engine args before vLLM builds its config: our stats connector
+    (`kv_transfer.inject_config`), and a policy's steps scheduled one after the other. vLLM's
+    CPU platform turns async scheduling off (platforms/cpu.py), so every policy is tested that
+    way; elsewhere it is vLLM's default, and it schedules step t+1 before step t's output is
+    back while the policies free evicted blocks at the next schedule (untested there): off
+    unless the user asked for it, and then refused."""
+    inject_config(engine_args)
+    additional = engine_args.additional_config
+    raw = additional.get(ADDITIONAL_CONFIG_KEY) if isinstance(additional, dict) else None
+    policy = raw.get("policy", "full") if isinstance(raw, dict) else "full"
+    if policy == "full" or platform_name() == "cpu":
+        return
+    if engine_args.async_scheduling:
+        raise KVPolicyError(f"--async-scheduling is not supported with --kv-policy {policy} "
+                            "yet (untested: evicted blocks are freed at the next schedule); "
+                            "valid: leave it out (the plugin turns it off) or "
+                            "--no-async-scheduling")
+    engine_args.async_scheduling = False
 
 
 def check_inactive(engine_args, inactive_reason: str) -> None:
