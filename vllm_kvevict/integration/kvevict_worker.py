@@ -17,8 +17,7 @@ import copy
 from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_kvevict.integration import (flex_attention, head_order, question_rows, runners,
-                                     seeded_sampling)
-from vllm_kvevict.integration import support
+                                     seeded_sampling, support)
 from vllm_kvevict.integration.composition import import_class, install_over, resolve
 from vllm_kvevict.integration.kv_cache_specs import declare_specs
 from vllm_kvevict.integration.token_eviction.prefix_cache import prefix_specs
