@@ -79,6 +79,8 @@ V2_SLOW = [("full", "cpu"), ("streaming", "cpu"), ("duo-0.3", "cpu"), ("prulong-
            ("pyramidkv-patched-0.7", "cpu"), ("pyramidkv-patched-0.7", "flex"),
            ("hybrid-prulong-0.5-snapkv-patched-0.5", "cpu"), ("snapkv-naive-0.5-decode", "cpu")]
 V2_COMPILED = ("prulong-0.7", "snapkv-patched-0.5")  # without --enforce-eager (slow tier)
+# forced preemption under V2 (`--kv-admission vllm`): column -> test id; CI token eviction's
+V2_PREEMPTION = {"snapkv patched": "snapkv-patched", "prulong 0.7": "prulong"}
 
 
 @dataclass(frozen=True)
@@ -279,17 +281,22 @@ ROWS = [
         each("exact", C + "test_seeded_sampling_over_several_prefill_steps_matches_reference[{id}]")),
     Row("async scheduling (`--async-scheduling`)",
         each("n/a", "tests/test_vllm_contract.py::test_cpu_platform_turns_async_scheduling_off",
-             why="vLLM 0.32's CPU platform turns it off")),
+             why="vLLM 0.32's CPU platform turns it off; off the CPU platform the plugin turns "
+                 "it off for a policy and refuses it asked for (untested)")),
     Row("vLLM's V2 model runner (`VLLM_USE_V2_MODEL_RUNNER=1`; the default where Triton runs)",
         {c: Cell("exact", tuple(("" if (COLUMNS[c], b) in V2_CI else "(s)")
                                 + f"tests/test_v2_runner.py::test_v2_runner_serves_the_reference"
                                   f"[{COLUMNS[c]}-{b}]" for b in ("cpu", "flex")
                                 if (COLUMNS[c], b) in V2_CI + V2_SLOW)
                  + (("(s)tests/test_v2_runner.py::test_v2_runner_compiled_serves_the_"
-                     f"reference[{COLUMNS[c]}]",) if COLUMNS[c] in V2_COMPILED else ()),
+                     f"reference[{COLUMNS[c]}]",) if COLUMNS[c] in V2_COMPILED else ())
+                 + ((("" if c == "snapkv patched" else "(s)")
+                     + "tests/test_v2_runner.py::test_v2_runner_preemption_replays_exactly"
+                       f"[{V2_PREEMPTION[c]}]",) if c in V2_PREEMPTION else ()),
                  "vLLM 0.32's V2 runner, its Triton kernels in Triton's interpreter (no Triton "
                  "CPU backend here): a batch of three prompts, then a repeat (a prefix hit where "
-                 "the policy caches); compiled too (prulong, patched snapkv); TP / DP, fp8, "
+                 "the policy caches); compiled too (prulong, patched snapkv); forced preemption "
+                 "(patched snapkv, prulong); TP / DP, fp8, "
                  "speculation or LoRA under V2: "
                  "refused (tests/test_features.py::test_v2_model_runner_refuses_what_is_untested_"
                  "there)")

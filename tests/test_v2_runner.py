@@ -50,13 +50,14 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def run_v2(model_dir, policy, chunk, prompts, caching=None, **more) -> subprocess.CompletedProcess:
+def run_v2(model_dir, policy, chunk, prompts, caching=None, new_tokens=NEW_TOKENS,
+           **more) -> subprocess.CompletedProcess:
     """In a subprocess: Triton's interpreter must be on before vLLM is imported, and vLLM's
     engine core and its plugin state belong to one process."""
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_USE_V2_MODEL_RUNNER": "1",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     return subprocess.run([sys.executable, "-c", SCRIPT,
-                           json.dumps([policy, chunk, prompts, NEW_TOKENS, caching, more]),
+                           json.dumps([policy, chunk, prompts, new_tokens, caching, more]),
                            str(model_dir),
                            str(TESTS)], capture_output=True, text=True, timeout=1200, cwd=REPO,
                           env=env)
@@ -122,3 +123,32 @@ def test_v2_runner_refuses_untested_features(bundled_model_dir):
     assert ("KVPolicyError: VLLM_USE_V2_MODEL_RUNNER=1 (vLLM's V2 model runner) with --kv-policy "
             "snapkv is not supported with --kv-cache-dtype fp8 yet (untested)") in proc.stderr, \
         proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("policy, max_len", [
+    # token eviction: its blocks as the V2 runner's tables hold them (`runners.V2Blocks`)
+    pytest.param({"policy": "snapkv", "sparsity": 0.9, "eviction": "patched"}, 1024,
+                 id="snapkv-patched"),
+    # a head mask, prefix caching on: the recompute may hit the request's own prompt blocks
+    pytest.param({"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64}, 2048,
+                 id="prulong", marks=slow),
+])
+def test_v2_runner_preemption_replays_exactly(bundled_model_dir, tokenizer, hf_model, policy,
+                                              max_len):
+    """Stock admission (`--kv-admission vllm`) in a 64 MiB pool, too small for six requests'
+    decode growth: vLLM preempts, and the V2 runner gets a preempted request back as a new one
+    (its block table overwritten; contract-tested). A preempted request's tokens are still the
+    reference's at the chunks it reports (its recompute replays its first run's)."""
+    policy = {**policy, "admission": "vllm"}
+    caching = not KVPolicyConfig.from_dict(policy).patched
+    prompts = source_prompts(tokenizer, [500] * 6)
+    result = result_of(run_v2(bundled_model_dir, policy, 256, prompts, caching,
+                              new_tokens=200, kv_cache_memory_bytes=64 << 20,
+                              max_model_len=max_len))
+    assert result["runner"] == "vllm.v1.worker.cpu.model_runner"
+    preempted = [(p, ids, s) for p, ids, s in zip(prompts, result["token_ids"],
+                                                  result["kv_stats"]) if s["preemptions"]]
+    assert preempted, [s["preemptions"] for s in result["kv_stats"]]
+    prompt, got, stats = preempted[0]  # (a 200-token reference decode is slow: one)
+    ref = reference(hf_model, bundled_model_dir, policy, prompt, stats["chunk_boundaries"], 200)
+    assert got == list(ref.token_ids), stats["chunk_boundaries"]
