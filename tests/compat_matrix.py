@@ -79,6 +79,12 @@ V2_SLOW = [("full", "cpu"), ("streaming", "cpu"), ("duo-0.3", "cpu"), ("prulong-
            ("pyramidkv-patched-0.7", "cpu"), ("pyramidkv-patched-0.7", "flex"),
            ("hybrid-prulong-0.5-snapkv-patched-0.5", "cpu"), ("snapkv-naive-0.5-decode", "cpu")]
 V2_COMPILED = ("prulong-0.7", "snapkv-patched-0.5")  # without --enforce-eager (slow tier)
+# tensor and data parallel under V2 (tests/test_tensor_parallel.py, test_data_parallel.py):
+# every column; CI a head mask's TP (the balanced head order) and token eviction's DP
+V2_TP = tuple(TP_IDS)
+V2_TP_CI = ("prulong 0.7",)
+V2_DP = [(c, "cpu") for c in DP_IDS] + [("prulong 0.7", "flex"), ("snapkv patched", "flex")]
+V2_DP_CI = (("snapkv patched", "cpu"),)
 # forced preemption under V2 (`--kv-admission vllm`): column -> test id; CI token eviction's
 V2_PREEMPTION = {"snapkv patched": "snapkv-patched", "prulong 0.7": "prulong"}
 
@@ -292,11 +298,18 @@ ROWS = [
                      f"reference[{COLUMNS[c]}]",) if COLUMNS[c] in V2_COMPILED else ())
                  + ((("" if c == "snapkv patched" else "(s)")
                      + "tests/test_v2_runner.py::test_v2_runner_preemption_replays_exactly"
-                       f"[{V2_PREEMPTION[c]}]",) if c in V2_PREEMPTION else ()),
+                       f"[{V2_PREEMPTION[c]}]",) if c in V2_PREEMPTION else ())
+                 + ((("" if c in V2_TP_CI else "(s)") + "tests/test_tensor_parallel.py::test_tp2_"
+                     f"under_the_v2_runner_serves_the_reference_tokens[{TP_IDS[c]}]",)
+                    if c in V2_TP else ())
+                 + tuple(("" if (c, b) in V2_DP_CI else "(s)") + "tests/test_data_parallel.py::"
+                         f"test_dp2_serves_the_reference_tokens_per_replica[{DP_IDS[c]}-{b}-v2]"
+                         for b in ("cpu", "flex") if (c, b) in V2_DP),
                  "vLLM 0.32's V2 runner, its Triton kernels in Triton's interpreter (no Triton "
                  "CPU backend here): a batch of three prompts, then a repeat (a prefix hit where "
                  "the policy caches); compiled too (prulong, patched snapkv); forced preemption "
-                 "(patched snapkv, prulong); TP / DP, fp8, "
+                 "(patched snapkv, prulong); tensor parallel 2 and data parallel 2 (tiny Qwen3, "
+                 "4 KV heads); fp8, "
                  "speculation or LoRA under V2: "
                  "refused (tests/test_features.py::test_v2_model_runner_refuses_what_is_untested_"
                  "there)")

@@ -15,7 +15,7 @@ import openai
 import pytest
 import torch
 
-from compat_matrix import DP_CI, DP_IDS
+from compat_matrix import DP_CI, DP_IDS, V2_DP, V2_DP_CI
 from conftest import SERVED_NAME, start_server
 from test_model_families_vllm import NEW_TOKENS, random_mask, reference
 from test_policies_vllm import flags, source_prompts
@@ -25,21 +25,28 @@ from vllm_kvevict.config import HEAD_MASK_POLICIES
 DP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per replica
 CHUNK = 128
 PROMPT_LENGTHS = (300, 340, 260, 380)
-CASES = [pytest.param(column, "cpu", id=test_id,
+CASES = [pytest.param(column, "cpu", False, id=test_id,
                       marks=[] if column in DP_CI else [pytest.mark.slow])
          for column, test_id in DP_IDS.items()]
 # the FlexAttention path: a head mask and patched token eviction (slow tier)
-CASES += [pytest.param(column, "flex", id=f"{DP_IDS[column]}-flex", marks=pytest.mark.slow)
+CASES += [pytest.param(column, "flex", False, id=f"{DP_IDS[column]}-flex",
+                       marks=pytest.mark.slow)
           for column in ("prulong 0.7", "snapkv patched")]
+# vLLM's V2 model runner in both replicas (triton_interpreter.server_env)
+CASES += [pytest.param(column, backend, True, id=f"{DP_IDS[column]}-{backend}-v2",
+                       marks=[] if (column, backend) in V2_DP_CI else [pytest.mark.slow])
+          for column, backend in V2_DP]
 
 
 @pytest.mark.server
 @pytest.mark.serial  # one replica per core: no other server may hold a core meanwhile
 @pytest.mark.served_release
-@pytest.mark.parametrize("column, backend", CASES)
-def test_dp2_serves_the_reference_tokens_per_replica(column, backend, tiny_qwen3, tokenizer,
+@pytest.mark.parametrize("column, backend, v2", CASES)
+def test_dp2_serves_the_reference_tokens_per_replica(column, backend, v2, tiny_qwen3, tokenizer,
                                                       one_torch_thread):
     from transformers import AutoModelForCausalLM
+
+    from triton_interpreter import runners_in, server_env
 
     model_dir = tiny_qwen3(4)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
@@ -51,8 +58,11 @@ def test_dp2_serves_the_reference_tokens_per_replica(column, backend, tiny_qwen3
     if policy["policy"] in HEAD_MASK_POLICIES:
         policy["mask_path"] = str(random_mask(model_dir, model.config))
     server = start_server(model_dir, [*flags(policy, CHUNK), "--data-parallel-size", "2",
-                                      "--api-server-count", "1"], env=DP_ENV)
-    assert f"attention_backend={backend}" in server.log_tail(10 ** 7) or backend == "cpu"
+                                      "--api-server-count", "1"],
+                          env={**DP_ENV, **(server_env() if v2 else {})})
+    log = server.log_tail(10 ** 7)
+    assert f"attention_backend={backend}" in log or backend == "cpu"
+    assert runners_in(log) == ((2, 0) if v2 else (0, 2))  # each replica's runner
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
     prompts = source_prompts(tokenizer, PROMPT_LENGTHS)
 

@@ -222,8 +222,8 @@ def test_vllm_serve_refuses_a_sliding_window_model(bundled_model_dir, tmp_path):
 
 
 def test_v2_model_runner_refuses_what_is_untested_there():
-    """Under vLLM's V2 model runner every policy is served, eager or compiled, in one engine of
-    one rank, the model's KV-cache dtype, no speculation, no LoRA (tests/test_v2_runner.py);
+    """Under vLLM's V2 model runner every policy is served, eager or compiled, tensor and data
+    parallel, the model's KV-cache dtype, no speculation, no LoRA (tests/test_v2_runner.py);
     each other feature turned on is refused with the flag that turned it on. `full` is stock
     vLLM.
     (Served: tests/test_v2_runner.py::test_v2_runner_refuses_untested_features.)"""
@@ -236,17 +236,18 @@ def test_v2_model_runner_refuses_what_is_untested_there():
                compilation_config=NS(mode=0), cache_config=NS(cache_dtype="auto"),
                speculative_config=None, lora_config=None)
     assert v2_features_on(plain) == []
-    busy = NS(parallel_config=NS(tensor_parallel_size=2, pipeline_parallel_size=1,
+    busy = NS(parallel_config=NS(tensor_parallel_size=2, pipeline_parallel_size=2,
                                  data_parallel_size=2),
               compilation_config=NS(mode=3), cache_config=NS(cache_dtype="fp8"),
               speculative_config=NS(method="ngram"), lora_config=object())
     on = v2_features_on(busy)
-    assert on == ["--tensor-parallel-size 2", "--data-parallel-size 2", "--kv-cache-dtype fp8",
-                  "--speculative-config", "--enable-lora"]  # (compiled mode is served)
+    # (compiled mode, tensor and data parallel are served)
+    assert on == ["--pipeline-parallel-size 2", "--kv-cache-dtype fp8", "--speculative-config",
+                  "--enable-lora"]
     for name in EVICTING:
         assert model_runner_error(config(name), True, []) is None
         assert model_runner_error(config(name), False, on) is None
-        error = model_runner_error(config(name), True, on[2:3])
+        error = model_runner_error(config(name), True, on[1:2])
         assert error.startswith("VLLM_USE_V2_MODEL_RUNNER=1 (vLLM's V2 model runner) with "
                                 f"--kv-policy {config(name).policy} is not supported with "
                                 "--kv-cache-dtype fp8 yet (untested); valid: "

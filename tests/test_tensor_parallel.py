@@ -18,7 +18,7 @@ import openai
 import pytest
 import torch
 
-from compat_matrix import HYBRID, TP_CI, TP_IDS
+from compat_matrix import HYBRID, TP_CI, TP_IDS, V2_TP, V2_TP_CI
 from conftest import SERVED_NAME, pool_width, start_server
 from test_model_families_vllm import NEW_TOKENS, random_mask, reference
 from test_policies_vllm import flags, source_prompts
@@ -151,7 +151,7 @@ def clustered_mask(model_dir):
     return path
 
 
-def _tp2_server(policy: dict, num_kv_heads: int, tiny_qwen3):
+def _tp2_server(policy: dict, num_kv_heads: int, tiny_qwen3, env: dict | None = None):
     """A TP 2 server of `policy` on the tiny Qwen3 with `num_kv_heads` KV heads (a head mask:
     a random one saved beside the model, for prulong 0.7 on 4 KV heads the clustered one):
     (server, HF model, model dir, served policy)."""
@@ -167,7 +167,7 @@ def _tp2_server(policy: dict, num_kv_heads: int, tiny_qwen3):
         policy["mask_path"] = str(clustered_mask(model_dir) if clustered
                                   else random_mask(model_dir, model.config))
     server = start_server(model_dir, [*flags(policy, CHUNK), "--tensor-parallel-size", "2"],
-                          env=TP_ENV)
+                          env={**TP_ENV, **(env or {})})
     log = server.log_tail(10 ** 7)
     assert "Worker_TP0" in log and "Worker_TP1" in log  # two worker processes, one per rank
     return server, model, model_dir, policy
@@ -230,6 +230,25 @@ def test_tp2_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_torch_
             assert "KV heads reordered so every rank holds its share of the full heads " \
                 "(--kv-tp-head-order balanced): full heads 5 -> 3, streaming companions " \
                 "8 -> 6 per rank" in log
+
+
+@pytest.mark.server
+@pytest.mark.serial
+@pytest.mark.served_release
+@pytest.mark.parametrize("column", [pytest.param(c, id=TP_IDS[c], marks=[] if c in V2_TP_CI
+                                                 else [pytest.mark.slow]) for c in V2_TP])
+def test_tp2_under_the_v2_runner_serves_the_reference_tokens(column, tiny_qwen3, tokenizer,
+                                                            one_torch_thread):
+    """vLLM's V2 model runner in both ranks (its Triton kernels in Triton's interpreter,
+    `triton_interpreter.server_env`): each rank its slice of the heads, as under V1 (the
+    clustered mask's balanced head order included), tokens == the reference."""
+    from triton_interpreter import runners_in, server_env
+
+    server, model, model_dir, policy = _tp2_server(TP_POLICIES[column], 4, tiny_qwen3,
+                                                   server_env())
+    assert runners_in(server.log_tail(10 ** 7)) == (1, 0)  # (logged by rank 0)
+    assert len(list(_served_equals_reference(server, model, model_dir, policy, tokenizer))) \
+        == len(PROMPT_LENGTHS)
 
 
 @pytest.mark.server

@@ -10,6 +10,7 @@ With Triton on, vLLM 0.32 picks the V2 runner by default (`VllmConfig.use_v2_mod
 `VLLM_USE_V2_MODEL_RUNNER=0` keeps V1."""
 
 import os
+import re
 import sys
 import types
 
@@ -22,3 +23,23 @@ def enable() -> None:
 
     inactive = types.SimpleNamespace(is_active=lambda: False)
     triton.backends.backends.setdefault("cpu", types.SimpleNamespace(driver=inactive))
+
+
+# A server on the V2 runner: every process it starts (engine cores, tensor-parallel workers,
+# data-parallel replicas: spawned, each importing vLLM afresh) enables the interpreter first,
+# through `v2_site/sitecustomize.py`.
+SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "v2_site")
+
+
+def server_env() -> dict[str, str]:
+    return {"VLLM_USE_V2_MODEL_RUNNER": "1", "KVEVICT_TRITON_INTERPRETER": "1",
+            "PYTHONPATH": os.pathsep.join(p for p in (SITE, os.environ.get("PYTHONPATH"))
+                                          if p)}
+
+
+def runners_in(log: str) -> tuple[int, int]:
+    """(V2, V1) model runners that logged loading the model in a server's log: V2's load line,
+    V1's CPU runner's "Starting to load model" (vLLM logs it from a tensor-parallel group's
+    first rank only: one per engine core)."""
+    return (len(re.findall(r"\[model_runner\.py:\d+\] Loading model from scratch", log)),
+            len(re.findall(r"\[cpu_model_runner\.py:\d+\] Starting to load model", log)))

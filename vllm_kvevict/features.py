@@ -214,23 +214,24 @@ def model_runner_error(policy_config, uses_v2: bool, turned_on: list[str]) -> st
     `CPUWorker` then builds `vllm.v1.worker.cpu.model_runner.CPUModelRunner`) serves every
     policy (the worker side reads it through `integration/runners.py`, question rows in
     `question_rows.py`; tokens == the reference, tests/test_v2_runner.py), eager or compiled,
-    in one engine of one rank, at the model's KV-cache dtype, without speculation or LoRA. With
-    the V2 runner, each of `turned_on` (the vLLM features the user turned on, by flag) is
-    untested: refused. `full` runs as stock vLLM."""
+    tensor and data parallel (tests/test_tensor_parallel.py, test_data_parallel.py), forced
+    preemption, at the model's KV-cache dtype, without speculation or LoRA. With the V2 runner,
+    each of `turned_on` (the vLLM features the user turned on, by flag) is untested: refused.
+    `full` runs as stock vLLM."""
     if not uses_v2 or policy_config.policy == "full" or not turned_on:
         return None
     return (f"VLLM_USE_V2_MODEL_RUNNER=1 (vLLM's V2 model runner) with --kv-policy "
             f"{policy_config.policy} is not supported with {', '.join(turned_on)} yet "
             "(untested); valid: VLLM_USE_V2_MODEL_RUNNER=0 (vLLM's V1 runner serves them), or "
-            "the V2 runner in one engine of one rank, --kv-cache-dtype auto, no speculative "
-            "decoding and no LoRA")
+            "the V2 runner with --kv-cache-dtype auto, no speculative decoding and no LoRA")
 
 
 def v2_features_on(vllm_config) -> list[str]:
     """The features `model_runner_error` checks, as the flags that turned them on."""
     parallel = getattr(vllm_config, "parallel_config", None)
     out = [f"{flag} {getattr(parallel, field, 1)}" for field, flag in PARALLEL_FLAGS
-           if int(getattr(parallel, field, 1) or 1) != 1]
+           if int(getattr(parallel, field, 1) or 1) != 1
+           and field == "pipeline_parallel_size"]  # (tensor and data parallel: served)
     dtype = str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto"))
     if dtype != "auto":
         out.append(f"--kv-cache-dtype {dtype}")
