@@ -228,10 +228,10 @@ def model_runner_error(policy_config, uses_v2: bool, turned_on: list[str]) -> st
 
 def v2_features_on(vllm_config) -> list[str]:
     """The features `model_runner_error` checks, as the flags that turned them on."""
-    parallel = getattr(vllm_config, "parallel_config", None)
-    out = [f"{flag} {getattr(parallel, field, 1)}" for field, flag in PARALLEL_FLAGS
-           if int(getattr(parallel, field, 1) or 1) != 1
-           and field == "pipeline_parallel_size"]  # (tensor and data parallel: served)
+    # (tensor and data parallel are served under V2; pipeline parallel is not)
+    pipeline = int(getattr(getattr(vllm_config, "parallel_config", None),
+                           "pipeline_parallel_size", 1) or 1)
+    out = [f"--pipeline-parallel-size {pipeline}"] if pipeline != 1 else []
     dtype = str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto"))
     if dtype != "auto":
         out.append(f"--kv-cache-dtype {dtype}")

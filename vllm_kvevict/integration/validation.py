@@ -104,10 +104,10 @@ def before_create(engine_args) -> None:
     back while the policies free evicted blocks at the next schedule (untested there): off
     unless the user asked for it, and then refused."""
     inject_config(engine_args)
-    additional = engine_args.additional_config
-    raw = additional.get(ADDITIONAL_CONFIG_KEY) if isinstance(additional, dict) else None
-    policy = raw.get("policy", "full") if isinstance(raw, dict) else "full"
-    if policy == "full" or platform_name() == "cpu":
+    if platform_name() == "cpu":
+        return
+    policy = policy_config_of(engine_args).policy  # (it reads any object's additional_config)
+    if policy == "full":
         return
     if engine_args.async_scheduling:
         raise KVPolicyError(f"--async-scheduling is not supported with --kv-policy {policy} "
