@@ -15,6 +15,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("batch", type=int); ap.add_argument("prompt_tokens", type=int); ap.add_argument("new_tokens", type=int)
 ap.add_argument("--policy", default="prulong:0.7"); ap.add_argument("--block-size", type=int, default=128)
 ap.add_argument("--prefix-caching", action="store_true")
+ap.add_argument("--cprofile", metavar="FILE", help="also cProfile the decode steps' engine steps into FILE")
 args = ap.parse_args()
 B, N, S = args.batch, args.prompt_tokens, args.new_tokens
 name, _, sparsity = args.policy.partition(":")
@@ -39,6 +40,28 @@ import vllm.v1.attention.backends.cpu_attn as cpu_attn
 wrap(cpu_attn.CPUAttentionBackendImpl, "forward", "vllm_forward")  # (stock; a head mask's all-full layers)
 import vllm.model_executor.layers.attention.attention as attention_layer
 wrap(attention_layer.Attention, "forward", "attention_layer")  # everything a layer does for attention
+# the engine core's whole step and the scheduler's part of it (plugin: our scheduler and managers)
+import vllm.v1.engine.core as core
+import cProfile
+PROF = cProfile.Profile() if args.cprofile else None
+E = {"step": 0.0, "schedule": 0.0, "update": 0.0}
+orig_step = core.EngineCore.step
+def timed(sched, name):
+    f = getattr(sched, name)
+    def w(*a, **k):
+        t = time.perf_counter(); r = f(*a, **k); E.setdefault("_" + name, 0.0); E["_" + name] = time.perf_counter() - t; return r
+    setattr(sched, name, w)
+def step(self):
+    if not getattr(self.scheduler, "_timed", False):
+        timed(self.scheduler, "schedule"); timed(self.scheduler, "update_from_output"); self.scheduler._timed = True
+    n0 = steps["n"]
+    if PROF is not None and steps["n"] > 0: PROF.enable()  # (a decode step follows a decode step)
+    t = time.perf_counter(); r = orig_step(self)
+    if PROF is not None: PROF.disable()
+    if steps["n"] > n0:
+        E["step"] += time.perf_counter() - t; E["schedule"] += E["_schedule"]; E["update"] += E["_update_from_output"]
+    return r
+core.EngineCore.step = step
 from vllm import LLM, SamplingParams
 from vllm_kvevict.model import ensure_bundled_model
 llm = LLM(model=str(ensure_bundled_model()), enforce_eager=True, dtype="float32", max_model_len=8192,
@@ -60,5 +83,8 @@ prompts = [{"prompt_token_ids": [100 + (j * 7 + i) % 5000 for j in range(N)]} fo
 llm.generate(prompts, SamplingParams(temperature=0, max_tokens=S, ignore_eos=True, detokenize=False), use_tqdm=False)
 n = steps["n"]
 print(f"RESULT {args.policy} bs={args.block_size} pc={args.prefix_caching} B={B} N={N} decode steps {n}: execute_model {steps['t']/n*1000:.1f} ms/step")
+print(f"RESULT   engine step {E['step']/n*1000:.1f} ms/step: schedule {E['schedule']/n*1000:.2f}, update_from_output {E['update']/n*1000:.2f}")
 for k, v in sorted(T.items(), key=lambda x: -x[1]):
     print(f"RESULT   {k:18s} {v/n*1000:7.2f} ms/step  ({C[k]//n} calls/step)")
+if PROF is not None:
+    PROF.dump_stats(args.cprofile)

@@ -391,6 +391,36 @@ def test_a_uniform_decode_step_gets_its_rows_windows_and_their_attention():
             torch.testing.assert_close(out[b, j], w @ v[j // g, b])
 
 
+def test_a_decode_only_plan_equals_the_general_one_field_by_field():
+    """build_step_plan's decode-only plan (`DecodeStepPlan`: scratch indices built on first
+    use) holds exactly what the general builder computes for the same rows, with and without
+    canonical chunks, rows shorter than sink + window included; a step with a prompt row, a
+    multi-query row or patched questions takes the general builder."""
+    import dataclasses
+    import random
+
+    from vllm_kvevict.integration.streaming.step_plan import (DecodeStepPlan, StepPlan,
+                                                              build_plan, build_step_plan)
+
+    rng = random.Random(0)
+    for case in range(40):
+        sink, window, bs = rng.choice([(4, 8, 32), (64, 256, 64), (0, 96, 32), (32, 64, 16)])
+        computed = [rng.randrange(1, 700) for _ in range(rng.randrange(1, 9))]
+        chunk = rng.choice([None, 64])
+        prompts = [rng.randrange(1, a + 1) for a in computed] if chunk or case % 2 else None
+        args = (computed, [1] * len(computed), sink, window, bs, prompts)
+        fast, ref = build_step_plan(*args, chunk=chunk), build_plan(*args, chunk=chunk)
+        assert isinstance(fast, DecodeStepPlan)
+        for f in dataclasses.fields(StepPlan):
+            a, b = getattr(fast, f.name), getattr(ref, f.name)
+            assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), f.name
+    for args, kw in [(([100, 200], [1, 1], 4, 8, 32, [150, 60]), {"chunk": 16}),  # in prompt
+                     (([100, 200], [1, 3], 4, 8, 32, [50, 60]), {"chunk": 16}),
+                     (([100, 200], [1, 1], 4, 8, 32, [50, 60]), {"questions": [(0, 2, 2)]}),
+                     (([100, 200], [1, 1], 4, 8, 32, None), {"chunk": 16})]:
+        assert not isinstance(build_step_plan(*args, **kw), DecodeStepPlan)
+
+
 @pytest.mark.served_release
 @pytest.mark.parametrize("sink,window,bs", [(64, 256, 64), (32, 64, 32), (0, 96, 32),
                                             (128, 128, 128)])

@@ -88,6 +88,11 @@ def test_kv_manager_signatures():
     assert "num_tokens_main_model + num_lookahead_tokens" in source
     assert {"request_id", "num_tokens", "num_tokens_main_model", "apply_admission_cap"} <= params(
         SingleTypeKVCacheManager.get_num_blocks_to_allocate)
+    # `scheduler.blocks_to_allocate` binds a call's arguments by position and name, and calls
+    # back by name: no positional-only or variadic parameter
+    assert {p.kind for p in inspect.signature(
+        SingleTypeKVCacheManager.get_num_blocks_to_allocate).parameters.values()} == {
+        inspect.Parameter.POSITIONAL_OR_KEYWORD}
     assert list(inspect.signature(SingleTypeKVCacheManager.allocate_new_blocks).parameters)[:4] \
         == ["self", "request_id", "num_tokens", "num_tokens_main_model"]
     # our wrappers sit on the base class: the full-attention manager must not override them

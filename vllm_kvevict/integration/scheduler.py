@@ -48,8 +48,11 @@ def attach(scheduler) -> GrowthReserve | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _signature(fn):
-    return inspect.signature(fn)
+def _parameter_names(fn) -> tuple[str, ...]:
+    """`fn`'s parameter names in order (vLLM's signature: positional-or-keyword only, pinned
+    by `tests/test_vllm_contract.py`), so a call's arguments bind without `inspect.bind` (this
+    runs per KV-cache group, request and step)."""
+    return tuple(inspect.signature(fn).parameters)
 
 
 def blocks_to_allocate(manager, stock_count, *args, **kwargs):
@@ -64,8 +67,8 @@ def blocks_to_allocate(manager, stock_count, *args, **kwargs):
         # (a step's allocation without a token ledger: vLLM's count, no binding; its
         # coordinator passes the cap by keyword)
         return stock_count(manager, *args, **kwargs)
-    bound = _signature(stock_count).bind(manager, *args, **kwargs)
-    arguments, group = bound.arguments, manager.kv_cache_group_id
+    arguments = dict(zip(_parameter_names(stock_count), (manager, *args)), **kwargs)
+    group = manager.kv_cache_group_id
     request_id, num_tokens = arguments["request_id"], arguments["num_tokens"]
     if arguments.get("apply_admission_cap"):
         num_tokens = rule.admission_tokens(request_id, num_tokens, group)
@@ -84,7 +87,7 @@ def blocks_to_allocate(manager, stock_count, *args, **kwargs):
     arguments["num_tokens"] = num_tokens
     if "num_tokens_main_model" in arguments:
         arguments["num_tokens_main_model"] = min(arguments["num_tokens_main_model"], num_tokens)
-    return stock_count(*bound.args, **bound.kwargs)
+    return stock_count(**arguments)
 
 
 def allocate_new_blocks(manager, stock_allocate, request_id, num_tokens, num_tokens_main_model,

@@ -69,10 +69,54 @@ def visible_before(a: int, sink: int, window: int, anchor: int | None = None) ->
     return torch.cat([torch.arange(sink), torch.arange(lo, a)])
 
 
+class DecodeStepPlan(StepPlan):
+    """The plan of a step whose rows are all one decode query (the common step of requests
+    decoding): what the in-place kernel reads (rows, seq_lens, positions) is built at once, the
+    scratch-cache indices (per row, a dozen small tensors) only if a layer reads one of them
+    (a layer that cannot run in place: fp8, a partial sink block, ...)."""
+
+    def __init__(self, decode_q: torch.Tensor, seq_lens: list[int], build) -> None:
+        # (not the dataclass __init__: the fields below are built on first use)
+        self.num_reqs, self.decode_q = len(seq_lens), decode_q
+        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+        self.query_start_loc = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
+        self.valid, self.kernel_schedules, self._build, self._full = True, {}, build, None
+
+
+def _built_on_use(name: str) -> property:
+    def get(self):
+        if self._full is None:
+            self._full = self._build()
+        return getattr(self._full, name)
+    return property(get)
+
+
+for _name in ("block_table", "scratch_slots", "prefix_dst", "prefix_pos", "prefix_row",
+              "chunk_dst", "chunk_src", "max_seq_len", "decode_pos"):
+    setattr(DecodeStepPlan, _name, _built_on_use(_name))
+
+
 def build_step_plan(computed: list[int], query_lens: list[int], sink: int, window: int,
                     block_size: int, prompt_lens: list[int] | None = None,
                     questions: list[tuple[int, int, int]] = (),
                     chunk: int | None = None) -> StepPlan:
+    """`build_plan`, a decode-only step's scratch indices built on first use
+    (`DecodeStepPlan`)."""
+    if computed and not questions and all(
+            c == 1 and (not chunk or (prompt_lens is not None and a >= prompt_lens[r]))
+            for r, (a, c) in enumerate(zip(computed, query_lens))):
+        # (the rows `build_plan` makes of these: one each, [sink | window | itself])
+        return DecodeStepPlan(torch.tensor(computed), [min(a, sink + window) + 1 for a in computed],
+                              lambda: build_plan(computed, query_lens, sink, window, block_size,
+                                                 prompt_lens, questions, chunk))
+    return build_plan(computed, query_lens, sink, window, block_size, prompt_lens, questions,
+                      chunk)
+
+
+def build_plan(computed: list[int], query_lens: list[int], sink: int, window: int,
+               block_size: int, prompt_lens: list[int] | None = None,
+               questions: list[tuple[int, int, int]] = (),
+               chunk: int | None = None) -> StepPlan:
     """Indices for one step. Row r: `computed[r]` tokens already processed, `query_lens[r]`
     tokens in this step (a prefill chunk, one decode token, or a verification step of 1 + K
     decode tokens). Queries at positions >= `prompt_lens[r]` of a multi-query row each get
