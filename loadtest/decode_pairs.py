@@ -74,7 +74,8 @@ def round_ratios(s: dict, p: dict, args, per_tok: int, block: int) -> dict:
                                    full_bytes(args.batch_input_len + out_len, block, per_tok))]
     res = {}
     for key, xs, ys, mine, held in [
-            ("b1", x1, [s["short_b1_tpot_s"], s["b1_tpot_s"]], p["b1_tpot_s"], p["b1_kv_bytes_end"]),
+            ("b1", x1, [s["short_b1_tpot_s"], s["b1_tpot_s"]], p["b1_tpot_s"],
+             p["b1_kv_bytes_end"]),
             ("batch", xB, [s["short_batch_step_s"], s["batch_step_s"]], p["batch_step_s"],
              p["batch_kv_bytes_end"])]:
         k = (ys[1] - ys[0]) / (xs[1] - xs[0])

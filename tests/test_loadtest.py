@@ -738,3 +738,37 @@ def test_soak_checks_and_table(tmp_path):
     table = report(tmp_path)
     assert table.count("\n") == 3 and "| x | 10 | 6 (7) | 2 | 2 -> 2 | 0 | 0 | 8 (abort 2, " \
         "length 6) | 3 | usage 0, 0 in every group | True | True | 1.5 |" in table, table
+
+
+def test_a_decode_pair_round_judges_the_policy_against_that_rounds_stock_fit():
+    """loadtest.decode_pairs: a round's limit is stock's c0 + k x the policy's held bytes,
+    both fitted on that round's stock runs (short and long context); a policy that holds
+    stock's bytes is at 1.00 of a limit of 1.00, one that holds none at c0 / stock."""
+    from types import SimpleNamespace
+
+    from loadtest.decode_pairs import STOCK_BLOCK, round_ratios
+    from loadtest.limits import full_bytes
+
+    args = SimpleNamespace(short_input_len=128, input_len=7000, batch_input_len=4000,
+                           output_len=256, batch=8)
+    per_tok = 46080
+    long1 = full_bytes(7256, STOCK_BLOCK, per_tok)
+    longB = 8 * full_bytes(4256, STOCK_BLOCK, per_tok)
+    short1 = full_bytes(384, STOCK_BLOCK, per_tok)
+    shortB = 8 * short1
+    # stock: 20 ms + 10 ms per GB at batch 1, 40 ms + 70 ms per GB at batch 8
+    s = {"short_b1_tpot_s": 0.020 + 1e-11 * short1, "b1_tpot_s": 0.020 + 1e-11 * long1,
+         "short_batch_step_s": 0.040 + 7e-11 * shortB, "batch_step_s": 0.040 + 7e-11 * longB}
+    same = {"b1_tpot_s": s["b1_tpot_s"], "b1_kv_bytes_end": long1,
+            "batch_step_s": s["batch_step_s"], "batch_kv_bytes_end": longB}
+    r = round_ratios(s, same, args, per_tok, STOCK_BLOCK)
+    for key in ("b1", "batch"):
+        assert r[key]["limit_x_stock"] == pytest.approx(1.0)
+        assert r[key]["measured_over_limit"] == pytest.approx(1.0)
+    half = {"b1_tpot_s": 0.020 + 1e-11 * long1 / 2 * 1.1, "b1_kv_bytes_end": long1 / 2,
+            "batch_step_s": 0.040, "batch_kv_bytes_end": 0}
+    r = round_ratios(s, half, args, per_tok, STOCK_BLOCK)
+    assert r["batch"]["limit_x_stock"] == pytest.approx(0.040 / s["batch_step_s"])
+    assert r["batch"]["measured_over_limit"] == pytest.approx(1.0)
+    assert r["b1"]["measured_over_limit"] == pytest.approx(
+        (0.020 + 1e-11 * long1 / 2 * 1.1) / (0.020 + 1e-11 * long1 / 2))
