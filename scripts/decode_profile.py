@@ -3,7 +3,10 @@ step (`execute_model`) and of each part of the attention (our backend's methods,
 wrapping them), per step. prulong 0.7 on the bundled model by default.
 
     python scripts/decode_profile.py BATCH PROMPT_TOKENS NEW_TOKENS [--policy stock|prulong:0.7]
-        [--block-size 128] [--prefix-caching]                        # e.g. 8 2000 40
+        [--block-size 128] [--prefix-caching] [--linear] [--repeat 3] [--cprofile FILE]
+                                                                      # e.g. 8 2000 40
+Set OMP_NUM_THREADS=1 to time one thread, as a served engine with
+VLLM_CPU_NUM_OF_RESERVED_CPU=1 runs on this two-core machine.
 """
 import argparse
 import collections
@@ -16,6 +19,8 @@ ap.add_argument("batch", type=int); ap.add_argument("prompt_tokens", type=int); 
 ap.add_argument("--policy", default="prulong:0.7"); ap.add_argument("--block-size", type=int, default=128)
 ap.add_argument("--prefix-caching", action="store_true")
 ap.add_argument("--cprofile", metavar="FILE", help="also cProfile the decode steps' engine steps into FILE")
+ap.add_argument("--linear", action="store_true", help="also time vLLM's linear layers (the weights' products)")
+ap.add_argument("--repeat", type=int, default=1, help="generate this many times in one process, a report each")
 args = ap.parse_args()
 B, N, S = args.batch, args.prompt_tokens, args.new_tokens
 name, _, sparsity = args.policy.partition(":")
@@ -62,6 +67,17 @@ def step(self):
         E["step"] += time.perf_counter() - t; E["schedule"] += E["_schedule"]; E["update"] += E["_update_from_output"]
     return r
 core.EngineCore.step = step
+if args.linear:
+    import vllm.model_executor.layers.linear as linear
+    for cls in (linear.QKVParallelLinear, linear.RowParallelLinear, linear.MergedColumnParallelLinear):
+        def timed_linear(f):
+            def w(self, *a, **k):
+                if not ON[0]: return f(self, *a, **k)
+                t = time.perf_counter(); r = f(self, *a, **k)
+                label = "mm_" + self.prefix.split(".")[-1]; T[label] += time.perf_counter() - t; C[label] += 1
+                return r
+            return w
+        cls.forward = timed_linear(cls.forward)
 from vllm import LLM, SamplingParams
 from vllm_kvevict.model import ensure_bundled_model
 llm = LLM(model=str(ensure_bundled_model()), enforce_eager=True, dtype="float32", max_model_len=8192,
@@ -80,11 +96,13 @@ def ex(self, scheduler_output, *a, **k):
     return r
 Runner.execute_model = ex
 prompts = [{"prompt_token_ids": [100 + (j * 7 + i) % 5000 for j in range(N)]} for i in range(B)]
-llm.generate(prompts, SamplingParams(temperature=0, max_tokens=S, ignore_eos=True, detokenize=False), use_tqdm=False)
-n = steps["n"]
-print(f"RESULT {args.policy} bs={args.block_size} pc={args.prefix_caching} B={B} N={N} decode steps {n}: execute_model {steps['t']/n*1000:.1f} ms/step")
-print(f"RESULT   engine step {E['step']/n*1000:.1f} ms/step: schedule {E['schedule']/n*1000:.2f}, update_from_output {E['update']/n*1000:.2f}")
-for k, v in sorted(T.items(), key=lambda x: -x[1]):
-    print(f"RESULT   {k:18s} {v/n*1000:7.2f} ms/step  ({C[k]//n} calls/step)")
+for rep in range(args.repeat):
+    T.clear(); C.clear(); E.update(step=0.0, schedule=0.0, update=0.0); steps.update(n=0, t=0.0)
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=S, ignore_eos=True, detokenize=False), use_tqdm=False)
+    n = steps["n"]
+    print(f"RESULT {args.policy} bs={args.block_size} pc={args.prefix_caching} B={B} N={N} decode steps {n}: execute_model {steps['t']/n*1000:.1f} ms/step")
+    print(f"RESULT   engine step {E['step']/n*1000:.1f} ms/step: schedule {E['schedule']/n*1000:.2f}, update_from_output {E['update']/n*1000:.2f}")
+    for k, v in sorted(T.items(), key=lambda x: -x[1]):
+        print(f"RESULT   {k:18s} {v/n*1000:7.2f} ms/step  ({C[k]//n} calls/step)")
 if PROF is not None:
     PROF.dump_stats(args.cprofile)
