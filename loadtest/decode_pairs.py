@@ -4,8 +4,8 @@
         --out-dir docs/results/limits/pairs                 # resumable: one JSON line per round
 
 Why alternation: on this machine the same decode step's time drifts within a minute (the
-weights' matrix products of one stock process ran 3.7-5.4 ms per step from one `generate` to
-the next, `scripts/decode_profile.py`), so a stock server measured minutes before the policy's
+MLP's gate/up product of one stock process took 4.84, 3.87, 3.72 ms per step in three
+`generate` calls in a row, `scripts/decode_profile.py --linear --repeat 3`), so a stock server measured minutes before the policy's
 moves the ratio by more than the 10 % the limit is judged by. Here both servers stay up (the
 idle one's engine waits on its input queue), every prompt is sent once to warm the prefix cache
 (so a round costs decode only), and each round measures, in the order stock-policy or
@@ -31,22 +31,11 @@ from pathlib import Path
 
 import numpy as np
 
-from loadtest.limits import _send_all, batch_window, full_bytes, model_bytes, prompts_of
-from vllm_kvevict.launch import STOCK, ServerProcess, server_launch
+from loadtest.limits import (_send_all, batch_window, full_bytes, launch, line_through,
+                             model_bytes, prompts_of)
+from vllm_kvevict.launch import STOCK
 
 STOCK_BLOCK = 128  # vLLM's CPU default block size: stock's KV bytes in the fit
-
-
-def start(text: str, args, model: str, port: int, log: Path) -> ServerProcess:
-    policy, _, block = text.partition("@b")
-    argv, env = server_launch(
-        model, policy, kv_cache_bytes=args.kv_cache_memory_bytes, max_batched_tokens=args.chunk,
-        port=port, eager=True,
-        extra_args=["--dtype", "float32", "--served-model-name", "bench",
-                    "--max-model-len", str(args.max_model_len),
-                    *(["--block-size", block] if block else [])])
-    env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = args.reserved_cpus
-    return ServerProcess(argv, log, env=env)
 
 
 def measure(base: str, prompts: dict, stock: bool) -> dict:
@@ -78,8 +67,8 @@ def round_ratios(s: dict, p: dict, args, per_tok: int, block: int) -> dict:
              p["b1_kv_bytes_end"]),
             ("batch", xB, [s["short_batch_step_s"], s["batch_step_s"]], p["batch_step_s"],
              p["batch_kv_bytes_end"])]:
-        k = (ys[1] - ys[0]) / (xs[1] - xs[0])
-        limit = ys[0] + k * (held - xs[0])
+        c0, k = line_through(xs, ys)
+        limit = c0 + k * held
         res[key] = {"x_stock": mine / ys[1], "limit_x_stock": limit / ys[1],
                     "measured_over_limit": mine / limit}
     return res
@@ -152,8 +141,8 @@ def main() -> None:
         servers = {}
         try:
             for (k, text), port in zip(names.items(), args.ports):  # one start at a time
-                servers[k] = start(text, args, model, port,
-                                   args.out_dir / "logs" / f"{k}_{text.replace(':', '-')}.log")
+                servers[k] = launch(text, args, model, port,
+                                    args.out_dir / "logs" / f"{k}_{text.replace(':', '-')}.log")
                 servers[k].wait_healthy(bases[k])
                 measure(bases[k], prompts, stock=k == "stock")  # warms the prefix cache
             for i in tqdm(range(len(rows), args.rounds), desc="rounds"):

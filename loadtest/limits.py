@@ -123,24 +123,37 @@ def prompts_of(tok, rng, n: int, length: int, output_len: int, kind: str) -> lis
             for i in range(n)]
 
 
-def measure_server(text: str, args, model: str, tok, seed: int) -> dict:
-    """`text`: a policy (`launch.parse_policy`) or stock, with `@bN` for `--block-size N`
-    (e.g. `prulong:0.7@b64`: the bundled masks' 64-token sink in whole blocks)."""
+def launch(text: str, args, model: str, port: int, log: Path) -> ServerProcess:
+    """The benchmark server of `text`: a policy (`launch.parse_policy`) or stock, with `@bN`
+    for `--block-size N` (e.g. `prulong:0.7@b64`: the bundled masks' 64-token sink in whole
+    blocks); eager, float32, `args`' pool, step budget, context and reserved CPUs."""
     policy, _, block = text.partition("@b")
-    stock = policy == STOCK
     argv, env = server_launch(
         model, policy, kv_cache_bytes=args.kv_cache_memory_bytes, max_batched_tokens=args.chunk,
-        port=args.port, eager=True,
+        port=port, eager=True,
         extra_args=["--dtype", "float32", "--served-model-name", MODEL_NAME,
                     "--max-model-len", str(args.max_model_len),
                     *(["--block-size", block] if block else [])])
     env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = args.reserved_cpus
+    log.parent.mkdir(parents=True, exist_ok=True)
+    return ServerProcess(argv, log, env=env)
+
+
+def line_through(xs, ys) -> tuple[float, float]:
+    """(c0, k) of the line y = c0 + k x through the two points: a decode step's fixed cost and
+    its cost per KV byte, from stock at a short and a long context."""
+    k = (ys[1] - ys[0]) / (xs[1] - xs[0])
+    return ys[0] - k * xs[0], k
+
+
+def measure_server(text: str, args, model: str, tok, seed: int) -> dict:
+    """`text`: as `launch`'s."""
+    stock = text.partition("@b")[0] == STOCK
     base = f"http://127.0.0.1:{args.port}"
     rng = np.random.default_rng(seed)  # the same prompts for every server
     out: dict = {"policy": text}
     log = args.out_dir / "logs" / f"server_{text.replace(':', '-')}.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with ServerProcess(argv, log, env=env) as server:
+    with launch(text, args, model, args.port, log) as server:
         out["ready_s"] = server.wait_healthy(base)
         run = lambda ps: asyncio.run(_send_all(base, ps))  # noqa: E731
         run(prompts_of(tok, rng, 1, 64, 4, "warmup"))
@@ -195,10 +208,8 @@ def analyse(rows: dict, probe: dict, args) -> tuple[list[str], dict]:
     xB = [args.batch * full_bytes(short_end, block, per_tok),
           args.batch * full_bytes(endB, block, per_tok)]
     yB = [s["short_batch"]["step_s"], s["batch"]["step_s"]]
-    k1 = (y1[1] - y1[0]) / (x1[1] - x1[0])
-    c01 = y1[0] - k1 * x1[0]
-    kB = (yB[1] - yB[0]) / (xB[1] - xB[0])
-    c0B = yB[0] - kB * xB[0]
+    c01, k1 = line_through(x1, y1)
+    c0B, kB = line_through(xB, yB)
     model = {"prefill_a_s_per_token": a, "prefill_b_s_per_token2": b,
              "attention_share_at_input_len": quad / (lin + quad),
              "b1_c0_s": c01, "b1_s_per_kv_byte": k1, "batch_c0_s": c0B,
