@@ -126,14 +126,17 @@ def prompts_of(tok, rng, n: int, length: int, output_len: int, kind: str) -> lis
 def launch(text: str, args, model: str, port: int, log: Path) -> ServerProcess:
     """The benchmark server of `text`: a policy (`launch.parse_policy`) or stock, with `@bN`
     for `--block-size N` (e.g. `prulong:0.7@b64`: the bundled masks' 64-token sink in whole
-    blocks); eager, float32, `args`' pool, step budget, context and reserved CPUs."""
-    policy, _, block = text.partition("@b")
+    blocks) and `fM` after it for `--kv-full-block-size M` (`prulong:0.7@b64f128`); eager,
+    float32, `args`' pool, step budget, context and reserved CPUs."""
+    policy, _, blocks = text.partition("@b")
+    block, _, full = blocks.partition("f")
     argv, env = server_launch(
         model, policy, kv_cache_bytes=args.kv_cache_memory_bytes, max_batched_tokens=args.chunk,
         port=port, eager=True,
         extra_args=["--dtype", "float32", "--served-model-name", MODEL_NAME,
                     "--max-model-len", str(args.max_model_len),
-                    *(["--block-size", block] if block else [])])
+                    *(["--block-size", block] if block else []),
+                    *(["--kv-full-block-size", full] if full else [])])
     env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = args.reserved_cpus
     log.parent.mkdir(parents=True, exist_ok=True)
     return ServerProcess(argv, log, env=env)

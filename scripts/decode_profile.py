@@ -3,7 +3,7 @@ step (`execute_model`) and of each part of the attention (our backend's methods,
 wrapping them), per step. prulong 0.7 on the bundled model by default.
 
     python scripts/decode_profile.py BATCH PROMPT_TOKENS NEW_TOKENS [--policy stock|prulong:0.7]
-        [--block-size 128] [--prefix-caching] [--linear] [--repeat 3] [--cprofile FILE]
+        [--block-size 128] [--full-block-size 128] [--prefix-caching] [--linear] [--repeat 3] [--cprofile FILE]
                                                                       # e.g. 8 2000 40
 Set OMP_NUM_THREADS=1 to time one thread, as a served engine with
 VLLM_CPU_NUM_OF_RESERVED_CPU=1 runs on this two-core machine.
@@ -18,13 +18,14 @@ ap = argparse.ArgumentParser()
 ap.add_argument("batch", type=int); ap.add_argument("prompt_tokens", type=int); ap.add_argument("new_tokens", type=int)
 ap.add_argument("--policy", default="prulong:0.7"); ap.add_argument("--block-size", type=int, default=128)
 ap.add_argument("--prefix-caching", action="store_true")
+ap.add_argument("--full-block-size", type=int, help="a head mask's full heads in blocks of this many tokens (--kv-full-block-size)")
 ap.add_argument("--cprofile", metavar="FILE", help="also cProfile the decode steps' engine steps into FILE")
 ap.add_argument("--linear", action="store_true", help="also time vLLM's linear layers (the weights' products)")
 ap.add_argument("--repeat", type=int, default=1, help="generate this many times in one process, a report each")
 args = ap.parse_args()
 B, N, S = args.batch, args.prompt_tokens, args.new_tokens
 name, _, sparsity = args.policy.partition(":")
-extra = {} if name == "stock" else {"additional_config": {"kv_policy": {"policy": name, **({"sparsity": float(sparsity)} if sparsity else {})}}}
+extra = {} if name == "stock" else {"additional_config": {"kv_policy": {"policy": name, **({"sparsity": float(sparsity)} if sparsity else {}), **({"full_block_size": args.full_block_size} if args.full_block_size else {})}}}
 if name == "stock":
     os.environ["VLLM_PLUGINS"] = "no-such-plugin"  # (set before vLLM loads its plugins)
 import vllm_kvevict.integration.backend as be

@@ -83,6 +83,14 @@ def test_no_policy_given_means_none():
     ({"policy": "full", "eviction_chunk": 1024},
      "eviction_chunk only applies to snapkv, pyramidkv, streaming, duo, prulong, not 'full'"),
     ({"policy": "snapkv", "eviction_chunk": 0}, "eviction_chunk must be an integer >= 1"),
+    ({"policy": "prulong", "full_block_size": 0}, "full_block_size must be an integer >= 1"),
+    ({"policy": "snapkv", "full_block_size": 128},
+     "full_block_size only applies to a head mask (duo, prulong) without a token_policy on "
+     "attention_backend cpu, not 'snapkv'"),
+    ({"policy": "prulong", "full_block_size": 128, "token_policy": "snapkv"},
+     "not 'prulong' with token_policy snapkv"),
+    ({"policy": "prulong", "full_block_size": 128, "attention_backend": "flex"},
+     "not 'prulong' on flex"),
 ])
 def test_invalid_config_names_the_problem(raw, fragment):
     with pytest.raises(KVPolicyError) as exc:
@@ -115,6 +123,9 @@ def test_fold_into_engine_args_exits_with_one_line(capsys):
      "--kv-eviction 'sometimes' is unknown; valid modes: patched, naive"),
     (["--kv-policy", "prulong", "--kv-tiers", "2"],
      "--kv-tiers only applies to snapkv, pyramidkv (or a token_policy), not 'prulong'"),
+    (["--kv-policy", "streaming", "--kv-full-block-size", "128"],
+     "--kv-full-block-size only applies to a head mask (duo, prulong) without a token_policy "
+     "on attention_backend cpu, not 'streaming'"),
 ])
 def test_flag_errors_name_the_flag(argv, message):
     with pytest.raises(KVPolicyError) as exc:

@@ -13,7 +13,8 @@ import pytest
 from compat_matrix import COLUMNS
 from test_policies_vllm import CASES
 from vllm_kvevict.config import KVPolicyConfig
-from vllm_kvevict.features import (api_servers_error, connector_error, kv_cache_dtype_error,
+from vllm_kvevict.features import (api_servers_error, connector_error, full_block_error,
+                                   kv_cache_dtype_error,
                                    lora_error, model_error, parallel_error,
                                    prefix_caching_error, prompt_embeds_error)
 
@@ -253,3 +254,28 @@ def test_v2_model_runner_refuses_what_is_untested_there():
                                 "--kv-cache-dtype fp8 yet (untested); valid: "
                                 "VLLM_USE_V2_MODEL_RUNNER=0"), error
     assert model_runner_error(config("full"), True, on) is None
+
+
+def test_larger_full_blocks_refused_where_untested():
+    """`--kv-full-block-size`: a multiple of a --block-size that is a multiple of 32 (one CPU
+    kernel path for both groups), on one process with vLLM's V1 runner."""
+    cfg = KVPolicyConfig.from_dict({"policy": "prulong", "full_block_size": 128})
+    one = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1}
+    assert full_block_error(cfg, 64, one, False) is None
+    assert full_block_error(cfg, 128, {"tensor_parallel_size": 2}, True) is None  # (= block)
+    assert full_block_error(KVPolicyConfig.from_dict({"policy": "prulong"}), 64,
+                            {"tensor_parallel_size": 2}, True) is None
+    assert full_block_error(cfg, 48, one, False).startswith(
+        "--kv-full-block-size 128 must be a multiple of --block-size 48")
+    assert "--block-size a multiple of 32" in full_block_error(cfg, 16, one, False)
+    assert full_block_error(cfg, 64, {"tensor_parallel_size": 2}, False) == (
+        "--kv-full-block-size 128 is not tested with --tensor-parallel-size; serve without "
+        "--kv-full-block-size (the full heads then use --block-size 64)")
+    assert "--pipeline-parallel-size" in full_block_error(cfg, 64, {"pipeline_parallel_size": 2},
+                                                          False)
+    assert "vLLM's V2 model runner" in full_block_error(cfg, 64, one, True)
+    assert full_block_error(cfg, 64, {"data_parallel_size": 2}, False) is None
+    assert full_block_error(cfg, 64, one, False, 1024) is None
+    assert full_block_error(cfg, 64, one, False, 320) == (
+        "--kv-full-block-size 128 must divide the canonical prefill chunk (320: "
+        "--kv-eviction-chunk, else --max-num-batched-tokens with prefix caching)")

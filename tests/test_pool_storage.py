@@ -154,3 +154,37 @@ def test_pool_storage_without_prefix_caching_holds_the_windows_only(bundled_mode
         assert stats["blocks_freed"] > 0
     assert irregular, "no request ran irregular steps: the batch checked nothing new"
     assert _usage(server.base_url) == 0.0
+
+
+def test_full_heads_in_larger_blocks_match_reference(bundled_model_dir, tokenizer, hf_model):
+    """`--kv-full-block-size 128` beside `--block-size 32`: the full heads' groups hold
+    128-token blocks (a full head counts 4 head pages in the group plan), the streaming heads
+    keep 32-token blocks and decode in place (sink 32). Alone and batched, greedy tokens equal
+    the reference's; a re-sent prompt hits vLLM's prefix cache at a multiple of 128 (the
+    scheduler's block, the groups' least common multiple); the pool is empty afterwards."""
+    policy, chunk = {**CASES["prulong-0.7-e256"], "full_block_size": 128}, 256
+    server = start_server(bundled_model_dir, [*flags(policy, chunk + 64), "--block-size",
+                                              str(BLOCK)])
+    log = server.log_path.read_text(errors="replace")
+    sizes = re.search(r"kv cache group sizes \(([\d, ]+)\)", log).group(1)
+    groups = stats_groups(log)
+    assert [int(s) for s in sizes.split(",")] == [128] * groups["full"] + [BLOCK] * groups[
+        "streaming"], sizes
+    pages = re.search(r"head pages per group: full \[([\d, ]+)\]", log).group(1)
+    assert all(int(p) % 4 == 0 for p in pages.split(",")), pages  # 4 head pages per full head
+    prompts = source_prompts(tokenizer, (1100, 600, 900, 700))
+    results = [served_top_logprobs(server.base_url, prompts[0])]
+    with cf.ThreadPoolExecutor(3) as pool:
+        results += list(pool.map(lambda p: served_top_logprobs(server.base_url, p), prompts[1:]))
+    for prompt, (text, top, stats) in zip(prompts, results):
+        ends = list(range(chunk, len(prompt), chunk)) + [len(prompt)]
+        assert stats["chunk_boundaries"] == ends, stats["chunk_boundaries"]
+        ref = reference(hf_model, bundled_model_dir, policy, prompt, ends)
+        assert text == tokenizer.decode(ref.token_ids), (len(prompt), ends)
+        for token, lp in top.items():
+            assert abs(lp - float(ref.first_token_logprobs[token])) < LOGPROB_TOL, token
+        assert stats["kv_bytes_peak"] < stats["full_kv_bytes_peak"]
+    again = served_top_logprobs(server.base_url, prompts[2])
+    assert again[0] == results[2][0]
+    assert again[2]["cached_tokens"] == (len(prompts[2]) - 1) // 128 * 128, again[2]
+    assert _usage(server.base_url) == 0.0

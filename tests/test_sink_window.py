@@ -642,3 +642,22 @@ def test_flex_head_pages_put_a_layers_heads_of_one_kind_side_by_side(world):
                                      SinkWindowSpec)]
         assert stream_tags == list(range(len(stream_tags)))
     assert all(d == declared[0] for d in declared)
+
+
+def test_full_heads_in_larger_blocks_count_as_more_head_pages():
+    """`--kv-full-block-size 128` beside 64-token streaming blocks: a full KV head's page is
+    two head pages (`kv_cache_groups`: the unit is the smallest per-head page) and a sequence
+    half as many blocks (`planned_groups` passes max_model_len / 2), so the plan weighs a full
+    group's bytes as they are. The bundled mask at 0.7 (27 full heads, 63 streaming): no
+    padding either way."""
+    full = [(f"f{i}", 2 * h) for i, h in enumerate([3] * 3 + [2] * 6 + [1] * 6)]  # 27 heads
+    streaming = [(f"s{i}", h) for i, h in enumerate([3] * 14 + [2] * 6 + [1] * 9)]  # 63
+    width, full_groups, stream_groups = plan_widths(full, streaming, 8192 // 2, 64 + 257 + 1024)
+    pages = dict(full + streaming)
+    assert sum(pages[n] for g in full_groups for n in g) == 54
+    for g in full_groups + stream_groups:
+        assert sum(pages[n] for n in g) <= width
+    # the bytes of the plan: full blocks of 128 tokens at `width` pages each, streaming of 64
+    cost = width * (len(full_groups) * 8192 // 128 + len(stream_groups) * (64 + 257 + 1024) // 64)
+    ideal = 54 * 8192 // 128 + 63 * (64 + 257 + 1024) // 64
+    assert cost <= 1.1 * ideal, (width, len(full_groups), len(stream_groups), cost, ideal)

@@ -97,6 +97,11 @@ class KVPolicyConfig:
     decode_interval: int = DEFAULT_DECODE_INTERVAL
     tp_head_order: str = "balanced"  # one of TP_HEAD_ORDERS
     prefix_reuse: str = "exact"  # one of PREFIX_REUSE_MODES
+    # A head mask on the CPU path: tokens per block of the full heads' KV-cache groups, a
+    # multiple of vLLM's --block-size (which the streaming heads keep: their sink in whole
+    # blocks). vLLM's CPU kernel reads 128-token blocks faster than 64-token ones in the
+    # pool's block-outer layout. None: --block-size.
+    full_block_size: int | None = None
 
     def __post_init__(self) -> None:
         validate(self)
@@ -307,6 +312,18 @@ def validate(cfg: KVPolicyConfig) -> None:
             or not 0.0 <= t <= 1.0:
         raise KVPolicyError(f"token_sparsity must be a number in [0, 1], got {t!r}",
                             "token_sparsity")
+    if cfg.full_block_size is not None:
+        _check_int("full_block_size", cfg.full_block_size, 1)
+        if cfg.policy not in HEAD_MASK_POLICIES or cfg.token_policy is not None \
+                or cfg.attention_backend != "cpu":
+            raise KVPolicyError(f"full_block_size only applies to a head mask "
+                                f"({', '.join(HEAD_MASK_POLICIES)}) without a token_policy on "
+                                f"attention_backend cpu, not {cfg.policy!r}"
+                                + (f" with token_policy {cfg.token_policy}"
+                                   if cfg.token_policy else "")
+                                + (f" on {cfg.attention_backend}"
+                                   if cfg.attention_backend != "cpu" else ""),
+                                "full_block_size")
     if cfg.mask_path is not None and cfg.policy not in HEAD_MASK_POLICIES:
         raise KVPolicyError(
             f"mask_path only applies to {', '.join(HEAD_MASK_POLICIES)}, not {cfg.policy!r}",

@@ -291,3 +291,29 @@ def model_error(policy_config, hf_config) -> str | None:
     return (f"model {name} cannot be served with --kv-policy {policy_config.policy}: {why}; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)} with full causal attention "
             "(--kv-policy full serves any model vLLM does)")
+
+
+def full_block_error(policy_config, block_size: int, sizes: dict[str, int],
+                     uses_v2: bool, chunk: int = 0) -> str | None:
+    """`--kv-full-block-size` (full heads' groups in larger blocks than the streaming heads'):
+    a multiple of vLLM's --block-size, both taking the CPU kernel's instruction path for
+    blocks that are multiples of 32 (vLLM picks it per group and stores it on the layer, which
+    reads both its groups), dividing the canonical prefill chunk `chunk` (prefix-cache hits
+    land on its multiples; 0: none). Served and tested on one process with vLLM's V1 CPU
+    runner."""
+    full = policy_config.full_block_size
+    if full is None or full == block_size or block_size <= 0:
+        return None
+    if full % block_size or block_size % 32:
+        return (f"--kv-full-block-size {full} must be a multiple of --block-size {block_size}, "
+                f"and --block-size a multiple of 32 (vLLM's CPU kernel reads smaller blocks on "
+                f"another instruction path); valid e.g. --block-size 64 --kv-full-block-size 128")
+    if chunk % full:
+        return (f"--kv-full-block-size {full} must divide the canonical prefill chunk ({chunk}: "
+                f"--kv-eviction-chunk, else --max-num-batched-tokens with prefix caching)")
+    used = [flag for field, flag in PARALLEL_FLAGS[:2] if sizes.get(field, 1) > 1]
+    if used or uses_v2:
+        what = used[0] if used else "vLLM's V2 model runner"
+        return (f"--kv-full-block-size {full} is not tested with {what}; serve without "
+                f"--kv-full-block-size (the full heads then use --block-size {block_size})")
+    return None

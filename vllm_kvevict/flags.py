@@ -113,6 +113,12 @@ FLAGS = {
                           "chunks compressed under an earlier request's question; kv_stats "
                           "counts them in reused_chunks_other_question). One of "
                           f"{', '.join(PREFIX_REUSE_MODES)}."),
+    "--kv-full-block-size": ("full_block_size", int,
+                             "duo/prulong on the CPU attention path: tokens per block of the "
+                             "full heads' KV-cache groups, a multiple of --block-size (which "
+                             "the streaming heads keep). E.g. --block-size 64 (the bundled "
+                             "masks' 64-token sink in whole blocks) with 128 (vLLM's CPU "
+                             "kernel reads 128-token blocks faster). Default: --block-size."),
 }
 
 

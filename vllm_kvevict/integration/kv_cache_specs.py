@@ -206,10 +206,11 @@ def _declare_pool_specs(runner, stock_specs, state, layers, index) -> dict:
             companion, spec, base.get_attn_backend(),
             heads.companion_heads * heads.queries_per_kv)
         specs[companion] = spec
+    full_block = cfg.full_block_size or state.block_size  # (`--kv-full-block-size`)
     for name, spec in list(specs.items()):
         if name in layers:
             full = paged_spec(spec, state.heads[index[name]])
-            specs[name] = retyped(full, PromptFullSpec)
+            specs[name] = retyped(full, PromptFullSpec, block_size=full_block)
     return specs
 
 

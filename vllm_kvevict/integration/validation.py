@@ -10,6 +10,7 @@ import sys
 
 from vllm_kvevict.config import KVPolicyError
 from vllm_kvevict.features import (PARALLEL_FLAGS, connector_error, decode_eviction_error,
+                                   full_block_error,
                                    kv_cache_dtype_error, lora_error, model_error,
                                    model_runner_error, parallel_error, prefix_caching_error,
                                    prompt_embeds_error, speculative_error, token_prefix_error,
@@ -17,6 +18,7 @@ from vllm_kvevict.features import (PARALLEL_FLAGS, connector_error, decode_evict
 from vllm_kvevict.flags import fail
 from vllm_kvevict.flex.support import default_backend, flex_error, platform_error
 from vllm_kvevict.integration.kv_stats.kv_transfer import inject_config, user_connectors
+from vllm_kvevict.integration.streaming.sink_window import canonical_chunk
 from vllm_kvevict.integration.support import platform_name, unlocked_dtype_error
 from vllm_kvevict.served import ADDITIONAL_CONFIG_KEY, policy_config_of, settle_config
 
@@ -65,6 +67,11 @@ def validate_against_model(vllm_config, prefix_caching_requested: bool | None = 
                           method, getattr(vllm_config, "lora_config", None) is not None,
                           cfg.eviction_chunk or 0, int(getattr(cache, "block_size", 0) or 0)),
                       lora_error(cfg, getattr(vllm_config, "lora_config", None) is not None),
+                      full_block_error(cfg, int(getattr(cache, "block_size", 0) or 0), sizes,
+                                       bool(getattr(vllm_config, "use_v2_model_runner",
+                                                    False)),
+                                       canonical_chunk(vllm_config) if cfg.full_block_size
+                                       else 0),
                       model_runner_error(cfg, bool(getattr(vllm_config, "use_v2_model_runner",
                                                            False)), v2_features_on(vllm_config))):
             if error:

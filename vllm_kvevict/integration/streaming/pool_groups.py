@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 from vllm_kvevict.integration.streaming.sink_window import (COMPANION_SUFFIX, SinkWindowSpec,
                                                             register_manager)
@@ -133,11 +134,16 @@ def planned_groups(vllm_config, specs: dict, full: list, streaming: list, member
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec, UniformTypeKVCacheSpecs
 
     stream_spec = next((s for s in specs.values() if isinstance(s, SinkWindowSpec)), None)
+    full_spec = next((s for s in specs.values() if not isinstance(s, SinkWindowSpec)), None)
     budget = vllm_config.scheduler_config.max_num_batched_tokens
     max_len = vllm_config.model_config.max_model_len
     streaming_tokens = (stream_spec.max_admission_blocks_per_request(budget, max_len)
                         * stream_spec.block_size if stream_spec else 0)
-    width, full_groups, stream_groups = plan_widths(full, streaming, max_len, streaming_tokens)
+    # full heads in blocks k times the streaming heads' (`--kv-full-block-size`): a full
+    # item counts k head pages (`kv_cache_groups`) and a sequence 1/k as many blocks
+    k = full_spec.block_size // stream_spec.block_size if full_spec and stream_spec else 1
+    width, full_groups, stream_groups = plan_widths(full, streaming, -(-max_len // k),
+                                                    streaming_tokens)
     groups = []
     for g, items in enumerate(full_groups + stream_groups):
         names = [n for item in items for n in members(item)]
@@ -151,15 +157,17 @@ def planned_groups(vllm_config, specs: dict, full: list, streaming: list, member
 def kv_cache_groups(vllm_config, specs: dict) -> list:
     """vLLM's KV-cache groups for a head mask whose streaming heads are in the pool: the real
     layers' full-head specs and the companions' streaming specs, packed by `plan_widths`."""
-    spec0 = next(iter(specs.values()))
-    per_head = spec0.page_size_bytes // max(spec0.num_kv_heads, 1)
+    # (a head page: one KV head over the smallest block; full heads in k-times larger blocks,
+    # `--kv-full-block-size`, are k head pages each)
+    per_head = math.gcd(*(spec.page_size_bytes // max(spec.num_kv_heads, 1)
+                          for spec in specs.values()))
     heads = {name: spec.page_size_bytes // per_head for name, spec in specs.items()}
     full = [(n, heads[n]) for n in specs if not n.endswith(COMPANION_SUFFIX)]
     streaming = [(n, heads[n]) for n in specs if n.endswith(COMPANION_SUFFIX)]
     width, full_groups, stream_groups, groups = planned_groups(
         vllm_config, specs, full, streaming, lambda name: [name])
     logger.info("vllm-kvevict: KV-cache groups in the pool: %d of full heads, %d of streaming "
-                "heads, blocks of %d head pages (heads per group: full %s, streaming %s)",
+                "heads, blocks of %d head pages (head pages per group: full %s, streaming %s)",
                 len(full_groups), len(stream_groups), width,
                 [sum(heads[n] for n in g) for g in full_groups],
                 [sum(heads[n] for n in g) for g in stream_groups])
