@@ -360,6 +360,22 @@ def test_the_start_up_hint_names_the_block_size_that_decodes_in_place():
     assert "--block-size" not in in_place_hint(16, 64, 32)
 
 
+def test_the_start_up_hint_names_larger_full_blocks_where_they_apply():
+    """worker.full_block_hint: with full heads in blocks of 32 or 64 tokens it names
+    --kv-full-block-size 128; silent once given, at 128, for `streaming` (no full heads) and
+    for a block size whose kernel path differs (16)."""
+    from vllm_kvevict.config import KVPolicyConfig
+    from vllm_kvevict.integration.worker import full_block_hint
+
+    prulong = KVPolicyConfig.from_dict({"policy": "prulong"})
+    assert "--kv-full-block-size 128" in full_block_hint(64, prulong)
+    assert "--kv-full-block-size 128" in full_block_hint(32, prulong)
+    assert full_block_hint(128, prulong) is None and full_block_hint(16, prulong) is None
+    assert full_block_hint(64, prulong.replace(full_block_size=128)) is None
+    assert full_block_hint(64, KVPolicyConfig.from_dict({"policy": "streaming"})) is None
+    assert full_block_hint(64, prulong.replace(token_policy="snapkv")) is None  # (refused)
+
+
 def test_a_uniform_decode_step_gets_its_rows_windows_and_their_attention():
     """step_plan.decode_pos: a step whose rows are all one decode query seeing as many tokens
     gives each row its sink + window then itself (the fast path of

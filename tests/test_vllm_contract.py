@@ -189,6 +189,32 @@ def test_tier_specs_make_one_kv_cache_group_per_tier():
             range(tiers))
 
 
+def test_groups_of_different_block_sizes_schedule_at_their_least_common_multiple():
+    """`--kv-full-block-size`: full heads' groups in 128-token blocks beside 64-token streaming
+    groups. vLLM takes groups of different block sizes as they are: the scheduler's block is
+    their least common multiple and, with prefix caching, block hashes are taken at their
+    greatest common divisor (so each group's hits are whole blocks of its own size)."""
+    import types
+
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheGroupSpec,
+                                            SlidingWindowSpec)
+
+    common = dict(num_kv_heads=1, head_size=64, dtype=torch.float32)
+    groups = [KVCacheGroupSpec(["a"], FullAttentionSpec(block_size=128, **common)),
+              KVCacheGroupSpec(["b"], SlidingWindowSpec(block_size=64, sliding_window=257,
+                                                        **common))]
+    vllm_config = VllmConfig()
+    vllm_config.cache_config.block_size = 64
+    config = types.SimpleNamespace(kv_cache_groups=groups)
+    vllm_config.cache_config.enable_prefix_caching = True
+    assert resolve_kv_cache_block_sizes(config, vllm_config) == (128, 64)
+    vllm_config.cache_config.enable_prefix_caching = False
+    assert resolve_kv_cache_block_sizes(config, vllm_config) == (128, 128)
+
+
 def test_start_up_check_and_auto_fit_use_the_policy_worst_case_at_each_length():
     """TierAttentionSpec.max_tokens bounds vLLM's "one request of max_model_len fits" by the
     policy's worst case at that length: vLLM's estimate (its refusal message and the

@@ -219,8 +219,10 @@ def init_state(vllm_config) -> WorkerState | None:
         _state.token.reuses_prefixes = bool(vllm_config.cache_config.enable_prefix_caching)
     hint = in_place_hint(served.config.sink, served.config.window, block_size)
     _state.in_place = hint is None
-    if _state.in_pool and not _state.flex and hint and rank == 0:
-        logger.info("vllm-kvevict: %s", hint)
+    if _state.in_pool and not _state.flex and rank == 0:
+        for line in (hint, full_block_hint(block_size, served.config)):
+            if line:
+                logger.info("vllm-kvevict: %s", line)
     return _state
 
 
@@ -257,3 +259,15 @@ def in_place_hint(sink: int, window: int, block_size: int) -> str | None:
     return (f"decode reads each streaming head's sink + window back from the pool every step: "
             f"{why}" + (f"; --block-size {fits[0]} lets vLLM's kernel read them in place"
                         if fits else ""))
+
+
+def full_block_hint(block_size: int, config) -> str | None:
+    """What to pass for a head mask's full heads to be read in 128-token blocks, when they are
+    in smaller ones (`--kv-full-block-size`, `features.full_block_error`)."""
+    if config.full_block_size or config.policy == "streaming" or config.token_policy \
+            or block_size >= 128 \
+            or 128 % block_size or block_size % 32:
+        return None
+    return (f"full heads in {block_size}-token blocks: --kv-full-block-size 128 lets vLLM's CPU "
+            f"kernel read them as fast as stock's 128-token cache (the streaming heads keep "
+            f"--block-size {block_size})")
