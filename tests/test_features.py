@@ -274,6 +274,8 @@ def test_larger_full_blocks_refused_where_untested():
     assert "--pipeline-parallel-size" in full_block_error(cfg, 64, {"pipeline_parallel_size": 2},
                                                           False)
     assert "vLLM's V2 model runner" in full_block_error(cfg, 64, one, True)
+    assert full_block_error(cfg, 64, one, False, 0, "fp8_e5m2").startswith(
+        "--kv-full-block-size 128 is not tested with --kv-cache-dtype fp8_e5m2")
     assert full_block_error(cfg, 64, {"data_parallel_size": 2}, False) is None
     assert full_block_error(cfg, 64, one, False, 1024) is None
     assert full_block_error(cfg, 64, one, False, 320) == (

@@ -49,7 +49,12 @@ CASES = {
     "streaming": {"policy": "streaming", **HEAD_MASK},
     "full": {"policy": "full"},
     "pyramidkv-naive-0.5": {"policy": "pyramidkv", "sparsity": 0.5, "eviction": "naive"},
+    # the full heads in 128-token blocks beside 32-token streaming blocks (slow tier)
+    "prulong-0.7-full128": {"policy": "prulong", "sparsity": 0.7, **HEAD_MASK,
+                            "full_block_size": 128},
 }
+SLOW_EXTRA = {"prulong-0.7-full128"}
+BLOCK_SIZE = {"prulong-0.7-full128": ["--block-size", "32"]}
 SLOW_SPEC_IDS = {SPEC_IDS[c] for c in SLOW_SPEC}
 
 
@@ -133,12 +138,13 @@ def reference_decode(hf_model, bundled_model_dir, policy: dict, prompt: list[int
 
 @pytest.mark.server
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow)
-                                  if c in SLOW_SPEC_IDS else c for c in CASES])
+                                  if c in SLOW_SPEC_IDS | SLOW_EXTRA else c for c in CASES])
 def test_ngram_speculation_matches_one_token_decode(case, bundled_model_dir, tokenizer,
                                                     hf_model):
     policy = CASES[case]
     server = start_server(bundled_model_dir,
-                          flags(policy, CHUNK) + ["--speculative-config", SPEC])
+                          flags(policy, CHUNK) + ["--speculative-config", SPEC]
+                          + BLOCK_SIZE.get(case, []))
     prompts = {"code-copy": code_copy_prompt(tokenizer),
                "repetitive": repetitive_prompt(tokenizer)}
     drafted = {}

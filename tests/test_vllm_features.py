@@ -49,6 +49,26 @@ def test_compiled_mode_matches_reference(case, bundled_model_dir, tokenizer, hf_
         assert stats is not None and stats["policy"] == policy["policy"]
 
 
+@pytest.mark.slow
+def test_compiled_mode_with_larger_full_blocks_matches_reference(bundled_model_dir, tokenizer,
+                                                                 hf_model):
+    """Compile mode with the full heads in 128-token blocks beside 32-token streaming blocks
+    (`--kv-full-block-size`): block sizes stay outside the compiled graph (attention runs
+    eagerly in our backend); tokens are the reference's."""
+    policy = {"policy": "prulong", "sparsity": 0.7, "sink": 32, "window": 64,
+              "eviction_chunk": 256, "full_block_size": 128}
+    server = start_server(bundled_model_dir, [*flags(policy, 320), "--block-size", "32"],
+                          eager=False)
+    log = server.log_path.read_text(errors="replace")
+    assert "enforce_eager=False" in log and "kv cache group sizes (128" in log
+    for prompt in source_prompts(tokenizer, (700, 1100)):
+        text, stats = complete(server, prompt)
+        ends = list(range(256, len(prompt), 256)) + [len(prompt)]
+        assert stats["chunk_boundaries"] == ends
+        ref = reference(hf_model, bundled_model_dir, policy, prompt, ends)
+        assert text == tokenizer.decode(ref.token_ids), len(prompt)
+
+
 def example_connector(path: Path) -> str:
     return json.dumps({"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                        "kv_connector_extra_config": {"shared_storage_path": str(path)}})

@@ -294,13 +294,13 @@ def model_error(policy_config, hf_config) -> str | None:
 
 
 def full_block_error(policy_config, block_size: int, sizes: dict[str, int],
-                     uses_v2: bool, chunk: int = 0) -> str | None:
+                     uses_v2: bool, chunk: int = 0, cache_dtype: str = "auto") -> str | None:
     """`--kv-full-block-size` (full heads' groups in larger blocks than the streaming heads'):
     a multiple of vLLM's --block-size, both taking the CPU kernel's instruction path for
     blocks that are multiples of 32 (vLLM picks it per group and stores it on the layer, which
     reads both its groups), dividing the canonical prefill chunk `chunk` (prefix-cache hits
     land on its multiples; 0: none). Served and tested on one process with vLLM's V1 CPU
-    runner."""
+    runner, an unquantized cache."""
     full = policy_config.full_block_size
     if full is None or full == block_size or block_size <= 0:
         return None
@@ -312,8 +312,9 @@ def full_block_error(policy_config, block_size: int, sizes: dict[str, int],
         return (f"--kv-full-block-size {full} must divide the canonical prefill chunk ({chunk}: "
                 f"--kv-eviction-chunk, else --max-num-batched-tokens with prefix caching)")
     used = [flag for field, flag in PARALLEL_FLAGS[:2] if sizes.get(field, 1) > 1]
-    if used or uses_v2:
-        what = used[0] if used else "vLLM's V2 model runner"
+    fp8 = f"--kv-cache-dtype {cache_dtype}" if cache_dtype not in ("auto", "") else None
+    if used or uses_v2 or fp8:
+        what = used[0] if used else fp8 or "vLLM's V2 model runner"
         return (f"--kv-full-block-size {full} is not tested with {what}; serve without "
                 f"--kv-full-block-size (the full heads then use --block-size {block_size})")
     return None

@@ -71,7 +71,7 @@ def validate_against_model(vllm_config, prefix_caching_requested: bool | None = 
                                        bool(getattr(vllm_config, "use_v2_model_runner",
                                                     False)),
                                        canonical_chunk(vllm_config) if cfg.full_block_size
-                                       else 0),
+                                       else 0, str(cache_dtype)),
                       model_runner_error(cfg, bool(getattr(vllm_config, "use_v2_model_runner",
                                                            False)), v2_features_on(vllm_config))):
             if error:
