@@ -220,7 +220,10 @@ def init_state(vllm_config) -> WorkerState | None:
     hint = in_place_hint(served.config.sink, served.config.window, block_size)
     _state.in_place = hint is None
     if _state.in_pool and not _state.flex and rank == 0:
-        for line in (hint, full_block_hint(block_size, served.config)):
+        # (only where the flag is served: one rank, an unquantized cache, `full_block_error`)
+        dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+        plain = world == 1 and dtype == "auto"
+        for line in (hint, full_block_hint(block_size, served.config) if plain else None):
             if line:
                 logger.info("vllm-kvevict: %s", line)
     return _state
