@@ -220,10 +220,8 @@ def init_state(vllm_config) -> WorkerState | None:
     hint = in_place_hint(served.config.sink, served.config.window, block_size)
     _state.in_place = hint is None
     if _state.in_pool and not _state.flex and rank == 0:
-        # (only where the flag is served: one rank, an unquantized cache, `full_block_error`)
         dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
-        plain = world == 1 and dtype == "auto"
-        for line in (hint, full_block_hint(block_size, served.config) if plain else None):
+        for line in (hint, full_block_hint(block_size, served.config, world, dtype)):
             if line:
                 logger.info("vllm-kvevict: %s", line)
     return _state
@@ -264,12 +262,14 @@ def in_place_hint(sink: int, window: int, block_size: int) -> str | None:
                         if fits else ""))
 
 
-def full_block_hint(block_size: int, config) -> str | None:
+def full_block_hint(block_size: int, config, world: int = 1,
+                    cache_dtype: str = "auto") -> str | None:
     """What to pass for a head mask's full heads to be read in 128-token blocks, when they are
-    in smaller ones (`--kv-full-block-size`, `features.full_block_error`)."""
+    in smaller ones and the flag is served (`--kv-full-block-size`, `features.full_block_error`:
+    one tensor-parallel rank, an unquantized cache)."""
     if config.full_block_size or config.policy == "streaming" or config.token_policy \
-            or block_size >= 128 \
-            or 128 % block_size or block_size % 32:
+            or world > 1 or cache_dtype != "auto" \
+            or block_size >= 128 or 128 % block_size or block_size % 32:
         return None
     return (f"full heads in {block_size}-token blocks: --kv-full-block-size 128 lets vLLM's CPU "
             f"kernel read them as fast as stock's 128-token cache (the streaming heads keep "
