@@ -618,8 +618,8 @@ def test_flex_head_pages_put_a_layers_heads_of_one_kind_side_by_side(world):
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from vllm_kvevict.integration.head_split import layer_heads
-    from vllm_kvevict.integration.streaming.head_pages import (head_page_groups,
-                                                               head_page_specs, head_slots)
+    from vllm_kvevict.integration.streaming.head_pages import head_page_specs, head_slots
+    from vllm_kvevict.integration.streaming.pool_groups import head_page_groups
 
     mask = torch.tensor([[0, 1, 1], [0, 0, 0], [1, 1, 1], [0, 1, 0], [1, 0, 1], [1, 1, 0]],
                         dtype=torch.bool)

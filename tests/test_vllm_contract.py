@@ -804,13 +804,11 @@ def test_model_loader_extension_point_for_the_head_order():
 
     cls = head_order.loader_class()
     assert issubclass(cls, DefaultModelLoader)
-    from vllm_kvevict.integration import worker
-
-    saved, worker._state = worker._state, State()
+    cls.state = State()  # (as `head_order.loading` hands it down while vLLM loads)
     try:
         loader = get_model_loader(LoadConfig(load_format=head_order.LOAD_FORMAT))
     finally:
-        worker._state = saved
+        cls.state = None
     assert type(loader) is cls and loader.load_config.load_format == "safetensors"
     for load_format in head_order.DEFAULT_LOADER_FORMATS:
         assert type(get_model_loader(LoadConfig(load_format=load_format))) \

@@ -28,6 +28,7 @@ import httpx
 import numpy as np
 
 from vllm_kvevict.launch import ServerProcess, build_server_command, free_port, parse_policy
+from vllm_kvevict.model import ensure_bundled_model
 
 SERVED = "continuation"
 DEFAULT_SETTINGS = ("full", "snapkv:0.7:naive", "snapkv:0.7:naive:d512e128",
@@ -66,8 +67,6 @@ def score(client: httpx.Client, base_url: str, prompt: list[int], continuation: 
 def run(args) -> None:
     from tqdm import tqdm
     from transformers import AutoTokenizer
-
-    from vllm_kvevict.model import ensure_bundled_model
 
     model = args.model or str(ensure_bundled_model())
     tokenizer = AutoTokenizer.from_pretrained(model)

@@ -22,6 +22,8 @@ import re
 
 import torch
 
+from vllm_kvevict.integration.head_split import layer_heads
+
 # the load formats vLLM reads through DefaultModelLoader with Hugging Face parameter names
 DEFAULT_LOADER_FORMATS = ("auto", "hf", "safetensors", "pt", "npcache", "fastsafetensors",
                           "instanttensor")
@@ -48,8 +50,6 @@ def balanced_order(streaming: torch.Tensor, world: int) -> torch.Tensor:
 
 def padded_heads(streaming: torch.Tensor, world: int) -> tuple[int, int]:
     """(paged full heads, streaming companion heads) one rank declares over all layers."""
-    from vllm_kvevict.integration.head_split import layer_heads
-
     declared = layer_heads(streaming, 1, rank=0, world=world)
     return sum(h.paged_heads for h in declared), sum(h.companion_heads for h in declared)
 
@@ -105,17 +105,17 @@ def permute(name: str, tensor: torch.Tensor, order: torch.Tensor, queries_per_kv
 def loader_class():
     """vLLM's DefaultModelLoader in the user's load format, the served model's attention
     projections permuted as they stream past; registered under LOAD_FORMAT (built on first
-    use: this module imports no vLLM at import)."""
+    use: this module imports no vLLM at import). vLLM builds it from the load config alone;
+    the worker's state is handed to it by `loading`, for the load's duration."""
     import dataclasses
 
     from vllm.model_executor.model_loader import register_model_loader
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-    from vllm_kvevict.integration.worker import get_state
-
     class HeadOrderLoader(DefaultModelLoader):
+        state = None  # the worker's state while `loading` runs
+
         def __init__(self, load_config):
-            self.state = get_state()
             self.target = True
             super().__init__(dataclasses.replace(load_config,
                                                  load_format=self.state.base_load_format))
@@ -146,12 +146,12 @@ def loading(vllm_config, state):
         return
     load_config = vllm_config.load_config
     state.base_load_format = load_config.load_format
-    loader_class()
-    load_config.load_format = LOAD_FORMAT
+    loader = loader_class()
+    loader.state, load_config.load_format = state, LOAD_FORMAT
     try:
         yield
     finally:
-        load_config.load_format = state.base_load_format
+        loader.state, load_config.load_format = None, state.base_load_format
 
 
 def blocker(vllm_config) -> str | None:

@@ -29,6 +29,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from vllm_kvevict.integration.head_split import LayerHeads
+from vllm_kvevict.integration.streaming.head_pages import HEAD_SUFFIX, head_page_specs
 from vllm_kvevict.integration.streaming.sink_window import (COMPANION_SUFFIX, PromptFullSpec,
                                                             SinkWindowSpec, prefix_retention)
 from vllm_kvevict.ledger import LayerGroups, worst_case_by_length
@@ -140,8 +141,6 @@ def declare_specs(runner, stock_specs, state) -> dict:
     layers = get_layers_from_vllm_config(runner.vllm_config, Attention)
     index = {name: extract_layer_index(name) for name in layers}
     if state.in_pool and state.flex:
-        from vllm_kvevict.integration.streaming.head_pages import declare_head_page_specs
-
         return declare_head_page_specs(runner, stock_specs, state, layers, index)
     if state.in_pool:
         return _declare_pool_specs(runner, stock_specs, state, layers, index)
@@ -211,6 +210,30 @@ def _declare_pool_specs(runner, stock_specs, state, layers, index) -> dict:
         if name in layers:
             full = paged_spec(spec, state.heads[index[name]])
             specs[name] = retyped(full, PromptFullSpec, block_size=full_block)
+    return specs
+
+
+def declare_head_page_specs(runner, stock_specs, state, layers, index) -> dict:
+    """A head mask on the FlexAttention path: every KV head its own cache layer with a
+    one-head page, full heads with a full-attention spec, streaming heads with a
+    `SinkWindowSpec` that keeps whole steps (`keep_step`). One page size for every layer
+    lets vLLM lay the pool out layer-outer (LBNHC, the only layout FlexAttention reads
+    without a copy), and `head_page_groups` places a layer's slots of one kind side by side
+    in one group, so that they read as one multi-head cache (`HeadSlots`)."""
+    context = runner.vllm_config.compilation_config.static_forward_context
+    cfg = state.config
+    one = dataclasses.replace(next(iter(stock_specs().values())), num_kv_heads=1)
+    streaming_spec = SinkWindowSpec(
+        block_size=state.block_size, num_kv_heads=1, head_size=state.head_dim,
+        dtype=runner.kv_cache_dtype, sliding_window=cfg.window + 1, sink=cfg.sink,
+        chunk=state.chunk, retention=prefix_retention(runner.vllm_config), keep_step=True)
+    specs = head_page_specs({name: state.heads[index[name]] for name in layers},
+                            retyped(one, PromptFullSpec), streaming_spec)
+    for slot, spec in specs.items():
+        base = slot.split(HEAD_SUFFIX)[0]
+        if slot != base:  # (vLLM's registration of cache-only layers, as for companions)
+            context[slot] = StreamingCacheLayer(slot, spec, layers[base].get_attn_backend(),
+                                                state.heads[index[base]].queries_per_kv)
     return specs
 
 

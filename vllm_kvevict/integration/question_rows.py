@@ -20,6 +20,8 @@ import functools
 
 import torch
 
+from vllm_kvevict.integration.runners import is_v2
+
 
 def with_questions(plan, input_ids: torch.Tensor, positions: torch.Tensor):
     """(input_ids, positions) with the plan's question rows appended; None when the step has
@@ -77,8 +79,6 @@ def _subclass(cls: type, v2: bool) -> type:
 def install(runner, state) -> None:
     """Token eviction's question rows on this worker's runner (V1) or its model state (V2,
     which exists once the model is loaded)."""
-    from vllm_kvevict.integration.runners import is_v2
-
     v2 = is_v2(runner)
     target = runner.model_state if v2 else runner
     if not type(target).__name__.startswith("QuestionRows"):

@@ -281,7 +281,7 @@ def create_engine_config(engine_args, stock_create, *args, **kwargs):
     """`EngineArgs.create_engine_config`: our stats connector in the KV-transfer config (unless
     the user chose one), vLLM's config, validation against the model (which builds this
     process's served policy), then our scheduler and worker classes in the config."""
-    # (in here: these import vLLM, which the plugin entry point must not do at load)
+    # (both imports in here: they import vLLM, which the plugin entry point must not at load)
     from vllm_kvevict.integration import validation
 
     if inactive_reason is not None:  # a policy asked for through the config (the offline LLM)

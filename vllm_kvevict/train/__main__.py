@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
+import vllm_kvevict.train.data as data_mod
+import vllm_kvevict.train.hard_concrete as hc
 from vllm_kvevict.config import DEFAULT_SINK, DEFAULT_WINDOW
 from vllm_kvevict.masks import HEAD_MASKS_DIR, full_heads_at_sparsity, model_key
-from vllm_kvevict.train import data as data_mod
-from vllm_kvevict.train import hard_concrete as hc
 from vllm_kvevict.train.trainer import DTYPES, OBJECTIVES, TrainConfig, Trainer
 
 

@@ -35,12 +35,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import vllm_kvevict.train.data as data_mod
 from vllm_kvevict.config import DEFAULT_SINK, DEFAULT_WINDOW, KVPolicyConfig
 from vllm_kvevict.masks import (HeadGates, check_shape, full_heads_at_sparsity,
                                 load_head_gates)
 from vllm_kvevict.policies import build_policy
 from vllm_kvevict.reference import ReferenceRunner
-from vllm_kvevict.train import data as data_mod
 from vllm_kvevict.train.trainer import DTYPES, load_model_and_tokenizer
 
 

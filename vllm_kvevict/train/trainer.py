@@ -53,12 +53,12 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+import vllm_kvevict.train.data as data_mod
+import vllm_kvevict.train.hard_concrete as hc
 from vllm_kvevict.config import DEFAULT_SINK, DEFAULT_WINDOW, KVPolicyConfig
 from vllm_kvevict.masks import HeadGates, model_key, save_head_gates
 from vllm_kvevict.policies import build_policy
 from vllm_kvevict.reference import ReferenceRunner
-from vllm_kvevict.train import data as data_mod
-from vllm_kvevict.train import hard_concrete as hc
 from vllm_kvevict.train.hybrid import StreamingMask, full_attention, hybrid_attention
 
 OBJECTIVES = ("prulong", "duo")

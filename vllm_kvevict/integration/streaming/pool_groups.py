@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import math
 
+from vllm_kvevict.integration.streaming.head_pages import HEAD_SUFFIX
 from vllm_kvevict.integration.streaming.sink_window import (COMPANION_SUFFIX, SinkWindowSpec,
                                                             register_manager)
 
@@ -174,12 +175,28 @@ def kv_cache_groups(vllm_config, specs: dict) -> list:
     return groups
 
 
+def head_page_groups(vllm_config, specs: dict) -> list:
+    """The FlexAttention path's groups (`head_slots`: a cache layer per KV head, one page
+    size): `planned_groups` with each layer's full slots and its streaming slots as
+    items of their head counts, kept side by side in one group and in slot order, so that
+    vLLM's layer-outer layout puts them one layer stride apart."""
+    slots: dict[tuple[str, bool], list[str]] = {}  # (layer, streaming) -> its slots
+    for name, spec in specs.items():
+        slots.setdefault((name.split(HEAD_SUFFIX)[0], isinstance(spec, SinkWindowSpec)),
+                         []).append(name)
+    width, full_groups, stream_groups, groups = planned_groups(
+        vllm_config, specs, [(k, len(v)) for k, v in slots.items() if not k[1]],
+        [(k, len(v)) for k, v in slots.items() if k[1]], slots.__getitem__)
+    logger.info("vllm-kvevict: KV-cache groups in the pool (a cache layer per KV head): %d of "
+                "full heads, %d of streaming heads, blocks of %d head pages",
+                len(full_groups), len(stream_groups), width)
+    return groups
+
+
 def group_kv_cache(stock_groups, vllm_config, kv_cache_spec):
     """`get_kv_cache_groups` (kv_cache_utils in vLLM 0.32, kv_cache_planning from 0.33): our plan when the specs hold streaming companions
     (vLLM's own packing would bucket by balanced page-size patterns and may split a bucket
     across groups) or the FlexAttention path's head slots, vLLM's otherwise."""
-    from vllm_kvevict.integration.streaming.head_pages import HEAD_SUFFIX, head_page_groups
-
     if any(name.endswith(COMPANION_SUFFIX) for name in kv_cache_spec):
         register_manager()
         return kv_cache_groups(vllm_config, kv_cache_spec)
