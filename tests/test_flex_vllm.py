@@ -217,6 +217,18 @@ def test_flex_patched_caps_the_per_request_window():
         assert effective_config(cfg, {"kv_obs_window": 64})[0].obs_window == 64
 
 
+def test_importing_the_flex_module_leaves_torchs_compiler_config_alone():
+    """Only the worker that serves the flex path raises torch's recompile limit
+    (`use_flex_backend`); importing the module changes nothing of torch's config."""
+    code = ("import torch, vllm.v1.attention.backends.flex_attention\n"
+            "before = torch._dynamo.config.recompile_limit\n"
+            "import vllm_kvevict.integration.flex_attention as f\n"
+            "assert torch._dynamo.config.recompile_limit == before, before\n"
+            "f.allow_flex_recompiles()\n"
+            "assert torch._dynamo.config.recompile_limit == max(before, f.FLEX_RECOMPILE_LIMIT)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
 def test_unknown_attention_backend_is_refused():
     from vllm_kvevict.config import KVPolicyConfig, KVPolicyError
     from vllm_kvevict.flags import flag_message

@@ -35,9 +35,7 @@ from vllm_kvevict.integration.worker import get_state, init_state
 from vllm_kvevict.served import policy_config_of
 
 FLEX_BACKEND = "vllm_kvevict.integration.flex_attention.KVEvictFlexBackend"
-# vLLM's module sets 16 compilations of its compiled flex_attention; a head mask calls it with
-# each layer's count of full and of streaming heads (each a compilation, once per shape)
-torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+FLEX_RECOMPILE_LIMIT = 64
 _runner = None  # this worker's model runner (`remember_runner`): prompt lengths
 
 
@@ -58,7 +56,16 @@ def use_flex_backend(vllm_config, platform: str) -> bool:
 
     name = "CPU_ATTN" if platform == "cpu" else "FLEX_ATTENTION"
     register_backend(AttentionBackendEnum[name], FLEX_BACKEND)
+    allow_flex_recompiles()
     return True
+
+
+def allow_flex_recompiles() -> None:
+    """vLLM's module sets 16 compilations of its compiled flex_attention; a head mask calls it
+    with each layer's count of full and of streaming heads (each a compilation, once per
+    shape). Raised here, in the worker that serves the flex path, not at import."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                               FLEX_RECOMPILE_LIMIT)
 
 
 def remember_runner(runner) -> None:
