@@ -184,7 +184,7 @@ LONGEST_FIRST = ("test_reliability.py", "test_selfcheck.py", "test_compat.py",
                  "test_policies_vllm.py", "test_admission.py", "test_flex_vllm.py",
                  "test_v2_runner.py",
                  "test_pool_no_leak.py", "test_pool_storage.py", "test_serve_full.py",
-                 "test_model_families_vllm.py", "test_hybrid.py", "test_decode_eviction.py",
+                 "test_model_families_vllm.py", "test_tenant_isolation.py", "test_hybrid.py", "test_decode_eviction.py",
                  "test_kv_stats.py", "test_operator_view.py", "test_vllm_features.py",
                  "test_speculative.py", "test_evaluation.py", "test_offline_llm.py",
                  "test_scheduler_class.py")
