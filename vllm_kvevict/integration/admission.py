@@ -107,6 +107,28 @@ class GrowthReserve:
             self._final_need.pop(req_id, None)
             self._chunks.pop(req_id, None)
 
+    # -- what the scheduler asks every rule (the token ledger counts compressed slots) -------
+    def before_schedule(self) -> None:
+        """Before vLLM schedules: nothing to apply (the ledger frees evicted blocks here)."""
+
+    def after_schedule(self, scheduler_output) -> None:
+        """After vLLM schedules (its chunks recorded): forget the finished requests."""
+        self.forget_finished(scheduler_output)
+
+    def skips_prefix_cache(self, request) -> bool:
+        """Whether a prefix hit would hold other K/V than this request computes (the ledger:
+        a request with policy overrides). Head masks: never."""
+        return False
+
+    def slots_needed(self, req_id: str, num_tokens: int, step_end: int, group: int) -> int:
+        """A group's slots for an allocation of `num_tokens` logical tokens: the same here
+        (paged blocks hold whole sequences; the ledger counts compressed slots)."""
+        return num_tokens
+
+    def physical(self, req_id: str, num_tokens: int, group: int = 0) -> int:
+        """A request's slots in a group for `num_tokens` logical tokens: the same here."""
+        return num_tokens
+
     # -- exact recompute after preemption ----------------------------------------------------
     def record_chunks(self, scheduler_output) -> None:
         """After vLLM's schedule (num_computed_tokens already advanced): append each prompt

@@ -18,13 +18,14 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm_kvevict.config import KVPolicyError
 from vllm_kvevict.integration.composition import install_over, resolve
 from vllm_kvevict.integration.scheduler import attach
-from vllm_kvevict.integration.token_eviction.token_ledger import TokenEvictionLedger
 from vllm_kvevict.integration.kv_stats.stats_connector import on_step_output
 from vllm_kvevict.overrides import request_prompt_len
 
 
 class KVEvictScheduler(Scheduler):
-    kv_reserve = None  # the admission rule / token-eviction ledger; None: stock vLLM
+    # the admission rule (`admission.GrowthReserve`, or the token ledger, its subclass: one
+    # interface); None: stock vLLM
+    kv_reserve = None
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -39,24 +40,19 @@ class KVEvictScheduler(Scheduler):
         rule = self.kv_reserve
         if rule is None:
             return super().schedule(*args, **kwargs)
-        book = rule if isinstance(rule, TokenEvictionLedger) else None
-        if book is not None:
-            book.before_schedule()
+        rule.before_schedule()
         if self.cache_config.enable_prefix_caching:
             # a teacher-forced tail is decode for the policy: a hit reaching into it would be
             # prompt K/V (and caching stops at the policy's prompt, sink_window.cached_tokens);
             # token eviction: a request with policy overrides keeps other counts than the
             # cached rows (prefix_cache.py)
             for request in self.waiting:
-                if request_prompt_len(request) < request.num_prompt_tokens or (
-                        book is not None and book.request_policy(request) is not book.policy):
+                if (request_prompt_len(request) < request.num_prompt_tokens
+                        or rule.skips_prefix_cache(request)):
                     request.skip_reading_prefix_cache = True
         output = super().schedule(*args, **kwargs)
         rule.record_chunks(output)
-        if book is not None:
-            book.after_schedule(output)  # forgets finished requests too
-        else:
-            rule.forget_finished(output)
+        rule.after_schedule(output)  # forgets finished requests too
         return output
 
     def _reserve_prefill_lookahead(self, request, num_computed_tokens: int,

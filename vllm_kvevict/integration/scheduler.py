@@ -62,10 +62,7 @@ def blocks_to_allocate(manager, stock_count, *args, **kwargs):
     full-sequence gate) of every evicting policy: the growth reserve (`admission.py`), so no
     admitted request is ever preempted."""
     rule = getattr(manager, "kvevict_reserve", None)
-    book = rule if isinstance(rule, TokenEvictionLedger) else None
-    if rule is None or (book is None and kwargs.get("apply_admission_cap") is False):
-        # (a step's allocation without a token ledger: vLLM's count, no binding; its
-        # coordinator passes the cap by keyword)
+    if rule is None:
         return stock_count(manager, *args, **kwargs)
     arguments = dict(zip(_parameter_names(stock_count), (manager, *args)), **kwargs)
     group = manager.kv_cache_group_id
@@ -79,11 +76,12 @@ def blocks_to_allocate(manager, stock_count, *args, **kwargs):
         # a sliding-window group's own cap is per request; ours already counts the window,
         # and it reserves the running requests' growth too, which that cap would cut off
         arguments["apply_admission_cap"] = False
-    elif book is not None:
-        num_tokens = book.slots_needed(request_id, num_tokens,
-                                       arguments.get("num_tokens_main_model", num_tokens), group)
-    else:
-        return stock_count(manager, *args, **kwargs)
+    else:  # a step's allocation: the group's slots (compressed ones for the token ledger)
+        slots = rule.slots_needed(request_id, num_tokens,
+                                  arguments.get("num_tokens_main_model", num_tokens), group)
+        if slots == num_tokens:  # (vLLM's count stands)
+            return stock_count(manager, *args, **kwargs)
+        num_tokens = slots
     arguments["num_tokens"] = num_tokens
     if "num_tokens_main_model" in arguments:
         arguments["num_tokens_main_model"] = min(arguments["num_tokens_main_model"], num_tokens)
@@ -93,10 +91,10 @@ def blocks_to_allocate(manager, stock_count, *args, **kwargs):
 def allocate_new_blocks(manager, stock_allocate, request_id, num_tokens, num_tokens_main_model,
                         *args, **kwargs):
     """`SingleTypeKVCacheManager.allocate_new_blocks`: physical slots of the group."""
-    book = getattr(manager, "kvevict_reserve", None)
-    if isinstance(book, TokenEvictionLedger):
+    rule = getattr(manager, "kvevict_reserve", None)
+    if rule is not None:
         group = manager.kv_cache_group_id
-        num_tokens = book.slots_needed(request_id, num_tokens, num_tokens_main_model, group)
-        num_tokens_main_model = book.physical(request_id, num_tokens_main_model, group)
+        num_tokens = rule.slots_needed(request_id, num_tokens, num_tokens_main_model, group)
+        num_tokens_main_model = rule.physical(request_id, num_tokens_main_model, group)
     return stock_allocate(manager, request_id, num_tokens, num_tokens_main_model, *args,
                           **kwargs)

@@ -220,6 +220,11 @@ class TokenEvictionLedger(GrowthReserve):
         self.chunk_questions.pop(req_id, None)
         self.reused.pop(req_id, None)
 
+    def skips_prefix_cache(self, request) -> bool:
+        """A request with policy overrides keeps other counts than the cached rows
+        (prefix_cache.py)."""
+        return self.request_policy(request) is not self.policy
+
     def request_policy(self, request) -> KVPolicy:
         params = getattr(request, "sampling_params", None)
         return self.policy_for(getattr(params, "extra_args", None))
