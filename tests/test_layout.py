@@ -1,5 +1,6 @@
-"""The code's shape, checked (docs/design.md, "Layout"): which package may import which, every
-monkeypatch of vLLM in the registration table, glue files small enough to read."""
+"""The code's shape, checked (docs/design.md, "Layout"): which package may import which (and no
+import cycle), every monkeypatch of vLLM in the registration table, glue functions short enough
+to read."""
 
 from __future__ import annotations
 
@@ -64,10 +65,34 @@ def test_the_selfcheck_uses_vllms_public_api_only(path):
     assert used <= SELFCHECK_VLLM_API, used - SELFCHECK_VLLM_API
 
 
+GLUE_FUNCTION_LINES = 60
+# validate_against_model is split by the change under way in validation.py (the GPU check's
+# start-up rows); listed here until then, and this test fails once it is no longer over
+PENDING_SPLIT = {"validation.py:validate_against_model"}
+
+
+def long_functions(path: Path, limit: int) -> dict[str, int]:
+    """`file:function` -> its lines (the def through its last line, docstring included) for
+    every function or method of `path` longer than `limit`."""
+    out = {}
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            lines = node.end_lineno - node.lineno + 1
+            if lines > limit:
+                out[f"{path.name}:{node.name}"] = lines
+    return out
+
+
 @pytest.mark.parametrize("path", files("vllm_kvevict/integration"),
-                         ids=lambda p: p.name)
-def test_glue_files_stay_small(path):
-    assert len(path.read_text().splitlines()) <= 300
+                         ids=lambda p: str(p.relative_to(REPO / "vllm_kvevict/integration")))
+def test_glue_functions_stay_short(path):
+    """A glue function over 60 lines is two functions (judged by functions, not file length:
+    a file is as long as its one concept needs)."""
+    found = long_functions(path, GLUE_FUNCTION_LINES)
+    over = {name: n for name, n in found.items() if name not in PENDING_SPLIT}
+    assert not over, f"glue functions over {GLUE_FUNCTION_LINES} lines: {over}"
+    pending = {name for name in PENDING_SPLIT if name.split(":")[0] == path.name}
+    assert pending <= set(found), f"no longer over the bound: drop from PENDING_SPLIT {pending}"
 
 
 def vllm_names(tree: ast.AST) -> set[str]:

@@ -128,30 +128,8 @@ def build_plan(computed: list[int], query_lens: list[int], sink: int, window: in
     `chunk` whatever vLLM's steps are, so a step's prompt queries are split there, and a piece
     of chunk [kE, ...) sees the sink, [kE - W, kE) and the chunk so far (None: the step is
     the chunk)."""
-    seq_lens, q_start, blocks = [], [0], []
-    scratch_slots, prefix_dst, chunk_dst, chunk_src = [], [], [], []
-    prefix_pos, prefix_row = [], []
-    laid = 0        # rows of the laid-out tensor so far
-    next_block = 1  # block 0 stays unused (mirrors vLLM's null block)
-
-    def kernel_row(row: int, past: torch.Tensor, step_src: torch.Tensor, q_len: int) -> None:
-        nonlocal laid, next_block
-        v, n = len(past), len(past) + len(step_src)
-        nblocks = -(-n // block_size)
-        row_blocks = list(range(next_block, next_block + nblocks))
-        next_block += nblocks
-        blocks.append(row_blocks)
-        scratch_slots.append(torch.tensor(row_blocks).repeat_interleave(block_size)[:n]
-                             * block_size + torch.arange(n) % block_size)
-        prefix_dst.append(laid + torch.arange(v))
-        prefix_pos.append(past)
-        prefix_row.append(torch.full((v,), row))
-        chunk_dst.append(laid + v + torch.arange(n - v))
-        chunk_src.append(step_src)
-        seq_lens.append(n)
-        q_start.append(q_start[-1] + q_len)
-        laid += n
-
+    layout = _KernelRows(block_size)
+    kernel_row = layout.add
     token_base, row_tokens = 0, []  # first batch token of this row; the rows' tokens
     decode_only, query_pos = not questions, []
     for r, (a, c) in enumerate(zip(computed, query_lens)):
@@ -187,24 +165,61 @@ def build_plan(computed: list[int], query_lens: list[int], sink: int, window: in
     for r, k, first in questions:  # after every batch row, as the queries are ordered
         past, tokens = row_tokens[r]
         kernel_row(r, past, torch.cat([tokens, first + torch.arange(k)]), k)
-    num_rows = len(blocks)
-    width = max((len(b) for b in blocks), default=1)
-    table = torch.zeros(num_rows, width, dtype=torch.int32)
-    for r, b in enumerate(blocks):
-        table[r, : len(b)] = torch.tensor(b, dtype=torch.int32)
-    cat = lambda xs: torch.cat(xs).long() if xs else torch.zeros(0, dtype=torch.long)
-    decode_pos = decode_q = None
-    if decode_only and num_rows:
-        decode_q = torch.tensor(query_pos)
-        if len(set(seq_lens)) == 1:
-            decode_pos = torch.cat([cat(prefix_pos).view(num_rows, -1), decode_q[:, None]], dim=1)
-    return StepPlan(num_reqs=num_rows, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-                    query_start_loc=torch.tensor(q_start, dtype=torch.int32),
-                    block_table=table, scratch_slots=cat(scratch_slots),
-                    prefix_dst=cat(prefix_dst), prefix_pos=cat(prefix_pos),
-                    prefix_row=cat(prefix_row), chunk_dst=cat(chunk_dst),
-                    chunk_src=cat(chunk_src), max_seq_len=max(seq_lens, default=0),
-                    decode_pos=decode_pos, decode_q=decode_q)
+    return layout.plan(decode_only, query_pos)
+
+
+class _KernelRows:
+    """One step's kernel rows (`build_plan`) laid out in scratch blocks, and the `StepPlan`
+    they make: each row's blocks, its slots, where its visible past and its step's tokens go."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.seq_lens, self.q_start, self.blocks = [], [0], []
+        self.scratch_slots, self.prefix_dst, self.chunk_dst, self.chunk_src = [], [], [], []
+        self.prefix_pos, self.prefix_row = [], []
+        self.laid = 0        # rows of the laid-out tensor so far
+        self.next_block = 1  # block 0 stays unused (mirrors vLLM's null block)
+
+    def add(self, row: int, past: torch.Tensor, step_src: torch.Tensor, q_len: int) -> None:
+        block_size = self.block_size
+        v, n = len(past), len(past) + len(step_src)
+        nblocks = -(-n // block_size)
+        row_blocks = list(range(self.next_block, self.next_block + nblocks))
+        self.next_block += nblocks
+        self.blocks.append(row_blocks)
+        self.scratch_slots.append(torch.tensor(row_blocks).repeat_interleave(block_size)[:n]
+                                  * block_size + torch.arange(n) % block_size)
+        self.prefix_dst.append(self.laid + torch.arange(v))
+        self.prefix_pos.append(past)
+        self.prefix_row.append(torch.full((v,), row))
+        self.chunk_dst.append(self.laid + v + torch.arange(n - v))
+        self.chunk_src.append(step_src)
+        self.seq_lens.append(n)
+        self.q_start.append(self.q_start[-1] + q_len)
+        self.laid += n
+
+    def plan(self, decode_only: bool, query_pos: list[int]) -> StepPlan:
+        """The plan of the rows added; a decode-only step's query positions too."""
+        blocks, seq_lens = self.blocks, self.seq_lens
+        num_rows = len(blocks)
+        width = max((len(b) for b in blocks), default=1)
+        table = torch.zeros(num_rows, width, dtype=torch.int32)
+        for r, b in enumerate(blocks):
+            table[r, : len(b)] = torch.tensor(b, dtype=torch.int32)
+        cat = lambda xs: torch.cat(xs).long() if xs else torch.zeros(0, dtype=torch.long)
+        decode_pos = decode_q = None
+        if decode_only and num_rows:
+            decode_q = torch.tensor(query_pos)
+            if len(set(seq_lens)) == 1:
+                decode_pos = torch.cat([cat(self.prefix_pos).view(num_rows, -1),
+                                        decode_q[:, None]], dim=1)
+        return StepPlan(num_reqs=num_rows, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                        query_start_loc=torch.tensor(self.q_start, dtype=torch.int32),
+                        block_table=table, scratch_slots=cat(self.scratch_slots),
+                        prefix_dst=cat(self.prefix_dst), prefix_pos=cat(self.prefix_pos),
+                        prefix_row=cat(self.prefix_row), chunk_dst=cat(self.chunk_dst),
+                        chunk_src=cat(self.chunk_src), max_seq_len=max(seq_lens, default=0),
+                        decode_pos=decode_pos, decode_q=decode_q)
 
 
 def window_rows(q: torch.Tensor, sink: int, window: int,
