@@ -1,0 +1,297 @@
+"""The glue's shape in numbers, at any commit (docs/design/structure.md's before / after table).
+
+    python scripts/structure_stats.py                 # the working tree
+    python scripts/structure_stats.py --rev c5c927a   # a commit (read with git, no checkout)
+    python scripts/structure_stats.py --rev c5c927a --rev HEAD --markdown
+
+Every number is computed from the files alone (ast and a regex), so two runs on one commit agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import re
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+GLUE = "vllm_kvevict/integration/"
+
+# Where the glue asks the policy's kind (issue 69's five forms): KVPolicyConfig predicates,
+# KVPolicy properties, the worker state's token part or pool storage, the ledger's type, and
+# layer-name suffixes.
+KIND_PREDICATES = re.compile(
+    r"\.(uses_head_mask|evicts_tokens|is_hybrid|patched|caches_token_prefixes|caches_prefixes|"
+    r"reuses_across_questions|token_eviction|has_streaming_heads|in_pool)\b"
+    r"|\.token is (not )?None"
+    r"|isinstance\([^)]*TokenEvictionLedger\)"
+    r"|(COMPANION_SUFFIX|HEAD_SUFFIX)\b(?! =)"
+    r"|\.policy [!=]= \"full\"")
+
+
+def read_tree(rev: str | None) -> dict[str, str]:
+    """path -> text of every .py and .md file (the working tree when `rev` is None)."""
+    if rev is None:
+        paths = [p for p in REPO.rglob("*") if p.suffix in (".py", ".md") and p.is_file()
+                 and not any(part.startswith(".") for part in p.relative_to(REPO).parts)]
+        return {str(p.relative_to(REPO)): p.read_text(errors="replace") for p in paths}
+    names = subprocess.run(["git", "ls-tree", "-r", "--name-only", rev], cwd=REPO, check=True,
+                           capture_output=True, text=True).stdout.split()
+    return {n: subprocess.run(["git", "show", f"{rev}:{n}"], cwd=REPO, check=True,
+                              capture_output=True, text=True).stdout
+            for n in names if n.endswith((".py", ".md"))}
+
+
+def module_name(path: str) -> str:
+    parts = path[:-3].split("/")
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def import_graph(tree: dict[str, str], prefix: str = "vllm_kvevict/"):
+    """(modules, arrows at load, arrows inside functions) among the package's own modules, as
+    tests/test_layout.py's `own_imports` counts them."""
+    modules = {module_name(p): p for p in tree if p.startswith(prefix) and p.endswith(".py")}
+    at_load: dict[str, set[str]] = {m: set() for m in modules}
+    in_fn: dict[str, set[str]] = {m: set() for m in modules}
+
+    def owner(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    for module, path in modules.items():
+        package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+
+        def visit(node: ast.AST, inner: bool) -> None:
+            for child in ast.iter_child_nodes(node):
+                deeper = inner or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                     ast.Lambda))
+                if isinstance(child, ast.Import):
+                    names = [a.name for a in child.names]
+                elif isinstance(child, ast.ImportFrom):
+                    base = child.module or ""
+                    if child.level:
+                        up = package.split(".")[:len(package.split(".")) - (child.level - 1)]
+                        base = ".".join(up + ([base] if base else []))
+                    names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                             for a in child.names]
+                else:
+                    visit(child, deeper)
+                    continue
+                targets = {owner(n) for n in names} - {None, module}
+                (in_fn if deeper else at_load)[module].update(targets)
+        visit(ast.parse(tree[path]), False)
+    return modules, at_load, in_fn
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            strong(v)
+    return out
+
+
+def floors(graph: dict[str, set[str]]) -> int:
+    """The longest import chain, in modules (a cycle's modules count once, as one floor)."""
+    memo: dict[str, int] = {}
+
+    def depth(v: str, path: frozenset) -> int:
+        if v in memo:
+            return memo[v]
+        d = 1 + max((depth(w, path | {v}) for w in graph.get(v, ()) if w not in path),
+                    default=0)
+        memo[v] = d
+        return d
+    return max((depth(v, frozenset()) for v in graph), default=0)
+
+
+def functions_over(tree: dict[str, str], prefix: str, limit: int) -> list[str]:
+    out = []
+    for path, text in tree.items():
+        if path.startswith(prefix) and path.endswith(".py"):
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                        and node.end_lineno - node.lineno + 1 > limit:
+                    out.append(f"{path}:{node.name}")
+    return sorted(out)
+
+
+def module_globals(tree: dict[str, str], prefix: str = "vllm_kvevict/") -> list[str]:
+    """Module-level names a function rebinds (`global x`): per-process state held in modules."""
+    out = set()
+    for path, text in tree.items():
+        if path.startswith(prefix) and path.endswith(".py"):
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, ast.Global):
+                    out |= {f"{module_name(path)}.{n}" for n in node.names}
+    return sorted(out)
+
+
+def torch_config_at_import(tree: dict[str, str]) -> list[str]:
+    """Module-level statements of the glue that assign into torch's config."""
+    out = []
+    for path, text in tree.items():
+        if path.startswith(GLUE) and path.endswith(".py"):
+            for node in ast.parse(text).body:
+                if isinstance(node, ast.Assign) and any(
+                        ast.unparse(t).startswith("torch.") for t in node.targets):
+                    out.append(f"{path}:{node.lineno}")
+    return out
+
+
+def kind_branches(tree: dict[str, str]) -> tuple[int, int]:
+    """(lines, files) of the glue that ask the policy's kind (`KIND_PREDICATES`), outside
+    comments and docstrings."""
+    lines, files = 0, 0
+    for path, text in tree.items():
+        if not (path.startswith(GLUE) and path.endswith(".py")):
+            continue
+        docstrings = set()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) \
+                    and isinstance(node.value.value, str):
+                docstrings |= set(range(node.lineno, node.end_lineno + 1))
+        hits = [n for n, line in enumerate(text.splitlines(), 1)
+                if n not in docstrings and KIND_PREDICATES.search(line.split("#")[0])
+                and not line.lstrip().startswith(("def ", "@"))]
+        lines += len(hits)
+        files += bool(hits)
+    return lines, files
+
+
+def table_rows(tree: dict[str, str]) -> str:
+    """WRAPS / RELIED_ON / TOUCHED: the rows of registration.py's three tables."""
+    text = tree.get(GLUE + "registration.py", "")
+    sizes = {}
+    for node in ast.parse(text).body:
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, ast.AnnAssign) else []
+        for target in targets:
+            if isinstance(target, ast.Name) and target.id in ("WRAPS", "RELIED_ON", "TOUCHED") \
+                    and isinstance(node.value, (ast.Tuple, ast.List)):
+                sizes[target.id] = len(node.value.elts)
+    return " + ".join(str(sizes.get(k, "?")) for k in ("WRAPS", "RELIED_ON", "TOUCHED"))
+
+
+def state_fields(tree: dict[str, str]) -> int:
+    """The fields of the worker's per-process state (`worker.WorkerState`)."""
+    for node in ast.walk(ast.parse(tree.get(GLUE + "worker.py", ""))):
+        if isinstance(node, ast.ClassDef) and node.name == "WorkerState":
+            return sum(isinstance(item, ast.AnnAssign) for item in node.body)
+    return 0
+
+
+def words(text: str) -> int:
+    return len(text.split())
+
+
+def stats(rev: str | None) -> dict[str, object]:
+    tree = read_tree(rev)
+    glue_py = [p for p in tree if p.startswith(GLUE) and p.endswith(".py")]
+    glue_files = [p for p in glue_py if not p.endswith("__init__.py")]
+    folders = {p.rsplit("/", 1)[0] for p in glue_py} - {GLUE.rstrip("/")}
+    modules, at_load, in_fn = import_graph(tree)
+    glue = {m for m in modules if modules[m].startswith(GLUE)}
+    glue_load = {m: at_load[m] & glue for m in glue}
+    glue_all = {m: (at_load[m] | in_fn[m]) & glue for m in glue}
+    both = {m: at_load[m] | in_fn[m] for m in modules}
+    kind_lines, kind_files = kind_branches(tree)
+    docs = {p: t for p, t in tree.items() if p.startswith("docs/") and p.endswith(".md")
+            and not p.startswith(("docs/results/", "docs/proposals/"))
+            and p != "docs/design/structure.md"}  # (the page these numbers are for)
+    readme = tree.get("README.md", "")
+    return {
+        "kind branches in the glue (lines / files)": f"{kind_lines} / {kind_files}",
+        "isinstance(rule, TokenEvictionLedger)": sum(
+            len(re.findall(r"isinstance\([^)]*TokenEvictionLedger\)", tree[p]))
+            for p in glue_py),
+        "module globals rebound by functions": len(module_globals(tree)),
+        "torch config set at import (glue)": len(torch_config_at_import(tree)),
+        "glue files (.py, no __init__) / folders": f"{len(glue_files)} / {len(folders)}",
+        "glue lines": sum(len(tree[p].splitlines()) for p in glue_py),
+        "glue import floors / arrows (at load)": f"{floors(glue_load)} / "
+                                                 f"{sum(map(len, glue_load.values()))}",
+        "glue import floors / arrows (with imports inside functions)":
+            f"{floors(glue_all)} / {sum(map(len, glue_all.values()))}",
+        "import cycles in vllm_kvevict/ (imports inside functions counted)": len(cycles(both)),
+        "own imports inside functions (vllm_kvevict/)": sum(map(len, in_fn.values())),
+        "glue functions over 40 / 60 lines": f"{len(functions_over(tree, GLUE, 40))} / "
+                                             f"{len(functions_over(tree, GLUE, 60))}",
+        "vllm_kvevict/ functions over 40 / 60 lines":
+            f"{len(functions_over(tree, 'vllm_kvevict/', 40))} / "
+            f"{len(functions_over(tree, 'vllm_kvevict/', 60))}",
+        "glue files over 300 lines": sum(len(tree[p].splitlines()) > 300 for p in glue_py),
+        "WorkerState fields": state_fields(tree),
+        "WRAPS + RELIED_ON + TOUCHED rows": table_rows(tree),
+        "README lines / words": f"{len(readme.splitlines())} / {words(readme)}",
+        "docs/design.md lines / words": f"{len(tree.get('docs/design.md', '').splitlines())} / "
+                                        f"{words(tree.get('docs/design.md', ''))}",
+        "docs words (docs/**.md, not results/ or proposals/)": sum(map(words, docs.values())),
+        "README + docs/design.md words (before a newcomer opens a file)":
+            words(readme) + words(tree.get("docs/design.md", "")),
+        "README + docs words (all of the above docs)": words(readme) + sum(map(words,
+                                                                              docs.values())),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rev", action="append", help="a commit (repeatable); default: the "
+                        "working tree")
+    parser.add_argument("--markdown", action="store_true", help="one table, a column per rev")
+    parser.add_argument("--details", action="store_true", help="list the cycles, globals and "
+                        "long functions too")
+    args = parser.parse_args()
+    revs = args.rev or [None]
+    table = {rev or "working tree": stats(rev) for rev in revs}
+    if args.markdown:
+        print("| measure | " + " | ".join(table) + " |")
+        print("|---|" + "---|" * len(table))
+        for key in next(iter(table.values())):
+            print(f"| {key} | " + " | ".join(str(col[key]) for col in table.values()) + " |")
+    else:
+        for name, col in table.items():
+            print(f"== {name}")
+            for key, value in col.items():
+                print(f"  {key}: {value}")
+    if args.details:
+        for rev in revs:
+            tree = read_tree(rev)
+            modules, at_load, in_fn = import_graph(tree)
+            print(f"== {rev or 'working tree'}: details")
+            print("  cycles:", cycles({m: at_load[m] | in_fn[m] for m in modules}))
+            print("  module globals:", module_globals(tree))
+            print("  torch config at import:", torch_config_at_import(tree))
+            print("  glue functions over 60:", functions_over(tree, GLUE, 60))
+
+
+if __name__ == "__main__":
+    main()
