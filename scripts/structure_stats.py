@@ -120,17 +120,21 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def floors(graph: dict[str, set[str]]) -> int:
-    """The longest import chain, in modules (a cycle's modules count once, as one floor)."""
+    """The longest import chain, in modules; the modules of a cycle count as one floor."""
+    component = {v: v for v in graph}
+    for members in cycles(graph):
+        component.update({v: members[0] for v in members})
+    dag: dict[str, set[str]] = {}
+    for v, targets in graph.items():
+        dag.setdefault(component[v], set()).update(
+            component.get(w, w) for w in targets if component.get(w, w) != component[v])
     memo: dict[str, int] = {}
 
-    def depth(v: str, path: frozenset) -> int:
-        if v in memo:
-            return memo[v]
-        d = 1 + max((depth(w, path | {v}) for w in graph.get(v, ()) if w not in path),
-                    default=0)
-        memo[v] = d
-        return d
-    return max((depth(v, frozenset()) for v in graph), default=0)
+    def depth(v: str) -> int:
+        if v not in memo:
+            memo[v] = 1 + max((depth(w) for w in dag.get(v, ())), default=0)
+        return memo[v]
+    return max((depth(v) for v in dag), default=0)
 
 
 def functions_over(tree: dict[str, str], prefix: str, limit: int) -> list[str]:
