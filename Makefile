@@ -57,9 +57,12 @@ test-vllm033: model install-vllm033
 		-m "not slow and not serial and not server and not served_release" $(VLLM033_TESTS)
 
 # The self-check's kernel part where vLLM is not installed (eager: the compiled kernels are
-# checked in .venv by tests/test_flex_kernel.py)
+# checked in .venv by tests/test_flex_kernel.py), then the GPU check at CPU sizes: every
+# policy's attention against the reference, the trainer's bounded run, the timing table
+# (~25 s here; `--device cuda` on a GPU box, docs/gpu_check.md)
 test-kernels: install-torch-only
 	.venv-torch/bin/python -m vllm_kvevict.flex.kernel_check --eager
+	.venv-torch/bin/python -W ignore::UserWarning -m vllm_kvevict.gpu_check --device cpu
 
 # the developers' tier: no server, ~3.5 minutes here on two workers (the full suite starts vllm serve ~34x)
 test-fast: model

@@ -180,8 +180,10 @@ for extra in json.loads(sys.argv[2]):
     print("WORKER", json.dumps([config.parallel_config.worker_cls,
                                 [k.__name__ for k in worker.__mro__[:3]]]))
     print("CONFIG", json.dumps([config.use_v2_model_runner,
-                                config.additional_config["kv_policy"]["attention_backend"],
-                                config.attention_config.backend.name, args.async_scheduling]))
+                                config.additional_config["kv_policy"].get("attention_backend"),
+                                getattr(config.attention_config.backend, "name", None),
+                                args.async_scheduling,
+                                getattr(args.compilation_config.cudagraph_mode, "name", None)]))
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     print("FLEX", flex_attention.use_flex_backend(config, "cuda"),
           AttentionBackendEnum.FLEX_ATTENTION.get_path() == flex_attention.FLEX_BACKEND,
@@ -210,7 +212,9 @@ def test_on_a_simulated_cuda_platform_a_pass_unlocks_the_gpu_worker_and_flex_att
     self-check; with one our worker is composed over vLLM's GPU `Worker` (not the CPU one),
     the policy runs on FlexAttention by default (vLLM's V2 runner chosen, as on CUDA), vLLM's
     FLEX_ATTENTION name resolves to our backend in the worker; the CPU kernel and another
-    vLLM backend are refused by flag, and so is async scheduling (off by default then)."""
+    vLLM backend are refused by flag, and so is async scheduling (off by default then), and
+    FULL CUDA graphs (vLLM's default FULL_AND_PIECEWISE made PIECEWISE; an explicit FULL mode
+    refused naming the flag; NONE, PIECEWISE and O0's default kept; `full` left alone)."""
     import vllm
 
     from vllm_kvevict import __version__
@@ -226,14 +230,19 @@ def test_on_a_simulated_cuda_platform_a_pass_unlocks_the_gpu_worker_and_flex_att
                          {"policy": {"attention_backend": "cpu"}},
                          {"policy": {"attention_backend": "flex"},
                           "attention_backend": "FLASH_ATTN"},
-                         {"async_scheduling": True})
+                         {"async_scheduling": True},
+                         *({"compilation_config": {"cudagraph_mode": mode}} for mode in
+                           ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", "NONE",
+                            "PIECEWISE")),
+                         {"optimization_level": 0},
+                         {"policy": {"policy": "full"}})
     assert out[0] == ("REASON", "null")
     worker, mro = json.loads(out[1][1])
     # (our worker subclasses vLLM's Worker itself: over CUDA's, it is installed as it is)
     assert worker == "vllm_kvevict.integration.kvevict_worker.KVEvictWorker"
     assert mro == ["KVEvictWorker", "Worker", "WorkerBase"]
     # (async scheduling, vLLM's default on CUDA: off, as the CPU platform runs every policy)
-    assert json.loads(out[2][1]) == [True, "flex", "FLEX_ATTENTION", False]
+    assert json.loads(out[2][1]) == [True, "flex", "FLEX_ATTENTION", False, "PIECEWISE"]
     assert out[3] == ("FLEX", "True True True")
     assert out[4][0] == "REFUSED" and json.loads(out[4][1]).startswith(
         "--kv-attention-backend cpu is vLLM's CPU attention kernel, which platform 'cuda' does "
@@ -243,3 +252,13 @@ def test_on_a_simulated_cuda_platform_a_pass_unlocks_the_gpu_worker_and_flex_att
         "backend off the CPU platform; valid: leave --attention-backend out")
     assert out[6][0] == "REFUSED" and json.loads(out[6][1]).startswith(
         "--async-scheduling is not supported with --kv-policy prulong yet (untested")
+    for line, mode in zip(out[7:10], ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")):
+        assert line[0] == "REFUSED" and json.loads(line[1]).startswith(
+            f"--compilation-config '{{\"cudagraph_mode\": \"{mode}\"}}' is not supported "
+            "with --kv-policy prulong: a FULL CUDA graph replays attention"), line
+        assert json.loads(line[1]).endswith("valid: NONE, PIECEWISE (or leave it out: the "
+                                            "plugin sets PIECEWISE)")
+    # the engine args' mode after start-up: as asked; O0's default (NONE) and `full` untouched
+    configs = [json.loads(v) for tag, v in out[10:] if tag == "CONFIG"]
+    assert [c[4] for c in configs] == ["NONE", "PIECEWISE", None, None]
+    assert configs[3][1] is None  # `full`: vLLM's own backend, its graphs as vLLM sets them

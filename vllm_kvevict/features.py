@@ -318,3 +318,23 @@ def full_block_error(policy_config, block_size: int, sizes: dict[str, int],
         return (f"--kv-full-block-size {full} is not tested with {what}; serve without "
                 f"--kv-full-block-size (the full heads then use --block-size {block_size})")
     return None
+
+
+# vLLM's CUDA-graph modes (CompilationConfig.cudagraph_mode) that capture whole steps, attention
+# included; NONE and PIECEWISE run attention outside any graph
+FULL_GRAPH_MODES = ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+
+
+def cudagraph_error(policy_config, mode: str | None) -> str | None:
+    """A FULL CUDA graph replays attention as captured at one step; the policies build their
+    block masks, step plans and evictions on the host every step (`flex_attention.py`,
+    `flex_token.py`), so a replay would attend with a stale mask. Off the CPU platform (which
+    has no CUDA graphs) a policy runs with PIECEWISE graphs at most. `mode`: the user's
+    `cudagraph_mode` name (None: not set; start-up then sets PIECEWISE over vLLM's default)."""
+    if mode is None or mode.upper() not in FULL_GRAPH_MODES:
+        return None
+    return (f"--compilation-config '{{\"cudagraph_mode\": \"{mode.upper()}\"}}' is not supported "
+            f"with --kv-policy {policy_config.policy}: a FULL CUDA graph replays attention with "
+            "the block mask captured at one step, and the policy builds its masks and eviction "
+            "plans every step; valid: NONE, PIECEWISE (or leave it out: the plugin sets "
+            "PIECEWISE)")

@@ -127,6 +127,11 @@ RELIED_ON = (
     "vllm.v1.engine.async_llm.AsyncLLM.errored",
     "vllm.v1.engine.async_llm.AsyncLLM.dead_error",
     "vllm.v1.engine.async_llm.AsyncLLM.shutdown",
+    # FULL CUDA graphs off for a policy (validation.cudagraph_without_attention): the engine
+    # args' mode (None: vLLM's level default, FULL_AND_PIECEWISE from O2) and its enum
+    "vllm.engine.arg_utils.EngineArgs.optimization_level",
+    "vllm.config.compilation.CUDAGraphMode.PIECEWISE",
+    "vllm.config.compilation.CUDAGraphMode.FULL_AND_PIECEWISE",
 )
 
 # vLLM objects changed, or read by a private name, outside WRAPS: (file, attribute, why).
@@ -143,6 +148,8 @@ TOUCHED = (
     ("paged_layout.py", "_v_scale_float", "V"), ("validation.py", "backend", "FLEX_ATTENTION"
                                                   " off the CPU platform: ours under its name"),
     ("validation.py", "async_scheduling", "off for a policy off the CPU platform (untested)"),
+    ("validation.py", "cudagraph_mode", "PIECEWISE over vLLM's FULL_AND_PIECEWISE default for "
+                                        "a policy off the CPU platform (features.py)"),
     ("cli.py", "_actions", "argparse's: add the --kv-* group once"),
     ("cli.py", "additional_config", "the --kv-* flags folded into EngineArgs' JSON form"),
     ("head_order.py", "load_format", "the worker's load format, ours over the user's while it "

@@ -9,8 +9,8 @@ import os
 import sys
 
 from vllm_kvevict.config import KVPolicyError
-from vllm_kvevict.features import (PARALLEL_FLAGS, connector_error, decode_eviction_error,
-                                   full_block_error,
+from vllm_kvevict.features import (PARALLEL_FLAGS, connector_error, cudagraph_error,
+                                   decode_eviction_error, full_block_error,
                                    kv_cache_dtype_error, lora_error, model_error,
                                    model_runner_error, parallel_error, prefix_caching_error,
                                    prompt_embeds_error, speculative_error, token_prefix_error,
@@ -109,11 +109,15 @@ def before_create(engine_args) -> None:
     CPU platform turns async scheduling off (platforms/cpu.py), so every policy is tested that
     way; elsewhere it is vLLM's default, and it schedules step t+1 before step t's output is
     back while the policies free evicted blocks at the next schedule (untested there): off
-    unless the user asked for it, and then refused."""
+    unless the user asked for it, and then refused. FULL CUDA graphs likewise wherever our
+    attention backend runs (`cudagraph_without_attention`)."""
     inject_config(engine_args)
     if platform_name() == "cpu":
         return
-    policy = policy_config_of(engine_args).policy  # (it reads any object's additional_config)
+    cfg = policy_config_of(engine_args)  # (it reads any object's additional_config)
+    policy = cfg.policy
+    if policy != "full" or cfg.attention_backend == "flex":
+        cudagraph_without_attention(engine_args, cfg)
     if policy == "full":
         return
     if engine_args.async_scheduling:
@@ -122,6 +126,22 @@ def before_create(engine_args) -> None:
                             "valid: leave it out (the plugin turns it off) or "
                             "--no-async-scheduling")
     engine_args.async_scheduling = False
+
+
+def cudagraph_without_attention(engine_args, cfg) -> None:
+    """Our attention builds its block masks and eviction plans on the host every step, which a
+    FULL CUDA graph would replay stale (`features.cudagraph_error`). vLLM's default on CUDA
+    (optimization level O2, O3) is FULL_AND_PIECEWISE: when the user set no mode, PIECEWISE
+    here (O0's default, NONE, stays); a FULL mode the user asked for is refused."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    compilation = engine_args.compilation_config
+    mode = getattr(compilation, "cudagraph_mode", None)
+    error = cudagraph_error(cfg, None if mode is None else getattr(mode, "name", str(mode)))
+    if error:
+        raise KVPolicyError(error)
+    if mode is None and int(getattr(engine_args, "optimization_level", 2)) > 0:
+        compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
 
 
 def check_inactive(engine_args, inactive_reason: str) -> None:

@@ -88,8 +88,8 @@ class SnapKVPolicy(KVPolicy):
         group = num_q_heads // num_kv_heads
         k = k.repeat_interleave(group, dim=0)
         logits = torch.einsum("hqd,hkd->hqk", q, k) / math.sqrt(head_dim)
-        q_pos = obs_offset + torch.arange(num_obs).unsqueeze(1)
-        k_pos = torch.arange(chunk_len).unsqueeze(0)
+        q_pos = obs_offset + torch.arange(num_obs, device=k.device).unsqueeze(1)
+        k_pos = torch.arange(chunk_len, device=k.device).unsqueeze(0)
         logits = logits.masked_fill(k_pos > q_pos, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         per_head = probs.sum(dim=1)[:, : chunk_len - window]
@@ -106,5 +106,6 @@ class SnapKVPolicy(KVPolicy):
         """
         order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
         top = torch.sort(order[:, :selected], dim=-1).values
-        tail = torch.arange(chunk_len - window, chunk_len).expand(scores.shape[0], window)
+        tail = torch.arange(chunk_len - window, chunk_len, device=scores.device).expand(
+            scores.shape[0], window)
         return torch.cat([top, tail], dim=-1)

@@ -35,8 +35,8 @@ def observation_scores(obs_queries: torch.Tensor, chunk_keys: torch.Tensor, obs_
     k = chunk_keys.float()
 
     logits = torch.einsum("hgid,hjd->hgij", q, k) / math.sqrt(head_dim)
-    query_pos = obs_offset + torch.arange(num_obs).view(-1, 1)
-    key_pos = torch.arange(chunk_len).view(1, -1)
+    query_pos = obs_offset + torch.arange(num_obs, device=k.device).view(-1, 1)
+    key_pos = torch.arange(chunk_len, device=k.device).view(1, -1)
     logits = logits.masked_fill(key_pos > query_pos, float("-inf"))
     attn = torch.softmax(logits, dim=-1)  # [H_kv, group, k, c]
 
@@ -65,5 +65,6 @@ def select_kept(scores: torch.Tensor, selected: int, chunk_len: int, window: int
     assert num_candidates == chunk_len - window and 0 <= selected <= num_candidates
     best_first = torch.sort(scores, dim=-1, descending=True, stable=True).indices
     chosen = torch.sort(best_first[:, :selected], dim=-1).values
-    trailing = torch.arange(chunk_len - window, chunk_len).expand(num_kv_heads, window)
+    trailing = torch.arange(chunk_len - window, chunk_len,
+                            device=scores.device).expand(num_kv_heads, window)
     return torch.cat([chosen, trailing], dim=-1)

@@ -1,0 +1,107 @@
+"""What a run prints and writes: the correctness and timing tables, the JSON of every cell with
+the machine's versions, and a PNG of the timing cells (when matplotlib is installed; else
+`--plot RESULTS.json` draws it later where it is)."""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+
+def environment(device: str) -> dict:
+    """Versions and device, for the results file."""
+    env = {"torch": torch.__version__, "python": platform.python_version(), "device": device,
+           "cuda": torch.version.cuda}
+    for name in ("triton", "transformers"):
+        try:
+            env[name] = __import__(name).__version__
+        except ImportError:
+            env[name] = None
+    if device.startswith("cuda"):
+        props = torch.cuda.get_device_properties(torch.device(device))
+        env.update(device_name=props.name, device_memory_bytes=props.total_memory,
+                   driver=_driver_version())
+    else:
+        env["device_name"] = platform.processor() or platform.machine()
+    return env
+
+
+def _driver_version() -> str | None:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,"
+                               "noheader"], capture_output=True, text=True,
+                              timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def correctness_table(cells: list[dict]) -> str:
+    lines = [f"{'policy':32s} {'dtype':9s} {'mode':8s} {'prefill':>9s} {'decode':>9s} "
+             f"{'kept≠':>5s} {'tol':>7s}  result   (error: max |checked - reference| / "
+             "(1 + |reference|))"]
+    for c in cells:
+        if "prefill" not in c:
+            lines.append(f"{c['policy']:32s} {c['dtype']:9s} {c['mode']:8s} {c['status']}")
+            continue
+        lines.append(f"{c['policy']:32s} {c['dtype']:9s} {c['mode']:8s} {c['prefill']:9.2e} "
+                     f"{c['decode']:9.2e} {c['kept_mismatch']:5d} {c['tolerance']:7.1e}  "
+                     f"{'ok' if c['passed'] else 'FAIL'}")
+    return "\n".join(lines)
+
+
+def timing_table(cells: list[dict]) -> str:
+    lines = [f"{'scope':5s} {'phase':7s} {'ctx':>6s} {'batch':>5s} {'kind':19s} {'ms':>9s} "
+             f"{'/sdpa':>6s} {'/flex':>6s} {'GB read':>8s} {'of bw':>6s} {'peak+GB':>7s}"]
+    for c in cells:
+        head = (f"{c['scope']:5s} {c['phase']:7s} {c['context']:6d} {c['batch']:5d} "
+                f"{c['kind']:19s}")
+        if c.get("ms") is None:
+            lines.append(f"{head} {c['status']}")
+            continue
+        peak = "" if c.get("peak_extra_bytes") is None else f"{c['peak_extra_bytes'] / 1e9:7.2f}"
+        lines.append(f"{head} {c['ms']:9.3f} {c.get('vs_sdpa', 0):6.2f} "
+                     f"{c.get('vs_flex_dense', 0):6.2f} {c['bytes'] / 1e9:8.3f} "
+                     f"{c['bandwidth_share']:6.1%} {peak}")
+    return "\n".join(lines)
+
+
+def write(out: Path, results: dict) -> list[str]:
+    """results.json and timing.png under `out`; returns what was written or why not."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    return [str(out / "results.json"), plot(results, out / "timing.png")]
+
+
+def plot(results: dict, path: Path) -> str:
+    """Per scope and phase: ms per kind over context, one line per (kind, batch)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return (f"{path}: not drawn (no matplotlib in this environment); draw it where it is: "
+                f"python -m vllm_kvevict.gpu_check --plot RESULTS.json --out DIR")
+    cells = [c for c in results.get("timing", {}).get("cells", []) if c.get("ms")]
+    panels = sorted({(c["scope"], c["phase"]) for c in cells})
+    if not panels:
+        return f"{path}: not drawn (no timing cell ran)"
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (scope, phase) in zip(axes[0], panels):
+        mine = [c for c in cells if (c["scope"], c["phase"]) == (scope, phase)]
+        for kind, batch in sorted({(c["kind"], c["batch"]) for c in mine}):
+            line = sorted((c["context"], c["ms"]) for c in mine
+                          if (c["kind"], c["batch"]) == (kind, batch))
+            ax.plot(*zip(*line), marker="o", label=f"{kind} b{batch}")
+        ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="ms per step",
+               title=f"{scope} {phase}")
+        ax.legend(fontsize=6)
+    fig.suptitle(f"{results.get('environment', {}).get('device_name', '')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
