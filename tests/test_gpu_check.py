@@ -43,7 +43,7 @@ def test_cpu_run_passes_every_cell_and_writes_json(cpu_run):
     assert all(c["status"] == "ok" and c["ms"] > 0 and c["bytes"] > 0 for c in timed)
     assert results["timing"]["bandwidth_bytes_per_s"] > 0
     assert results["summary"]["failed"] == 0 and results["environment"]["torch"]
-    assert seconds < 120  # ~25 s on two shared cores
+    assert seconds < 300  # ~25-35 s on two shared cores
 
 
 def test_the_png_is_drawn_where_matplotlib_is(cpu_run, tmp_path):
