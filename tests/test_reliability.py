@@ -362,13 +362,82 @@ def _strategies():
     content = mostly(st.text(min_size=1, max_size=60))
     message = st.fixed_dictionaries({"role": st.sampled_from(["user", "user", "system", "bogus"]),
                                      "content": content})
-    completion = st.tuples(st.just("/v1/completions"),
+    completion = st.tuples(st.just(False), st.just("/v1/completions"),
                            st.fixed_dictionaries({"prompt": prompt}), optional)
-    chat = st.tuples(st.just("/v1/chat/completions"),
+    chat = st.tuples(st.just(False), st.just("/v1/chat/completions"),
                      st.fixed_dictionaries({"messages": mostly(st.lists(message, min_size=1,
                                                                           max_size=3))}),
                      optional)
-    return st.one_of(completion, chat)
+    return _valid_strategies(st), st.one_of(completion, chat)
+
+
+def _valid_strategies(st):
+    """Bodies every field of which is in range: each must be served (2xx) with its kv_stats.
+    (every sampling field, logprobs, n, stop, streaming, each per-request KV key a head-mask
+    server takes: kv_teacher_forced; the token-eviction keys are refused there by design)"""
+    text = st.text(st.characters(codec="utf-8", exclude_categories=["Cs", "Cc"]), min_size=1,
+                   max_size=40)
+    sampling = {
+        "max_tokens": st.integers(1, 8),
+        "temperature": st.floats(0, 2),
+        "top_p": st.floats(0.05, 1),
+        "top_k": st.one_of(st.just(-1), st.integers(1, 50)),
+        "min_p": st.floats(0, 0.5),
+        "n": st.integers(1, 3),
+        "seed": st.integers(0, 2**31 - 1),
+        "stop": st.one_of(text, st.lists(text, min_size=1, max_size=2)),
+        "presence_penalty": st.floats(-2, 2),
+        "frequency_penalty": st.floats(-2, 2),
+        "repetition_penalty": st.floats(0.5, 2),
+        "ignore_eos": st.booleans(),
+        "stream": st.booleans(),
+        "vllm_xargs": st.fixed_dictionaries({}, optional={
+            "kv_teacher_forced": st.integers(0, 4)}),
+    }
+    completion = st.fixed_dictionaries(
+        {"prompt": st.one_of(text, st.lists(st.integers(0, 49151), min_size=1, max_size=60))},
+        optional={**sampling, "logprobs": st.integers(0, 5), "echo": st.booleans()})
+    message = st.fixed_dictionaries({"role": st.just("user"), "content": text})
+    system = st.fixed_dictionaries({"role": st.just("system"), "content": text})
+    chat = st.fixed_dictionaries(
+        {"messages": st.tuples(st.lists(system, max_size=1), message).map(
+            lambda t: [*t[0], t[1]])},
+        optional={**sampling, "logprobs": st.booleans(), "top_logprobs": st.integers(0, 5)})
+    return st.one_of(
+        st.tuples(st.just(True), st.just("/v1/completions"), completion.map(_in_range),
+                  st.just({})),
+        st.tuples(st.just(True), st.just("/v1/chat/completions"), chat.map(_in_range),
+                  st.just({})))
+
+
+def _in_range(body: dict) -> dict:
+    """What vLLM refuses by a field's name even when each field is in range (top_logprobs
+    without logprobs: true; n > 1 under greedy sampling), and one bug of vLLM's own."""
+    if "top_logprobs" in body and not body.get("logprobs"):
+        body = {**body, "logprobs": True}
+    if body.get("n", 1) > 1 and body.get("temperature", 1.0) < 0.1:
+        body = {**body, "temperature": 0.7}
+    if body.get("echo") and body.get("stream") and "logprobs" in body and body.get("n", 1) > 1:
+        # vLLM 0.32's own bug, reproduced on stock vLLM (no policy): a streamed echo with
+        # logprobs and n > 1 fails in `_create_completion_logprobs` (KeyError, a 500 event)
+        body = {key: value for key, value in body.items() if key != "echo"}
+    return body
+
+
+def check_kv_stats(body: dict, payload: dict) -> None:
+    """A served response's kv_stats agrees with its own usage and with itself."""
+    stats, usage = payload.get("kv_stats"), payload.get("usage") or {}
+    assert stats is not None, (body, payload)
+    forced = stats["teacher_forced_tokens"]
+    assert forced == (body.get("vllm_xargs") or {}).get("kv_teacher_forced", 0) or (
+        forced < usage["prompt_tokens"]), (body, stats)
+    assert stats["prompt_tokens"] == max(usage["prompt_tokens"] - forced, 1), (usage, stats)
+    assert stats["chunk_boundaries"][-1] == stats["prompt_tokens"], stats
+    assert 0 <= stats["cached_tokens"] <= usage["prompt_tokens"], stats
+    assert 0 < stats["footprint"] <= 1 and 0 < stats["measured_footprint"] <= 1, stats
+    assert 0 < stats["kv_bytes_peak"] <= stats["full_kv_bytes_peak"], stats
+    if body.get("n", 1) == 1:
+        assert stats["completion_tokens"] == usage["completion_tokens"], (usage, stats)
 
 
 def names(key: str, message: str) -> bool:
@@ -381,7 +450,9 @@ VLLM_NAMES_VALUE = ("is out of vocabulary",)  # "Token id 55000 is out of vocabu
 
 
 def test_any_request_body_gets_2xx_or_a_4xx_that_says_why(head_mask_server, capsys):
-    """150 generated bodies (derandomized: the same in every run). Never a 5xx; a 4xx always
+    """115 generated bodies (derandomized: the same in every run), at least half of them valid
+    in every field (`_valid_strategies`: each must be served, its kv_stats agreeing with its
+    usage). Never a 5xx; a 4xx always
     carries a message that names a field of the body (or, for vLLM's out-of-vocabulary check,
     the value); a refused `vllm_xargs` (ours to check) names the key. `messages` that is not a
     list is ours too (server/responses.py `shape_error`: vLLM 0.32 said "'NoneType' object is
@@ -392,16 +463,15 @@ def test_any_request_body_gets_2xx_or_a_4xx_that_says_why(head_mask_server, caps
 
     base_url = head_mask_server.base_url
     seen: dict[int, int] = {}
+    kinds: dict[bool, int] = {}  # valid -> bodies sent
     unnamed: set[str] = set()
 
-    @settings(max_examples=150, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
-    @given(_strategies())
     def one(case):
-        path, required, optional = case
+        valid, path, required, optional = case
         body = {"model": SERVED_NAME, **required, **optional}
         if body.get("max_tokens") is None:  # else vLLM generates up to the context's end
             body["max_tokens"] = 8
+        kinds[valid] = kinds.get(valid, 0) + 1
         with httpx.Client(timeout=300) as client:
             # (NaN and infinities as JSON's non-standard literals, as a sloppy client sends)
             with client.stream("POST", base_url + path, content=json.dumps(body).encode(),
@@ -409,9 +479,14 @@ def test_any_request_body_gets_2xx_or_a_4xx_that_says_why(head_mask_server, caps
                 text = r.read().decode(errors="replace")
         seen[r.status_code] = seen.get(r.status_code, 0) + 1
         assert r.status_code < 500, (body, r.status_code, text[:500])
+        if valid:  # served, with kv_stats that agree with the response's usage
+            assert r.status_code == 200, (body, text[:500])
+            if body.get("stream") is not True:
+                check_kv_stats(body, json.loads(text))
         ours = check_vllm_xargs(body.get("vllm_xargs"), "prulong", 8192)
-        if ours is not None:
-            assert r.status_code == 400 and ours in text, (body, text[:500])
+        if ours is not None:  # (or the shape refusal, checked first: a body it cannot read)
+            shape = isinstance(body.get("messages", []), list) is False
+            assert r.status_code == 400 and (ours in text or shape), (body, text[:500])
         if r.status_code >= 400:
             message = json.loads(text).get("error", {}).get("message", "")
             assert message, (body, text[:500])
@@ -423,8 +498,14 @@ def test_any_request_body_gets_2xx_or_a_4xx_that_says_why(head_mask_server, caps
         elif body.get("stream") is True:
             assert "data: [DONE]" in text and '"error"' not in text, (body, text[-500:])
 
-    one()
+    # two runs, not one_of: hypothesis weighs one_of's branches unevenly (39 % valid seen)
+    for bodies, examples in zip(_strategies(), (60, 55)):
+        settings(max_examples=examples, deadline=None, derandomize=True, database=None,
+                 suppress_health_check=list(HealthCheck))(given(bodies)(one))()
     assert seen.get(200) and sum(v for k, v in seen.items() if 400 <= k < 500), seen
     assert httpx.get(base_url + "/health", timeout=30).status_code == 200
+    share = kinds.get(True, 0) / sum(kinds.values())
+    assert share >= 0.5, kinds
     with capsys.disabled():
-        print(f"\nstatuses {seen}; 4xx messages naming a value, not a field: {sorted(unnamed)}")
+        print(f"\nstatuses {seen}; valid bodies {kinds.get(True, 0)} of {sum(kinds.values())} "
+              f"({share:.0%}); 4xx messages naming a value, not a field: {sorted(unnamed)}")
