@@ -45,35 +45,8 @@ def validate_against_model(vllm_config, prefix_caching_requested: bool | None = 
         # raises on a missing or mismatched mask; writes the policy's decisions into the config
         served = settle_config(vllm_config, prefix_caching_requested)
         cfg = served.config
-        # (getattr: a VllmConfig has them all; the unit tests pass partial stand-ins)
-        parallel = getattr(vllm_config, "parallel_config", None)
-        sizes = {field: getattr(parallel, field, 1) for field, _ in PARALLEL_FLAGS}
-        cache = getattr(vllm_config, "cache_config", None)
-        cache_dtype = getattr(cache, "cache_dtype", "auto")
-        users = user_connectors(getattr(vllm_config, "kv_transfer_config", None))
-        method = getattr(getattr(vllm_config, "speculative_config", None), "method", None)
-        # features.py: which vLLM features each policy is served exactly with
-        embeds = bool(getattr(getattr(vllm_config, "model_config", None),
-                              "enable_prompt_embeds", False))
-        for error in (platform_error(cfg, platform, chosen), flex_error(cfg, vllm_config),
-                      parallel_error(cfg, sizes, served.shape.num_kv_heads),
-                      kv_cache_dtype_error(cfg, str(cache_dtype)),
-                      speculative_error(cfg, method), connector_error(cfg, users),
-                      decode_eviction_error(cfg, method, str(cache_dtype)),
-                      prompt_embeds_error(cfg, embeds),
-                      prefix_caching_error(cfg, prefix_caching_requested),
-                      token_prefix_error(
-                          cfg, bool(getattr(cache, "enable_prefix_caching", False)), sizes,
-                          method, getattr(vllm_config, "lora_config", None) is not None,
-                          cfg.eviction_chunk or 0, int(getattr(cache, "block_size", 0) or 0)),
-                      lora_error(cfg, getattr(vllm_config, "lora_config", None) is not None),
-                      full_block_error(cfg, int(getattr(cache, "block_size", 0) or 0), sizes,
-                                       bool(getattr(vllm_config, "use_v2_model_runner",
-                                                    False)),
-                                       canonical_chunk(vllm_config) if cfg.full_block_size
-                                       else 0, str(cache_dtype)),
-                      model_runner_error(cfg, bool(getattr(vllm_config, "use_v2_model_runner",
-                                                           False)), v2_features_on(vllm_config))):
+        for error in feature_errors(vllm_config, served, platform, chosen,
+                                    prefix_caching_requested):
             if error:
                 raise KVPolicyError(error)
         if cfg.policy == "full":
@@ -83,24 +56,66 @@ def validate_against_model(vllm_config, prefix_caching_requested: bool | None = 
             from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
             attention.backend = AttentionBackendEnum.FLEX_ATTENTION
-        num_layers = served.shape.num_layers
-        tiers = cfg.num_tiers(num_layers)
-        if num_layers % tiers:
-            # vLLM's hybrid allocator makes groups of equal layer counts: it would pad the
-            # smaller tiers with phantom layers, and those cost pool memory.
-            divisors = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
-            raise KVPolicyError(f"--kv-tiers {tiers} does not divide the model's {num_layers} "
-                                f"layers; valid: {', '.join(map(str, divisors))}")
-        if cfg.eviction_chunk is not None and cfg.evicts_tokens:
-            # a chunk's last step must hold its observation window whole (its queries score)
-            budget = vllm_config.scheduler_config.max_num_batched_tokens
-            if budget < cfg.obs_window:
-                raise KVPolicyError(f"--kv-eviction-chunk needs --max-num-batched-tokens >= "
-                                    f"--kv-obs-window ({cfg.obs_window}), got {budget}")
+        check_tiers_and_chunk(vllm_config, served)
     except KVPolicyError as exc:
         if _running_vllm_cli():
             fail(str(exc))
         raise
+
+
+def feature_errors(vllm_config, served, platform: str, chosen: str | None,
+                   prefix_caching_requested: bool | None) -> tuple:
+    """Each vLLM feature's refusal for the served policy (None where it is served exactly):
+    features.py holds the rules, this reads vLLM's config for them."""
+    cfg = served.config
+    # (getattr: a VllmConfig has them all; the unit tests pass partial stand-ins)
+    parallel = getattr(vllm_config, "parallel_config", None)
+    sizes = {field: getattr(parallel, field, 1) for field, _ in PARALLEL_FLAGS}
+    cache = getattr(vllm_config, "cache_config", None)
+    cache_dtype = getattr(cache, "cache_dtype", "auto")
+    users = user_connectors(getattr(vllm_config, "kv_transfer_config", None))
+    method = getattr(getattr(vllm_config, "speculative_config", None), "method", None)
+    # features.py: which vLLM features each policy is served exactly with
+    embeds = bool(getattr(getattr(vllm_config, "model_config", None),
+                          "enable_prompt_embeds", False))
+    return (platform_error(cfg, platform, chosen), flex_error(cfg, vllm_config),
+            parallel_error(cfg, sizes, served.shape.num_kv_heads),
+            kv_cache_dtype_error(cfg, str(cache_dtype)),
+            speculative_error(cfg, method), connector_error(cfg, users),
+            decode_eviction_error(cfg, method, str(cache_dtype)),
+            prompt_embeds_error(cfg, embeds),
+            prefix_caching_error(cfg, prefix_caching_requested),
+            token_prefix_error(
+                cfg, bool(getattr(cache, "enable_prefix_caching", False)), sizes,
+                method, getattr(vllm_config, "lora_config", None) is not None,
+                cfg.eviction_chunk or 0, int(getattr(cache, "block_size", 0) or 0)),
+            lora_error(cfg, getattr(vllm_config, "lora_config", None) is not None),
+            full_block_error(cfg, int(getattr(cache, "block_size", 0) or 0), sizes,
+                             bool(getattr(vllm_config, "use_v2_model_runner",
+                                          False)),
+                             canonical_chunk(vllm_config) if cfg.full_block_size
+                             else 0, str(cache_dtype)),
+            model_runner_error(cfg, bool(getattr(vllm_config, "use_v2_model_runner",
+                                                 False)), v2_features_on(vllm_config)))
+
+
+def check_tiers_and_chunk(vllm_config, served) -> None:
+    """--kv-tiers must divide the layers; --kv-eviction-chunk must hold the observation window."""
+    cfg = served.config
+    num_layers = served.shape.num_layers
+    tiers = cfg.num_tiers(num_layers)
+    if num_layers % tiers:
+        # vLLM's hybrid allocator makes groups of equal layer counts: it would pad the
+        # smaller tiers with phantom layers, and those cost pool memory.
+        divisors = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
+        raise KVPolicyError(f"--kv-tiers {tiers} does not divide the model's {num_layers} "
+                            f"layers; valid: {', '.join(map(str, divisors))}")
+    if cfg.eviction_chunk is not None and cfg.evicts_tokens:
+        # a chunk's last step must hold its observation window whole (its queries score)
+        budget = vllm_config.scheduler_config.max_num_batched_tokens
+        if budget < cfg.obs_window:
+            raise KVPolicyError(f"--kv-eviction-chunk needs --max-num-batched-tokens >= "
+                                f"--kv-obs-window ({cfg.obs_window}), got {budget}")
 
 
 def before_create(engine_args) -> None:
