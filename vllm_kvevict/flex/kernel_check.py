@@ -15,6 +15,7 @@ last prefill chunk and a decode query of prompts of 2K-8K tokens.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import torch
@@ -42,16 +43,13 @@ POLICIES = {  # name -> (policy config, head sparsity)
     "prulong-0.7": {"policy": "prulong", "sparsity": 0.7},
 }
 
-_compiled = None
-
-
 def attention_fn(eager: bool):
-    global _compiled
-    if eager:
-        return flex_attention
-    if _compiled is None:
-        _compiled = torch.compile(flex_attention, fullgraph=True)  # as vLLM compiles it
-    return _compiled
+    return flex_attention if eager else compiled_flex_attention()
+
+
+@functools.cache
+def compiled_flex_attention():
+    return torch.compile(flex_attention, fullgraph=True)  # as vLLM compiles it, once
 
 
 def streaming_heads(name: str, sink: int, window: int, seed: int = 0) -> torch.Tensor:

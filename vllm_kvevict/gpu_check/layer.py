@@ -16,6 +16,7 @@ shared: the two sides meet only in the policy's answers (which heads stream, wha
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -29,7 +30,13 @@ from vllm_kvevict.reference.eviction import observation_scores, select_kept
 
 PAGE = 16     # vLLM's default block size on CUDA
 Q_BLOCK = 16  # vLLM's FlexAttention query block with paged KV (torch >= 2.9)
-_compiled = None
+
+
+@functools.cache
+def compiled_flex_attention():
+    """Compiled once per process, as vLLM compiles it (whole graph)."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(flex_attention, fullgraph=True)
 
 
 def kernel(device: str, compiled: bool):
@@ -37,13 +44,9 @@ def kernel(device: str, compiled: bool):
     the mask's blocks (vLLM's `get_kernel_options` with direct build). Eager: torch's unfused
     implementation (scores materialized), run op by op: without torch's debug switch it is
     traced anew for every input shape, seconds each on a CPU."""
-    global _compiled
     if not compiled:
         flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
-    if compiled and _compiled is None:
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        _compiled = torch.compile(flex_attention, fullgraph=True)  # as vLLM compiles it
-    fn = _compiled if compiled else flex_attention
+    fn = compiled_flex_attention() if compiled else flex_attention
     options = ({"BLOCK_M": Q_BLOCK, "BLOCK_N": PAGE, "FORCE_USE_FLEX_ATTENTION": True}
                if compiled and device.startswith("cuda") else None)
 
