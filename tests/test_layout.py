@@ -338,3 +338,41 @@ def test_the_design_layout_tables_name_every_module():
     missing += [str(p.relative_to(glue)) for p in glue.rglob("*.py")
                 if p.name != "__init__.py" and f"`{p.relative_to(glue)}`" not in layout]
     assert not missing, f"not in docs/design.md's layout tables: {missing}"
+
+
+# -- imports inside functions: only where vLLM's process model needs them, each with its reason --
+
+IN_FUNCTION_IMPORT_FILES = {"vllm_kvevict/__init__.py", "vllm_kvevict/integration/registration.py"}
+
+
+def in_function_own_imports(path: Path) -> list[int]:
+    """Line numbers of the package's own imports made inside a function of `path`."""
+    lines = []
+    for fn in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ImportFrom):
+                    own = node.level > 0 or (node.module or "").startswith("vllm_kvevict")
+                elif isinstance(node, ast.Import):
+                    own = any(a.name.startswith("vllm_kvevict") for a in node.names)
+                else:
+                    continue
+                if own:
+                    lines.append(node.lineno)
+    return sorted(set(lines))
+
+
+def test_imports_inside_functions_only_at_the_entry_points_with_a_reason():
+    """The plugin's entry point and registration table import vLLM-bound modules lazily (the
+    entry point runs in every process vLLM starts, before vLLM is ready); nowhere else, and
+    each such import has a comment within the five lines above it saying why."""
+    for path in files("vllm_kvevict"):
+        lines = in_function_own_imports(path)
+        name = str(path.relative_to(REPO))
+        if not lines:
+            continue
+        assert name in IN_FUNCTION_IMPORT_FILES, f"{name}: own imports inside functions {lines}"
+        text = path.read_text().splitlines()
+        for line in lines:
+            above = text[max(0, line - 6):line - 1]
+            assert any(s.strip().startswith("#") for s in above), f"{name}:{line} has no reason"

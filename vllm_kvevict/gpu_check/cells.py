@@ -19,9 +19,12 @@ import torch
 from vllm_kvevict.config import KVPolicyConfig
 from vllm_kvevict.gpu_check.layer import (PAGE, CheckedLayer, LayerSetup, Row, kernel,
                                           kv_heads_to_q, reference_step)
-from vllm_kvevict.masks import HeadGates, full_heads_at_sparsity, resolve_full_heads
+from vllm_kvevict.masks import (HeadGates, full_heads_at_sparsity, load_head_gates,
+                                resolve_full_heads)
 from vllm_kvevict.policies import KVPolicy, build_policy
 from vllm_kvevict.reference.attention import EMPTY, LayerKV
+from vllm_kvevict.train import data as data_mod
+from vllm_kvevict.train.trainer import TrainConfig, Trainer
 
 # model shapes: (layers, KV heads, query heads per KV head, head dim)
 LLAMA_8B = (32, 8, 4, 128)
@@ -221,10 +224,6 @@ def trainer_smoke(device: str, out_dir: str, steps: int = 6) -> dict:
     Llama on `device`: the loss (distillation + L1 of the gates, which start all full) must
     fall and the mask file be written and read back."""
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from vllm_kvevict.masks import load_head_gates
-    from vllm_kvevict.train import data as data_mod
-    from vllm_kvevict.train.trainer import TrainConfig, Trainer
 
     started = time.perf_counter()
     torch.manual_seed(0)

@@ -294,6 +294,7 @@ def create_engine_config(engine_args, stock_create, *args, **kwargs):
     if inactive_reason is not None:  # a policy asked for through the config (the offline LLM)
         validation.refusing(validation.check_inactive, engine_args, inactive_reason)
         return stock_create(engine_args, *args, **kwargs)
+    # (the scheduler's, worker's and API server's classes: only for an active policy)
     from vllm_kvevict.integration import api_server, kvevict_scheduler, kvevict_worker
 
     validation.refusing(validation.before_create, engine_args)  # stats connector, scheduling
