@@ -51,7 +51,7 @@ test: model install-vllm033 install-torch-only
 PY033 := .venv-vllm033/bin/python
 VLLM033_TESTS := $(addprefix tests/test_,vllm_contract.py sink_window.py selfcheck.py \
 	eviction_bookkeeping.py token_prefix_cache.py kv_stats_unit.py scheduler_class.py config_cli.py features.py \
-	fp8.py hybrid.py install.py layout.py speculative.py tensor_parallel.py)
+	fp8.py hybrid.py install.py layout.py speculative.py tensor_parallel.py contract_report.py)
 test-vllm033: model install-vllm033
 	VLLM_TARGET_DEVICE=cpu $(PY033) -m pytest -q $(PARALLEL) \
 		-m "not slow and not serial and not server and not served_release" $(VLLM033_TESTS)

@@ -1,0 +1,59 @@
+"""`python -m vllm_kvevict.contract` (integration/contract_report.py): on the installed vLLM
+(0.32 here, 0.33 in the second environment) every WRAPS / RELIED_ON / TOUCHED row is present
+and the verdict is the activation gate's; a name that moved or vanished is reported as such
+and makes the command exit 1."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_kvevict.integration import contract_report, registration
+from vllm_kvevict.integration.versions import vllm_release
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def source():
+    return contract_report.VLLMSource()
+
+
+def test_the_command_reports_every_row_present_and_the_activation_verdict(tmp_path):
+    out = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "-m", "vllm_kvevict.contract", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    tables = [r["table"] for r in result["rows"]]
+    assert tables.count("WRAPS") == len(registration.WRAPS)
+    assert tables.count("RELIED_ON") == len(set(registration.RELIED_ON))
+    assert tables.count("TOUCHED") == len({(f, a) for f, a, _ in registration.TOUCHED})
+    assert {r["status"] for r in result["rows"]} <= {"present", "ours"}, result["rows"]
+    # the verdict is the entry point's: the served release activates, 0.33 names its reason
+    assert result["can_activate"] is (vllm_release() == (0, 32)), result["inactive_reason"]
+    assert proc.stdout.strip().splitlines()[-1].startswith(
+        "plugin can activate here: " + ("yes" if result["can_activate"] else "no (vLLM 0."))
+
+
+def test_a_moved_name_and_a_missing_one(source):
+    moved = contract_report.check_name(
+        "RELIED_ON", "vllm.v1.core.sched.elsewhere.Scheduler.schedule", source)
+    assert (moved.status, moved.where) == ("moved", "vllm/v1/core/sched/scheduler.py")
+    missing = contract_report.check_name(
+        "RELIED_ON", "vllm.v1.core.sched.scheduler.Scheduler.no_such_method_kvevict", source)
+    assert missing.status == "missing"
+    gone = contract_report.check_touched("x.py", "_no_such_private_attribute_kvevict", source)
+    assert gone.status == "missing"
+    assert contract_report.check_touched("x.py", "kvevict_masks", source).status == "ours"
+
+
+def test_the_command_exits_1_when_a_row_is_missing(monkeypatch, capsys):
+    monkeypatch.setattr(registration, "RELIED_ON",
+                        (*registration.RELIED_ON, "vllm.v1.core.block_pool.BlockPool.gone_kv"))
+    assert contract_report.main([]) == 1
+    assert "RELIED_ON  missing  vllm.v1.core.block_pool.BlockPool.gone_kv" in capsys.readouterr().out
