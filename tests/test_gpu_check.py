@@ -4,10 +4,12 @@ fails; the budget stops the timing cells; the JSON (and, with matplotlib, the PN
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -19,14 +21,12 @@ from vllm_kvevict.gpu_check.__main__ import main
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
-    started = time.perf_counter()
     rc = main(["--device", "cpu", "--out", str(out)])
-    results = json.loads((out / "results.json").read_text())
-    return rc, results, out, time.perf_counter() - started
+    return rc, json.loads((out / "results.json").read_text()), out
 
 
 def test_cpu_run_passes_every_cell_and_writes_json(cpu_run):
-    rc, results, out, seconds = cpu_run
+    rc, results, out = cpu_run
     assert rc == 0
     checked = results["correctness"]
     assert len(checked) == len(cells.CASES) * 2  # float32, bfloat16; eager on CPU
@@ -43,11 +43,10 @@ def test_cpu_run_passes_every_cell_and_writes_json(cpu_run):
     assert all(c["status"] == "ok" and c["ms"] > 0 and c["bytes"] > 0 for c in timed)
     assert results["timing"]["bandwidth_bytes_per_s"] > 0
     assert results["summary"]["failed"] == 0 and results["environment"]["torch"]
-    assert seconds < 300  # ~25-35 s on two shared cores
 
 
 def test_the_png_is_drawn_where_matplotlib_is(cpu_run, tmp_path):
-    _, _, out, _ = cpu_run
+    _, _, out = cpu_run
     pytest.importorskip("matplotlib")
     assert main(["--plot", str(out / "results.json"), "--out", str(tmp_path)]) == 0
     assert (tmp_path / "timing.png").stat().st_size > 1000
@@ -76,10 +75,14 @@ def test_the_budget_stops_the_cells_and_says_so(tmp_path, capsys, monkeypatch):
         c["status"] == "skipped: budget" for c in results["timing"]["cells"])
     assert results["summary"]["timing_skipped"] == len(results["timing"]["cells"])
     assert "skipped (budget" in capsys.readouterr().out
-    # a deadline a second away: the first cell runs, and once past it the rest are skipped
+    # a clock that moves 0.4 s per look and a deadline at 1.0: the first cells run, the rest
+    # are skipped, whatever the machine's speed
+    clock = itertools.count(step=0.4)
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(
+        monotonic=lambda: next(clock), perf_counter=time.perf_counter))
     monkeypatch.setattr(timing, "measure_bandwidth", lambda device: 1e9)
-    part = timing.run_timing(timing.CPU_GRID, "cpu", torch.float32, False,
-                             time.monotonic() + 1.0, log=lambda _: None)["cells"]
+    part = timing.run_timing(timing.CPU_GRID, "cpu", torch.float32, False, 1.0,
+                             log=lambda _: None)["cells"]
     assert part[0]["status"] == "ok" and part[-1]["status"] == "skipped: budget"
 
 
