@@ -13,9 +13,12 @@ import argparse
 import ast
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+from test_layout import own_imports  # noqa: E402  (one reading of imports: the test's)
 GLUE = "vllm_kvevict/integration/"
 
 # Where the glue asks the policy's kind (issue 69's five forms): KVPolicyConfig predicates,
@@ -54,36 +57,11 @@ def import_graph(tree: dict[str, str], prefix: str = "vllm_kvevict/"):
     """(modules, arrows at load, arrows inside functions) among the package's own modules, as
     tests/test_layout.py's `own_imports` counts them."""
     modules = {module_name(p): p for p in tree if p.startswith(prefix) and p.endswith(".py")}
-    at_load: dict[str, set[str]] = {m: set() for m in modules}
-    in_fn: dict[str, set[str]] = {m: set() for m in modules}
-
-    def owner(name: str) -> str | None:
-        while name and name not in modules:
-            name = name.rpartition(".")[0]
-        return name or None
-
+    at_load: dict[str, set[str]] = {}
+    in_fn: dict[str, set[str]] = {}
     for module, path in modules.items():
-        package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
-
-        def visit(node: ast.AST, inner: bool) -> None:
-            for child in ast.iter_child_nodes(node):
-                deeper = inner or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef,
-                                                     ast.Lambda))
-                if isinstance(child, ast.Import):
-                    names = [a.name for a in child.names]
-                elif isinstance(child, ast.ImportFrom):
-                    base = child.module or ""
-                    if child.level:
-                        up = package.split(".")[:len(package.split(".")) - (child.level - 1)]
-                        base = ".".join(up + ([base] if base else []))
-                    names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
-                             for a in child.names]
-                else:
-                    visit(child, deeper)
-                    continue
-                targets = {owner(n) for n in names} - {None, module}
-                (in_fn if deeper else at_load)[module].update(targets)
-        visit(ast.parse(tree[path]), False)
+        loaded, inner = own_imports(module, path, modules, tree[path])
+        at_load[module], in_fn[module] = loaded, set(inner)
     return modules, at_load, in_fn
 
 

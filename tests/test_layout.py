@@ -132,12 +132,14 @@ def own_modules() -> dict[str, Path]:
     return out
 
 
-def own_imports(module: str, path: Path, modules: dict[str, Path]
+def own_imports(module: str, path: Path | str, modules: dict, text: str | None = None
                 ) -> tuple[set[str], list[str]]:
     """(the own modules `module` imports when it is loaded, the own modules imported inside its
     functions, once per import statement). `from p import m` counts as m when m is a module,
     else as p; a package's parent `__init__` running first is not an arrow (that is Python
-    loading a package, not this module reaching back)."""
+    loading a package, not this module reaching back). `text`: the file's source, when it is
+    not read from `path` (scripts/structure_stats.py reads commits through git)."""
+    path = Path(path)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
 
     def owner(name: str) -> str | None:
@@ -168,7 +170,7 @@ def own_imports(module: str, path: Path, modules: dict[str, Path]
                 in_functions.extend(sorted(targets))
             else:
                 at_load.update(targets)
-    visit(ast.parse(path.read_text(), str(path)), False)
+    visit(ast.parse(path.read_text() if text is None else text, str(path)), False)
     return at_load, in_functions
 
 
