@@ -29,6 +29,10 @@ from vllm_kvevict.integration.streaming.sink_window import SinkWindowManager
 class GrowthReserve:
     """Scheduler-side admission rule; `scheduler` is vLLM's Scheduler (set by `attach`)."""
 
+    # whether a group's slots differ from vLLM's logical tokens (the token ledger's compressed
+    # rows): where they do not, a step's allocation is vLLM's own, untouched (every group, step)
+    compresses = False
+
     def __init__(self, reserve_growth: bool = True) -> None:
         self.scheduler = None
         self.reserve_growth = reserve_growth

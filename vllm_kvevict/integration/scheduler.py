@@ -62,7 +62,9 @@ def blocks_to_allocate(manager, stock_count, *args, **kwargs):
     full-sequence gate) of every evicting policy: the growth reserve (`admission.py`), so no
     admitted request is ever preempted."""
     rule = getattr(manager, "kvevict_reserve", None)
-    if rule is None:
+    if rule is None or (not rule.compresses and kwargs.get("apply_admission_cap") is False):
+        # (a step's allocation with logical slots: vLLM's count, no binding; its coordinator
+        # passes the cap by keyword)
         return stock_count(manager, *args, **kwargs)
     arguments = dict(zip(_parameter_names(stock_count), (manager, *args)), **kwargs)
     group = manager.kv_cache_group_id
@@ -92,7 +94,7 @@ def allocate_new_blocks(manager, stock_allocate, request_id, num_tokens, num_tok
                         *args, **kwargs):
     """`SingleTypeKVCacheManager.allocate_new_blocks`: physical slots of the group."""
     rule = getattr(manager, "kvevict_reserve", None)
-    if rule is not None:
+    if rule is not None and rule.compresses:
         group = manager.kv_cache_group_id
         num_tokens = rule.slots_needed(request_id, num_tokens, num_tokens_main_model, group)
         num_tokens_main_model = rule.physical(request_id, num_tokens_main_model, group)

@@ -28,6 +28,8 @@ class TokenEvictionLedger(GrowthReserve):
     per KV-cache group for block allocation, frees each group's tail blocks after each
     compressed chunk, caps admission (`GrowthReserve` with compressed peak sizes)."""
 
+    compresses = True
+
     def __init__(self, policy: KVPolicy, chunk_size: int, groups: LayerGroups | None = None,
                  reserve_growth: bool = True,
                  for_request: Callable[[Any], KVPolicy] | None = None):
