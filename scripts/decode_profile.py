@@ -28,7 +28,8 @@ name, _, sparsity = args.policy.partition(":")
 extra = {} if name == "stock" else {"additional_config": {"kv_policy": {"policy": name, **({"sparsity": float(sparsity)} if sparsity else {}), **({"full_block_size": args.full_block_size} if args.full_block_size else {})}}}
 if name == "stock":
     os.environ["VLLM_PLUGINS"] = "no-such-plugin"  # (set before vLLM loads its plugins)
-import vllm_kvevict.integration.backend as be
+import vllm_kvevict.integration.attention.backend as be
+
 T = collections.defaultdict(float); C = collections.Counter(); ON = [False]
 def wrap(owner, name, label):
     f = getattr(owner, name)
@@ -43,12 +44,16 @@ wrap(be, "decode_window", "decode_window"); wrap(be, "decode_attention", "decode
 wrap(be, "decode_in_place", "decode_in_place")
 wrap(be.KVEvictMetadataBuilder, "build", "meta_build")
 import vllm.v1.attention.backends.cpu_attn as cpu_attn
+
 wrap(cpu_attn.CPUAttentionBackendImpl, "forward", "vllm_forward")  # (stock; a head mask's all-full layers)
 import vllm.model_executor.layers.attention.attention as attention_layer
+
 wrap(attention_layer.Attention, "forward", "attention_layer")  # everything a layer does for attention
+import cProfile
+
 # the engine core's whole step and the scheduler's part of it (plugin: our scheduler and managers)
 import vllm.v1.engine.core as core
-import cProfile
+
 PROF = cProfile.Profile() if args.cprofile else None
 E = {"step": 0.0, "schedule": 0.0, "update": 0.0}
 orig_step = core.EngineCore.step
@@ -80,11 +85,14 @@ if args.linear:
             return w
         cls.forward = timed_linear(cls.forward)
 from vllm import LLM, SamplingParams
+
 from vllm_kvevict.model import ensure_bundled_model
+
 llm = LLM(model=str(ensure_bundled_model()), enforce_eager=True, dtype="float32", max_model_len=8192,
           kv_cache_memory_bytes=2 << 30, seed=0, max_num_batched_tokens=8192, skip_tokenizer_init=True,
           enable_prefix_caching=args.prefix_caching, max_num_seqs=B, block_size=args.block_size, **extra)
 import vllm.v1.worker.cpu_model_runner as cmr
+
 Runner = cmr.CPUModelRunner
 orig = Runner.execute_model
 steps = {"n": 0, "t": 0.0}

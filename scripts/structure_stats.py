@@ -170,8 +170,9 @@ def kind_branches(tree: dict[str, str]) -> tuple[int, int]:
 
 
 def table_rows(tree: dict[str, str]) -> str:
-    """WRAPS / RELIED_ON / TOUCHED: the rows of registration.py's three tables."""
-    text = tree.get(GLUE + "registration.py", "")
+    """WRAPS / RELIED_ON / TOUCHED: the rows of the contract's three tables (registration.py
+    held them before issue 69's second slice, plugins/contract.py after)."""
+    text = tree.get(GLUE + "plugins/contract.py") or tree.get(GLUE + "registration.py", "")
     sizes = {}
     for node in ast.parse(text).body:
         targets = node.targets if isinstance(node, ast.Assign) else \
@@ -185,7 +186,8 @@ def table_rows(tree: dict[str, str]) -> str:
 
 def state_fields(tree: dict[str, str]) -> int:
     """The fields of the worker's per-process state (`worker.WorkerState`)."""
-    for node in ast.walk(ast.parse(tree.get(GLUE + "worker.py", ""))):
+    state = tree.get(GLUE + "worker/state.py") or tree.get(GLUE + "worker.py", "")
+    for node in ast.walk(ast.parse(state)):
         if isinstance(node, ast.ClassDef) and node.name == "WorkerState":
             return sum(isinstance(item, ast.AnnAssign) for item in node.body)
     return 0

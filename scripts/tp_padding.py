@@ -8,7 +8,7 @@ streaming heads. "contiguous" is that rule on the mask as trained; "balanced" is
 after permuting each layer's KV heads (with their query heads and o_proj's columns) so that
 every rank gets ceil or floor of the layer's full heads / T: exact up to the float order of
 tensor parallel's own all-reduce; served by default (`--kv-tp-head-order balanced`,
-`vllm_kvevict/integration/head_order.py`: the weights are permuted as they load).
+`vllm_kvevict/integration/worker/head_order.py`: the weights are permuted as they load).
 Ratios are padded / unpadded bytes; full heads' bytes grow with the context, the streaming
 companions' stay at sink + window.
 

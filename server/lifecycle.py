@@ -57,7 +57,7 @@ class EngineWatch:
             finally:
                 self.stopped = True
 
-        client.shutdown = shutdown  # this one object's method: registration.RELIED_ON
+        client.shutdown = shutdown  # this one object's method: contract.RELIED_ON
         atexit.register(self._exit_status)
         self._task = asyncio.get_running_loop().create_task(self._watch())
 

@@ -38,7 +38,7 @@ HEAD_MASKS = ("streaming", "duo 0.3", "prulong 0.7")  # prefix caching on (sink_
 
 EVICTING = [c for c in COLUMNS if c != "full"]
 NOT_CACHING = [c for c in EVICTING if c not in HEAD_MASKS]
-# naive token eviction: prefix caching when asked for (integration/token_eviction/prefix_cache.py)
+# naive token eviction: prefix caching when asked for (integration/kv_cache/prefix_cache.py)
 TOKEN_CACHING = ("snapkv naive", "pyramidkv naive")
 # patched token eviction: prefix caching under --kv-prefix-reuse across-questions
 PATCHED_REUSE = ("snapkv patched", "pyramidkv patched", HYBRID)

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kvevict.integration.versions import vllm_release
+from vllm_kvevict.integration.plugins.versions import vllm_release
 from vllm_kvevict.launch import ServerProcess, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 SERVED_NAME = "smollm2"
-SERVED_RELEASE = (0, 32)  # integration/support.py: SUPPORTED_VLLM
+SERVED_RELEASE = (0, 32)  # integration/plugins/support.py: SUPPORTED_VLLM
 
 
 class VLLMServer(ServerProcess):

@@ -2,7 +2,7 @@
 
 Stock vLLM admits a request when its prompt fits and later preempts (and recomputes) when decode
 growth runs the pool dry; a plain recompute of an evicting request is not exact (new chunk
-boundaries, generated tokens prefilled as a chunk). Two modes (`integration/admission.py`):
+boundaries, generated tokens prefilled as a chunk). Two modes (`integration/core/admission.py`):
 - reserve (default): an evicting request is admitted only when its whole growth fits next to
   the running requests': no preemption;
 - vllm: stock admission, so vLLM preempts, and the plugin replays each preempted request with
@@ -18,7 +18,6 @@ import asyncio
 
 import httpx
 import pytest
-
 from conftest import SERVED_NAME, start_server
 from test_policies_vllm import flags, reference, source_prompts
 

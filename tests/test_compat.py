@@ -27,10 +27,11 @@ import json
 import openai
 import pytest
 import torch
-
-from compat_matrix import COLUMNS as MATRIX_COLUMNS, SLOW_COLUMNS
+from compat_matrix import COLUMNS as MATRIX_COLUMNS
+from compat_matrix import SLOW_COLUMNS
 from conftest import LORA_NAME, LORA_RANK, SERVED_NAME, served_policy_builds, start_server
 from test_policies_vllm import CASES, LOGPROB_TOL, flags, reference, source_prompts
+
 from vllm_kvevict.config import HEAD_MASK_POLICIES, KVPolicyConfig
 from vllm_kvevict.masks import resolve_full_heads
 from vllm_kvevict.policies import build_policy
@@ -260,7 +261,7 @@ def test_seeded_sampling_over_several_prefill_steps_matches_reference(
         column, bundled_model_dir, tokenizer, hf_model, prompt):
     """`seed` with a prompt that prefills in three steps: stock vLLM 0.32's CPU worker died on
     it ("CPU Generator does not use offset"); here the tokens are the reference's sampled with
-    the same seed, the same twice, and the server stays up (integration/seeded_sampling.py)."""
+    the same seed, the same twice, and the server stays up (integration/worker/seeded_sampling.py)."""
     name, policy, server = column
     import vllm._custom_ops  # noqa: F401  (registers torch.ops._C, vLLM's sampling op)
 

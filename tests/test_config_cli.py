@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from vllm_kvevict.config import POLICIES, KVPolicyConfig, KVPolicyError
-from vllm_kvevict.integration import cli
+from vllm_kvevict.integration.entrypoints import cli
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -158,7 +158,7 @@ def test_tiers_default_and_divisibility():
     count that does not divide the layers is refused before any model loads."""
     from types import SimpleNamespace
 
-    from vllm_kvevict.integration.validation import validate_against_model
+    from vllm_kvevict.integration.entrypoints.validation import validate_against_model
 
     assert KVPolicyConfig(policy="pyramidkv").num_tiers(30) == 30
     assert KVPolicyConfig(policy="pyramidkv", tiers=6).num_tiers(30) == 6
@@ -181,7 +181,7 @@ def test_tiers_default_and_divisibility():
 def test_eviction_chunk_needs_a_step_budget_that_holds_the_observation_window():
     from types import SimpleNamespace
 
-    from vllm_kvevict.integration.validation import validate_against_model
+    from vllm_kvevict.integration.entrypoints.validation import validate_against_model
 
     def config(budget, **policy):
         hf = SimpleNamespace(num_hidden_layers=30, num_key_value_heads=3, num_attention_heads=9,

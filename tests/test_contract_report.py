@@ -1,4 +1,4 @@
-"""`python -m vllm_kvevict.contract` (integration/contract_report.py): on the installed vLLM
+"""`python -m vllm_kvevict.contract` (integration/plugins/contract_report.py): on the installed vLLM
 (0.32 here, 0.33 in the second environment) every WRAPS / RELIED_ON / TOUCHED row is present
 and the verdict is the activation gate's; a name that moved or vanished is reported as such
 and makes the command exit 1."""
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kvevict.integration import contract_report, registration
-from vllm_kvevict.integration.versions import vllm_release
+from vllm_kvevict.integration.plugins import contract, contract_report
+from vllm_kvevict.integration.plugins.versions import vllm_release
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,9 +30,9 @@ def test_the_command_reports_every_row_present_and_the_activation_verdict(tmp_pa
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     tables = [r["table"] for r in result["rows"]]
-    assert tables.count("WRAPS") == len(registration.WRAPS)
-    assert tables.count("RELIED_ON") == len(set(registration.RELIED_ON))
-    assert tables.count("TOUCHED") == len({(f, a) for f, a, _ in registration.TOUCHED})
+    assert tables.count("WRAPS") == len(contract.WRAPS)
+    assert tables.count("RELIED_ON") == len(set(contract.RELIED_ON))
+    assert tables.count("TOUCHED") == len({(f, a) for f, a, _ in contract.TOUCHED})
     assert {r["status"] for r in result["rows"]} <= {"present", "ours"}, result["rows"]
     # the verdict is the entry point's: the served release activates, 0.33 names its reason
     assert result["can_activate"] is (vllm_release() == (0, 32)), result["inactive_reason"]
@@ -53,7 +53,7 @@ def test_a_moved_name_and_a_missing_one(source):
 
 
 def test_the_command_exits_1_when_a_row_is_missing(monkeypatch, capsys):
-    monkeypatch.setattr(registration, "RELIED_ON",
-                        (*registration.RELIED_ON, "vllm.v1.core.block_pool.BlockPool.gone_kv"))
+    monkeypatch.setattr(contract, "RELIED_ON",
+                        (*contract.RELIED_ON, "vllm.v1.core.block_pool.BlockPool.gone_kv"))
     assert contract_report.main([]) == 1
     assert "RELIED_ON  missing  vllm.v1.core.block_pool.BlockPool.gone_kv" in capsys.readouterr().out

@@ -10,9 +10,9 @@ from vllm_kvevict.config import KVPolicyConfig, KVPolicyError
 from vllm_kvevict.features import decode_eviction_error
 from vllm_kvevict.flags import FLAG_OF_FIELD, flag_message
 from vllm_kvevict.footprint import kv_footprint
-from vllm_kvevict.integration.token_eviction.token_eviction_worker import TokenEvictionWorker
-from vllm_kvevict.ledger import (LayerGroups, decode_group_budgets, decode_peak,
-                                 eviction_chunk_len, group_evictions, peak_slots)
+from vllm_kvevict.integration.worker.token_plan import TokenEvictionWorker
+from vllm_kvevict.ledger import (LayerGroups, decode_group_budgets, decode_peak, eviction_chunk_len,
+                                 group_evictions, peak_slots)
 from vllm_kvevict.policies import build_policy
 
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from vllm_kvevict.config import KVPolicyConfig
-from vllm_kvevict.integration.streaming.step_plan import build_step_plan, lay_out_rows
-from vllm_kvevict.integration.token_eviction.token_eviction_worker import TokenEvictionWorker
-from vllm_kvevict.integration.token_eviction.token_ledger import TokenEvictionLedger
+from vllm_kvevict.integration.core.token_ledger import TokenEvictionLedger
+from vllm_kvevict.integration.worker.step_plan import build_step_plan, lay_out_rows
+from vllm_kvevict.integration.worker.token_plan import TokenEvictionWorker
 from vllm_kvevict.ledger import (LayerGroups, allocation_eviction, chunk_kept_per_layer,
                                  eviction_chunk_len, group_evictions)
 from vllm_kvevict.policies import build_policy
@@ -190,7 +190,7 @@ def test_replay_follows_the_recorded_chunks():
     generated token per step; a first run is never capped."""
     from types import SimpleNamespace
 
-    from vllm_kvevict.integration.admission import GrowthReserve
+    from vllm_kvevict.integration.core.admission import GrowthReserve
 
     request = SimpleNamespace(request_id="r", num_prompt_tokens=700, num_computed_tokens=0,
                               num_preemptions=0)
@@ -230,7 +230,7 @@ def test_growth_reserve_counts_the_draft_slots_of_speculative_decoding():
     so an admitted request is not preempted for them (capped at the model length)."""
     from types import SimpleNamespace
 
-    from vllm_kvevict.integration.admission import GrowthReserve
+    from vllm_kvevict.integration.core.admission import GrowthReserve
 
     def need(num_spec_tokens, max_model_len=8192):
         reserve = GrowthReserve()

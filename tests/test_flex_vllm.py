@@ -11,11 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import start_server
 from test_policies_vllm import CASES as POLICY_CASES
-from test_policies_vllm import (DECOUPLED, LOGPROB_TOL, check_decoupled, check_mixed_batch,
-                                flags, reference, served, served_top_logprobs, source_prompts)
+from test_policies_vllm import (DECOUPLED, LOGPROB_TOL, check_decoupled, check_mixed_batch, flags,
+                                reference, served, served_top_logprobs, source_prompts)
 
 FLEX = {"attention_backend": "flex"}
 # the CPU path's cases, `full` and the naive hybrid; not post-fill (not run here)
@@ -111,9 +110,8 @@ def test_streaming_question_rows_see_what_the_cpu_path_lays_out(chunk):
     start (a, or a // E * E with canonical chunks), the step and questions 0..i; checked
     against attention over a dense cache by logical position, with that mask written out."""
     from vllm_kvevict.flex.block_mask import paged_queries
-    from vllm_kvevict.integration.flex_token import streaming_questions
-    from vllm_kvevict.integration.token_eviction.token_eviction_worker import (EvictionJob,
-                                                                               TokenStepPlan)
+    from vllm_kvevict.integration.attention.flex_token import streaming_questions
+    from vllm_kvevict.integration.worker.token_plan import EvictionJob, TokenStepPlan
 
     torch = pytest.importorskip("torch")
     g = torch.Generator().manual_seed(0)
@@ -222,7 +220,7 @@ def test_importing_the_flex_module_leaves_torchs_compiler_config_alone():
     (`use_flex_backend`); importing the module changes nothing of torch's config."""
     code = ("import torch, vllm.v1.attention.backends.flex_attention\n"
             "before = torch._dynamo.config.recompile_limit\n"
-            "import vllm_kvevict.integration.flex_attention as f\n"
+            "import vllm_kvevict.integration.attention.flex_attention as f\n"
             "assert torch._dynamo.config.recompile_limit == before, before\n"
             "f.allow_flex_recompiles()\n"
             "assert torch._dynamo.config.recompile_limit == max(before, f.FLEX_RECOMPILE_LIMIT)\n")

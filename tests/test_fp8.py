@@ -2,7 +2,7 @@
 
 vLLM's CPU kernels store x / scale rounded toward zero to the fp8 grid (test_vllm_contract.py
 pins it). The served path lays a streaming head's window out of fp8 blocks with that rule
-(`integration/fp8.py`); the reference oracle quantizes its cache with its own code (`reference/
+(`integration/attention/fp8.py`); the reference oracle quantizes its cache with its own code (`reference/
 quantization.py`). Unit tests: the two quantizers agree, and a window read back as codes is
 laid out as their grid values. Server tests: a tiny random Qwen3 (4 KV heads) served with an
 fp8 cache gives the tokens of the reference with the same fp8 cache, and kv_stats count one
@@ -15,15 +15,15 @@ from __future__ import annotations
 import openai
 import pytest
 import torch
-
 from compat_matrix import FP8_CI, FP8_IDS
 from conftest import SERVED_NAME, pool_width, skip_without_fp8_kv_cache, start_server
 from test_model_families_vllm import NEW_TOKENS, random_mask
 from test_policies_vllm import flags, source_prompts
 from test_tensor_parallel import TP_POLICIES
+
 from vllm_kvevict.config import HEAD_MASK_POLICIES, KVPolicyConfig
-from vllm_kvevict.integration.fp8 import grid_values, quantize
-from vllm_kvevict.integration.streaming.step_plan import build_step_plan, lay_out_visible
+from vllm_kvevict.integration.attention.fp8 import grid_values, quantize
+from vllm_kvevict.integration.worker.step_plan import build_step_plan, lay_out_visible
 from vllm_kvevict.masks import resolve_full_heads
 from vllm_kvevict.policies import build_policy
 from vllm_kvevict.reference import ReferenceRunner

@@ -43,7 +43,7 @@ def test_installing_into_an_environment_with_vllm_changes_nothing_else():
 
 SIMULATED = textwrap.dedent("""
     import contextlib, io
-    from vllm_kvevict.integration import registration
+    from vllm_kvevict.integration.plugins import registration
     registration.vllm_version = lambda: {version!r}
     registration.platform_name = lambda: {platform!r}
     registration.register()

@@ -12,7 +12,7 @@ import pytest
 
 from server import responses
 from server import store as stats_store
-from vllm_kvevict.integration.api_server import ServerContext
+from vllm_kvevict.integration.entrypoints.api_server import ServerContext
 from vllm_kvevict.overrides import check_vllm_xargs, effective_config
 from vllm_kvevict.stats import ByteLayout, RequestRecord
 
@@ -118,8 +118,8 @@ def test_record_prefix_cache_hit_is_a_first_chunk():
 def test_footprint_is_reported_for_the_scheduled_chunks():
     from vllm_kvevict.config import KVPolicyConfig
     from vllm_kvevict.footprint import kv_footprint
-    from vllm_kvevict.stats import footprint_function
     from vllm_kvevict.policies import build_policy
+    from vllm_kvevict.stats import footprint_function
 
     policy = build_policy(KVPolicyConfig(policy="streaming", sink=4, window=8), 2, 2)
     rec = record(prompt_len=40)

@@ -35,7 +35,8 @@ def test_the_package_never_imports_server_or_loadtest(path):
 
 @pytest.mark.parametrize("path", files("server"), ids=lambda p: str(p.relative_to(REPO)))
 def test_server_imports_neither_vllm_nor_the_package(path):
-    """server/ gets what it needs at install time (integration/api_server.py is its adapter)."""
+    """server/ gets what it needs at install time (integration/entrypoints/api_server.py is
+    its adapter)."""
     assert not imports_of(path) & {"vllm", "vllm_kvevict"}
 
 
@@ -104,7 +105,7 @@ def vllm_names(tree: ast.AST) -> set[str]:
                                   if p.name != "registration.py"], ids=lambda p: p.name)
 def test_no_monkeypatch_outside_the_registration_table(path):
     """Assigning to an attribute of something imported from vLLM (a class, a module) is a
-    patch: it belongs in registration.WRAPS, where the contract test sees it."""
+    patch: it belongs in contract.WRAPS, where the contract test sees it."""
     tree = ast.parse(path.read_text())
     vllm = vllm_names(tree)
     for node in ast.walk(tree):
@@ -254,7 +255,7 @@ def test_plain_python_imports_nothing_from_the_glue(path):
                 f"{path.name}:{node.lineno} imports {name}"
 
 
-# -- vLLM objects changed or read privately: declared in registration.TOUCHED ------------------
+# -- vLLM objects changed or read privately: declared in contract.TOUCHED ------------------
 
 def own_attribute_names() -> set[str]:
     """Attributes our classes define: class-body names, methods, and `self.x = ...` targets."""
@@ -285,17 +286,17 @@ def touched_in(path: Path, own: set[str]) -> set[tuple[str, str]]:
                 isinstance(node.value, ast.Name) and node.value.id == "self")
             private = node.attr.startswith("_") and not node.attr.startswith("__")
             if store or private:
-                found.add((path.name, node.attr))
+                found.add((str(path.relative_to(REPO / "vllm_kvevict/integration")), node.attr))
     return found
 
 
 def test_vllm_objects_touched_only_as_declared():
-    from vllm_kvevict.integration.registration import TOUCHED
+    from vllm_kvevict.integration.plugins.contract import TOUCHED
 
     own = own_attribute_names()
     found = set().union(*(touched_in(p, own) for p in files("vllm_kvevict/integration")))
     declared = {(f, a) for f, a, _ in TOUCHED}
-    assert not found - declared, f"undeclared in registration.TOUCHED: {sorted(found - declared)}"
+    assert not found - declared, f"undeclared in contract.TOUCHED: {sorted(found - declared)}"
     assert not declared - found, f"declared but not found: {sorted(declared - found)}"
 
 
@@ -303,7 +304,7 @@ def test_touched_vllm_attributes_exist_in_vllm():
     """Every private name we read is one vLLM's source defines (a contract, like RELIED_ON)."""
     import vllm
 
-    from vllm_kvevict.integration.registration import TOUCHED
+    from vllm_kvevict.integration.plugins.contract import TOUCHED
 
     source = "\n".join(p.read_text(errors="replace")
                        for p in Path(vllm.__file__).parent.rglob("*.py"))
@@ -342,9 +343,32 @@ def test_the_design_layout_tables_name_every_module():
     assert not missing, f"not in docs/design.md's layout tables: {missing}"
 
 
+# The glue's folders, each named after the vLLM concept its files extend (vLLM's own tree).
+CONCEPT_FOLDERS = {"plugins": "vllm/plugins", "entrypoints": "vllm/entrypoints",
+                   "core": "vllm/v1/core", "kv_cache": "vllm/v1/kv_cache_interface.py",
+                   "worker": "vllm/v1/worker", "attention": "vllm/v1/attention",
+                   "kv_stats": "vllm/distributed/kv_transfer, vllm/v1/metrics"}
+
+
+def test_every_glue_file_sits_in_a_concept_folder():
+    """A glue module lives in the folder of the vLLM concept it extends, one level deep, and
+    each folder says which concept in its docstring (a new mechanism is classes in them, not a
+    new folder cutting across them)."""
+    glue = REPO / "vllm_kvevict" / "integration"
+    stray = [str(p.relative_to(glue)) for p in glue.rglob("*.py")
+             if p.relative_to(glue).parts[0] not in CONCEPT_FOLDERS and p.name != "__init__.py"
+             or len(p.relative_to(glue).parts) > 2]
+    assert not stray, f"glue outside the concept folders {sorted(CONCEPT_FOLDERS)}: {stray}"
+    folders = {p.name for p in glue.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == set(CONCEPT_FOLDERS), folders ^ set(CONCEPT_FOLDERS)
+    for folder in CONCEPT_FOLDERS:
+        assert ast.get_docstring(ast.parse((glue / folder / "__init__.py").read_text())), folder
+
+
 # -- imports inside functions: only where vLLM's process model needs them, each with its reason --
 
-IN_FUNCTION_IMPORT_FILES = {"vllm_kvevict/__init__.py", "vllm_kvevict/integration/registration.py"}
+IN_FUNCTION_IMPORT_FILES = {"vllm_kvevict/__init__.py",
+                            "vllm_kvevict/integration/plugins/registration.py"}
 
 
 def in_function_own_imports(path: Path) -> list[int]:

@@ -1,4 +1,4 @@
-"""Streaming heads in vLLM's own block pool (`integration/streaming/sink_window.py`) against the independent reference oracle, on the bundled model.
+"""Streaming heads in vLLM's own block pool (`integration/kv_cache/sink_window.py`) against the independent reference oracle, on the bundled model.
 
 One server, 32-token blocks so the sink + window manager frees many blocks mid-prompt: prompts
 alone and four at once (vLLM splits the token budget between them, so its steps are irregular,
@@ -18,7 +18,6 @@ import re
 
 import httpx
 import pytest
-
 from conftest import start_server
 from test_policies_vllm import (LOGPROB_TOL, NEW_TOKENS, flags, reference, served_top_logprobs,
                                 source_prompts)

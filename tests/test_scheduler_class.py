@@ -1,4 +1,4 @@
-"""Our scheduler and worker as vLLM's classes (integration/kvevict_scheduler.py,
+"""Our scheduler and worker as vLLM's classes (integration/core/kvevict_scheduler.py,
 kvevict_worker.py): installed through `scheduler_config.scheduler_cls` /
 `parallel_config.worker_cls`, composed with a user's subclass of vLLM's class, and a class of
 any other kind refused at start-up with one line."""
@@ -19,10 +19,10 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_kvevict.config import KVPolicyError
-from vllm_kvevict.integration.composition import composed
-from vllm_kvevict.integration.kvevict_scheduler import KVEvictScheduler, install
-from vllm_kvevict.integration.kvevict_worker import KVEvictWorker
-from vllm_kvevict.integration.kvevict_worker import install as install_worker
+from vllm_kvevict.integration.core.kvevict_scheduler import KVEvictScheduler, install
+from vllm_kvevict.integration.plugins.composition import composed
+from vllm_kvevict.integration.worker.kvevict_worker import KVEvictWorker
+from vllm_kvevict.integration.worker.kvevict_worker import install as install_worker
 
 ASYNC = "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
 NOT_A_SCHEDULER = "vllm.v1.core.sched.interface.SchedulerInterface"
@@ -99,9 +99,9 @@ def installed_worker(worker_cls: str) -> str:
 
 def test_workers_stock_and_composed_by_a_name_a_worker_process_resolves():
     assert installed_worker("vllm.v1.worker.cpu_worker.CPUWorker") == \
-        "vllm_kvevict.integration.kvevict_worker.KVEvictWorker_over_vllm:v1:worker:cpu_worker:CPUWorker"
+        "vllm_kvevict.integration.worker.kvevict_worker.KVEvictWorker_over_vllm:v1:worker:cpu_worker:CPUWorker"
     name = installed_worker("user_scheduler.StepLoggingWorker")
-    assert name == ("vllm_kvevict.integration.kvevict_worker."
+    assert name == ("vllm_kvevict.integration.worker.kvevict_worker."
                     "KVEvictWorker_over_user_scheduler:StepLoggingWorker")
     code = ("from vllm.utils.import_utils import resolve_obj_by_qualname\n"
             f"cls = resolve_obj_by_qualname({name!r})\n"
@@ -158,12 +158,13 @@ import json, sys
 sys.path.insert(0, "tests")
 import triton_interpreter
 triton_interpreter.enable()  # vLLM 0.32 wants Triton for its V2 runner (here: the interpreter)
-from vllm_kvevict.integration import support
+from vllm_kvevict.integration.plugins import support
 support.platform_name = lambda: "cuda"
 from vllm.engine.arg_utils import EngineArgs
 from vllm.utils.import_utils import resolve_obj_by_qualname
 from vllm_kvevict.config import KVPolicyError
-from vllm_kvevict.integration import flex_attention, registration
+from vllm_kvevict.integration.attention import flex_attention
+from vllm_kvevict.integration.plugins import registration
 registration.register()
 print("REASON", json.dumps(registration.inactive_reason))
 for extra in json.loads(sys.argv[2]):
@@ -239,7 +240,7 @@ def test_on_a_simulated_cuda_platform_a_pass_unlocks_the_gpu_worker_and_flex_att
     assert out[0] == ("REASON", "null")
     worker, mro = json.loads(out[1][1])
     # (our worker subclasses vLLM's Worker itself: over CUDA's, it is installed as it is)
-    assert worker == "vllm_kvevict.integration.kvevict_worker.KVEvictWorker"
+    assert worker == "vllm_kvevict.integration.worker.kvevict_worker.KVEvictWorker"
     assert mro == ["KVEvictWorker", "Worker", "WorkerBase"]
     # (async scheduling, vLLM's default on CUDA: off, as the CPU platform runs every policy)
     assert json.loads(out[2][1]) == [True, "flex", "FLEX_ATTENTION", False, "PIECEWISE"]

@@ -80,7 +80,7 @@ def test_selfcheck_records_are_keyed_by_plugin_vllm_platform_device_dtype(tmp_pa
 
 def test_an_unsupported_platform_is_unlocked_only_by_a_matching_pass(tmp_path, monkeypatch):
     """Simulated: vLLM 0.33 on CUDA (this machine has neither a GPU nor that release served)."""
-    from vllm_kvevict.integration.support import activation
+    from vllm_kvevict.integration.plugins.support import activation
 
     monkeypatch.setenv(records.ENV_DIR, str(tmp_path))
     monkeypatch.delenv(records.ENV_CHECKING, raising=False)
@@ -100,7 +100,7 @@ def test_an_unsupported_platform_is_unlocked_only_by_a_matching_pass(tmp_path, m
 
 
 def test_an_unlocked_platform_serves_only_the_dtypes_that_passed():
-    from vllm_kvevict.integration.support import unlocked_dtype_error
+    from vllm_kvevict.integration.plugins.support import unlocked_dtype_error
 
     unlocked = {"float32": "/x/pass.json"}
     assert unlocked_dtype_error("float32", unlocked) is None
@@ -115,12 +115,12 @@ GATE = """
 import json, sys
 from vllm.engine.arg_utils import EngineArgs
 from vllm_kvevict.config import KVPolicyError
-from vllm_kvevict.integration import registration
+from vllm_kvevict.integration.plugins import contract, registration
 registration.register()
 print("REASON", json.dumps(registration.inactive_reason))
 print("UNLOCKED", json.dumps(registration.unlocked_by))
 print("APPLIED", len(registration.applied),  # (the API server's rows: only under `vllm serve`)
-      sum(not wrap.if_loaded for wrap in registration.WRAPS))
+      sum(not wrap.if_loaded for wrap in contract.WRAPS))
 args = EngineArgs(model=sys.argv[1], dtype=sys.argv[2], enforce_eager=True, max_model_len=2048,
                   additional_config={"kv_policy": {"policy": "prulong", "sparsity": 0.5}})
 try:
@@ -149,7 +149,7 @@ def test_vllm033_needs_a_recorded_pass_and_then_activates(bundled_model_dir, tmp
     engine configs are real): a policy is refused, naming the self-check, until a pass for this
     plugin, vLLM, platform and device exists; with one the plugin applies its table and installs
     its scheduler and worker; a dtype the pass does not cover stays refused."""
-    from vllm_kvevict.integration.versions import vllm_release
+    from vllm_kvevict.integration.plugins.versions import vllm_release
 
     if vllm_release() == (0, 32):
         pytest.skip("the served release needs no pass: runs in the vLLM 0.33 environment")
@@ -158,7 +158,7 @@ def test_vllm033_needs_a_recorded_pass_and_then_activates(bundled_model_dir, tmp
     out = gate(bundled_model_dir, tmp_path)
     assert "run `python -m vllm_kvevict.selfcheck` here" in json.loads(out["REASON"])
     assert out["APPLIED"].split()[0] == str(len(__import__(
-        "vllm_kvevict.integration.registration", fromlist=["x"]).INERT_WRAPS))
+        "vllm_kvevict.integration.plugins.contract", fromlist=["x"]).INERT_WRAPS))
     refused = json.loads(out["REFUSED"])
     assert refused.startswith("additional_config['kv_policy'] needs an active plugin")
     records.write_pass(records.PassKey(__version__, vllm.__version__.split("+")[0], "cpu",
@@ -167,7 +167,7 @@ def test_vllm033_needs_a_recorded_pass_and_then_activates(bundled_model_dir, tmp
     assert json.loads(out["REASON"]) is None and "float32" in json.loads(out["UNLOCKED"])
     applied, total = out["APPLIED"].split()
     assert applied == total
-    assert out["CONFIG"].startswith("vllm_kvevict.integration.kvevict_worker"), out
+    assert out["CONFIG"].startswith("vllm_kvevict.integration.worker.kvevict_worker"), out
     out = gate(bundled_model_dir, tmp_path, "bfloat16")
     assert json.loads(out["REFUSED"]).startswith("--dtype bfloat16: this platform is unlocked")
 

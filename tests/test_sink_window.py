@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from vllm_kvevict.config import KVPolicyConfig, KVPolicyError
-from vllm_kvevict.integration.streaming.pool_groups import _first_fit, _pack, plan_widths
-from vllm_kvevict.integration.streaming.sink_window import SinkWindowManager, SinkWindowSpec, register_manager
+from vllm_kvevict.integration.kv_cache.pool_groups import _first_fit, _pack, plan_widths
+from vllm_kvevict.integration.kv_cache.sink_window import (SinkWindowManager, SinkWindowSpec,
+                                                           register_manager)
 
 
 def _manager(sink: int, window: int, block: int = 16, blocks: int = 64, chunk: int = 0,
@@ -169,7 +170,7 @@ def test_a_decoding_request_holds_at_most_the_decode_window(chunk):
     import random
     from types import SimpleNamespace
 
-    from vllm_kvevict.integration.admission import GrowthReserve
+    from vllm_kvevict.integration.core.admission import GrowthReserve
 
     sink, window, bs, prompt, drafts = 20, 40, 16, 200, 3
     manager, pool, spec = _manager(sink, window, bs, chunk=chunk)
@@ -275,7 +276,7 @@ def test_gather_reads_any_slots_back_exactly():
     scattered slots of a block-outer (strided) cache come back exactly."""
     from vllm import _custom_ops as ops
 
-    from vllm_kvevict.integration.paged_layout import PagedLayout
+    from vllm_kvevict.integration.attention.paged_layout import PagedLayout
 
     torch.manual_seed(0)
     bs, heads, d, blocks = 32, 3, 64, 6
@@ -329,7 +330,7 @@ def test_canonical_chunks_split_a_step_that_crosses_one():
     its queries in [20, 32) belong to chunk [16, 32) and see the sink, [8, 16) and the chunk so
     far ([16, 20) from the pool, the rest from the step); those in [32, 40) see the sink and
     [24, 32), all from the step. A decode step keeps its own window."""
-    from vllm_kvevict.integration.streaming.step_plan import build_step_plan
+    from vllm_kvevict.integration.worker.step_plan import build_step_plan
 
     plan = build_step_plan([20, 100], [20, 1], sink=4, window=8, block_size=32,
                            prompt_lens=[100, 100], chunk=16)
@@ -349,7 +350,7 @@ def test_canonical_chunks_split_a_step_that_crosses_one():
 def test_the_start_up_hint_names_the_block_size_that_decodes_in_place():
     """worker.in_place_hint: silent when the sink is whole blocks and the window at least one;
     otherwise it says why and names a block size that would do (none if none would)."""
-    from vllm_kvevict.integration.worker import in_place_hint
+    from vllm_kvevict.integration.worker.state import in_place_hint
 
     assert in_place_hint(64, 256, 64) is None and in_place_hint(128, 1024, 128) is None
     assert in_place_hint(0, 256, 128) is None
@@ -365,7 +366,7 @@ def test_the_start_up_hint_names_larger_full_blocks_where_they_apply():
     --kv-full-block-size 128; silent once given, at 128, for `streaming` (no full heads) and
     for a block size whose kernel path differs (16)."""
     from vllm_kvevict.config import KVPolicyConfig
-    from vllm_kvevict.integration.worker import full_block_hint
+    from vllm_kvevict.integration.worker.state import full_block_hint
 
     prulong = KVPolicyConfig.from_dict({"policy": "prulong"})
     assert "--kv-full-block-size 128" in full_block_hint(64, prulong)
@@ -382,7 +383,7 @@ def test_a_uniform_decode_step_gets_its_rows_windows_and_their_attention():
     `paged_layout.decode_window`); a prefill row, a multi-query row or rows of unequal length
     give None (the kernel path). decode_attention equals plain softmax attention per query
     head over its KV head's keys (GQA: query head j reads KV head j // group)."""
-    from vllm_kvevict.integration.streaming.step_plan import build_step_plan, decode_attention
+    from vllm_kvevict.integration.worker.step_plan import build_step_plan, decode_attention
 
     plan = build_step_plan([100, 200], [1, 1], sink=4, window=8, block_size=32,
                            prompt_lens=[50, 60], chunk=16)
@@ -415,8 +416,8 @@ def test_a_decode_only_plan_equals_the_general_one_field_by_field():
     import dataclasses
     import random
 
-    from vllm_kvevict.integration.streaming.step_plan import (DecodeStepPlan, StepPlan,
-                                                              build_plan, build_step_plan)
+    from vllm_kvevict.integration.worker.step_plan import (DecodeStepPlan, StepPlan, build_plan,
+                                                           build_step_plan)
 
     rng = random.Random(0)
     for case in range(40):
@@ -449,7 +450,7 @@ def test_window_rows_run_the_streaming_decode_in_place(sink, window, bs):
     from vllm import _custom_ops as ops
     from vllm import envs
 
-    from vllm_kvevict.integration.streaming.step_plan import build_step_plan, window_rows
+    from vllm_kvevict.integration.worker.step_plan import build_step_plan, window_rows
 
     torch.manual_seed(0)
     heads, g, d, n = 3, 3, 64, 1100
@@ -563,7 +564,7 @@ def test_pool_storage_prompt_steps_stop_at_canonical_chunk_ends():
     holds at most sink + W + E tokens, the admission cap); decode steps are left alone."""
     from types import SimpleNamespace
 
-    from vllm_kvevict.integration.admission import GrowthReserve
+    from vllm_kvevict.integration.core.admission import GrowthReserve
 
     rule = GrowthReserve()
     rule.canonical_chunk = 256
@@ -584,8 +585,8 @@ def test_token_ledger_sees_streaming_groups_as_evicting_nothing():
     worker's and scheduler's group count is vLLM's."""
     from types import SimpleNamespace
 
-    from vllm_kvevict.integration.kv_cache_specs import layer_groups
-    from vllm_kvevict.integration.streaming.sink_window import COMPANION_SUFFIX
+    from vllm_kvevict.integration.kv_cache.sink_window import COMPANION_SUFFIX
+    from vllm_kvevict.integration.kv_cache.specs import layer_groups
     from vllm_kvevict.ledger import LayerGroups, group_evictions_of
 
     name = lambda i: f"model.layers.{i}.self_attn.attn"  # noqa: E731
@@ -617,9 +618,9 @@ def test_flex_head_pages_put_a_layers_heads_of_one_kind_side_by_side(world):
 
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from vllm_kvevict.integration.head_split import layer_heads
-    from vllm_kvevict.integration.streaming.head_pages import head_page_specs, head_slots
-    from vllm_kvevict.integration.streaming.pool_groups import head_page_groups
+    from vllm_kvevict.integration.kv_cache.head_pages import head_page_specs, head_slots
+    from vllm_kvevict.integration.kv_cache.head_split import layer_heads
+    from vllm_kvevict.integration.kv_cache.pool_groups import head_page_groups
 
     mask = torch.tensor([[0, 1, 1], [0, 0, 0], [1, 1, 1], [0, 1, 0], [1, 0, 1], [1, 1, 0]],
                         dtype=torch.bool)

@@ -1,5 +1,5 @@
 """Tenants isolated in token eviction's prefix cache (issue 72): the boundary keys of token
-eviction's cache (`integration/token_eviction/prefix_cache.py`) are hashes of vLLM's chained
+eviction's cache (`integration/kv_cache/prefix_cache.py`) are hashes of vLLM's chained
 block hashes, which vLLM seeds with the request's `cache_salt`. In every prefix-cache mode a
 request under another salt, or none, reads 0 tokens of a salted request's blocks, and the
 reverse; within one salt it hits; every answer is the same tokens (naive eviction is exact
@@ -16,11 +16,11 @@ import time
 
 import httpx
 import pytest
-
 from conftest import SERVED_NAME, start_server
-from loadtest.soak import metric_sum, metrics
 from test_policies_vllm import flags, source_prompts
 from test_tensor_parallel import TP_ENV, TP_POLICIES
+
+from loadtest.soak import metric_sum, metrics
 
 pytestmark = pytest.mark.server
 

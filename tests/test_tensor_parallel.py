@@ -17,14 +17,14 @@ from __future__ import annotations
 import openai
 import pytest
 import torch
-
 from compat_matrix import HYBRID, TP_CI, TP_IDS, V2_TP, V2_TP_CI
 from conftest import SERVED_NAME, pool_width, start_server
 from test_model_families_vllm import NEW_TOKENS, random_mask, reference
 from test_policies_vllm import flags, source_prompts
+
 from vllm_kvevict.config import HEAD_MASK_POLICIES
-from vllm_kvevict.integration.head_split import layer_heads
-from vllm_kvevict.integration.kv_cache_specs import paged_spec
+from vllm_kvevict.integration.kv_cache.head_split import layer_heads
+from vllm_kvevict.integration.kv_cache.specs import paged_spec
 from vllm_kvevict.stats import ByteLayout
 
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank (vLLM asserts without it)
@@ -331,7 +331,7 @@ def test_padding_script_counts_what_the_ranks_declare():
         assert p["stream_contiguous"] == tp * sum(h.companion_heads for h in declared) / 7
     assert script.padding(full, 2)["full_balanced"] == 2 * (2 + 0 + 1) / 5
     # the "balanced" columns are what the ranks declare in the served order (head_order.py)
-    from vllm_kvevict.integration.head_order import balanced_order
+    from vllm_kvevict.integration.worker.head_order import balanced_order
     from vllm_kvevict.masks import duo_quantile_full_heads, load_head_gates
 
     gates = load_head_gates(path.parents[1] / "head_masks" / "Meta-Llama-3.1-8B-Instruct"
@@ -348,10 +348,10 @@ def test_padding_script_counts_what_the_ranks_declare():
                 tp * sum(h.companion_heads for h in declared) / (~full).sum().item())
 
 
-# -- the balanced head order (integration/head_order.py) ----------------------------------------
+# -- the balanced head order (integration/worker/head_order.py) ----------------------------------------
 
 def test_balanced_order_gives_every_rank_its_share_of_each_layers_full_heads():
-    from vllm_kvevict.integration.head_order import balanced_order
+    from vllm_kvevict.integration.worker.head_order import balanced_order
 
     gen = torch.Generator().manual_seed(1)
     for world, heads in ((2, 4), (2, 8), (4, 8), (4, 16)):
@@ -368,7 +368,7 @@ def test_balanced_order_gives_every_rank_its_share_of_each_layers_full_heads():
 
 
 def test_the_order_is_chosen_only_where_it_declares_fewer_heads():
-    from vllm_kvevict.integration.head_order import choose
+    from vllm_kvevict.integration.worker.head_order import choose
 
     streaming = ~(CLUSTERED_GATES >= 0.7)  # prulong 0.7's full heads of the clustered gates
     order, line = choose(streaming, 2, "balanced", None)
@@ -387,7 +387,7 @@ def test_the_order_is_chosen_only_where_it_declares_fewer_heads():
 def test_permuted_projections_compute_the_same_attention():
     """GQA attention of one layer with its q/k/v rows and o_proj's columns permuted by KV head
     equals the original's (the model the reference runs)."""
-    from vllm_kvevict.integration.head_order import permute
+    from vllm_kvevict.integration.worker.head_order import permute
 
     heads, group, dim, hidden, tokens = 4, 3, 8, 32, 7
     gen = torch.Generator().manual_seed(0)

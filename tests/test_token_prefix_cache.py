@@ -1,4 +1,4 @@
-"""Prefix caching for naive token eviction (issue 46; integration/token_eviction/prefix_cache.py):
+"""Prefix caching for naive token eviction (issue 46; integration/kv_cache/prefix_cache.py):
 the start-up rules, the three places that count a hit's evicted slots (engine-core ledger,
 worker ledger, the group's spec), the manager on vLLM's own block pool and requests, and
 served: a cold request, a hit at a chunk boundary and a shorter shared prefix, each equal to
@@ -96,9 +96,8 @@ def test_the_ledger_tells_which_reused_chunks_another_question_selected():
     from vllm.utils.math_utils import cdiv
     from vllm.v1.core.block_pool import BlockPool
 
-    from vllm_kvevict.integration.token_eviction.prefix_cache import (TokenPrefixManager,
-                                                                       TokenPrefixSpec)
-    from vllm_kvevict.integration.token_eviction.token_ledger import TokenEvictionLedger
+    from vllm_kvevict.integration.core.token_ledger import TokenEvictionLedger
+    from vllm_kvevict.integration.kv_cache.prefix_cache import TokenPrefixManager, TokenPrefixSpec
 
     cfg = naive(eviction="patched", prefix_reuse="across-questions")
     policy = build_policy(cfg, 2, 1)
@@ -148,10 +147,9 @@ def test_a_hit_starts_both_ledgers_and_the_spec_at_the_same_rows(policy, tiers):
     """Engine core (`on_prefix_hit`), worker (`_new_ledger`) and the group's spec
     (`physical`, what the manager's lookup and copy-on-write use) agree at every boundary,
     and each equals what chunk-by-chunk compression leaves."""
-    from vllm_kvevict.integration.token_eviction.prefix_cache import TokenPrefixSpec
-    from vllm_kvevict.integration.token_eviction.token_eviction_worker import \
-        TokenEvictionWorker
-    from vllm_kvevict.integration.token_eviction.token_ledger import TokenEvictionLedger
+    from vllm_kvevict.integration.core.token_ledger import TokenEvictionLedger
+    from vllm_kvevict.integration.kv_cache.prefix_cache import TokenPrefixSpec
+    from vllm_kvevict.integration.worker.token_plan import TokenEvictionWorker
 
     layers = 6
     policy = build_policy(naive(policy, tiers=tiers), layers, 2)
@@ -199,10 +197,9 @@ def test_manager_hits_the_last_cached_boundary_and_copies_the_partial_tail():
     from vllm.utils.math_utils import cdiv
     from vllm.v1.core.block_pool import BlockPool
 
-    from vllm_kvevict.integration.token_eviction.prefix_cache import (TokenPrefixManager,
-                                                                       TokenPrefixSpec,
-                                                                       register_boundary)
-    from vllm_kvevict.integration.token_eviction.token_ledger import TokenEvictionLedger
+    from vllm_kvevict.integration.core.token_ledger import TokenEvictionLedger
+    from vllm_kvevict.integration.kv_cache.prefix_cache import (TokenPrefixManager, TokenPrefixSpec,
+                                                                register_boundary)
 
     policy = build_policy(naive(sparsity=0.3), 2, 1)
     kept = E - group_evictions(policy, E, False, LayerGroups.single(2))[0]
@@ -234,9 +231,9 @@ def test_manager_hits_the_last_cached_boundary_and_copies_the_partial_tail():
 
     # the hit's allocation, with vLLM's logical counts through the plugin's wraps of the
     # manager (as served): full blocks shared, the partial tail copied, counts physical
-    from vllm_kvevict.integration import registration
+    from vllm_kvevict.integration.plugins import contract, registration
 
-    for wrap in registration.WRAPS:
+    for wrap in contract.WRAPS:
         if "SingleTypeKVCacheManager." in wrap.target and wrap.target not in registration.applied:
             registration._apply(wrap)
     (blocks,), hit = lookup(prompt, 199)
@@ -402,9 +399,9 @@ def test_vllm_groups_and_coordinator_serve_our_rows(name, tiers):
     from vllm.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from vllm_kvevict.integration.kv_cache_specs import layer_groups, tier_specs
-    from vllm_kvevict.integration.token_eviction import prefix_cache
-    from vllm_kvevict.integration.versions import KV_CACHE_PLANNING
+    from vllm_kvevict.integration.kv_cache import prefix_cache
+    from vllm_kvevict.integration.kv_cache.specs import layer_groups, tier_specs
+    from vllm_kvevict.integration.plugins.versions import KV_CACHE_PLANNING
 
     planning = importlib.import_module(KV_CACHE_PLANNING)
     prefix_cache.register_manager()
@@ -463,13 +460,12 @@ def test_a_head_mask_with_a_token_policy_hits_every_group_at_one_boundary():
     from vllm.v1.core.kv_cache_utils import (generate_scheduler_kv_cache_config,
                                              make_block_hash_with_group_id)
 
-    from vllm_kvevict.integration.kv_cache_specs import layer_groups
-    from vllm_kvevict.integration.streaming import pool_groups
-    from vllm_kvevict.integration.streaming.sink_window import (COMPANION_SUFFIX,
-                                                                PromptFullSpec, SinkWindowSpec)
-    from vllm_kvevict.integration.token_eviction import prefix_cache
-    from vllm_kvevict.integration.token_eviction.token_ledger import TokenEvictionLedger
-    from vllm_kvevict.integration.versions import KV_CACHE_PLANNING
+    from vllm_kvevict.integration.core.token_ledger import TokenEvictionLedger
+    from vllm_kvevict.integration.kv_cache import pool_groups, prefix_cache
+    from vllm_kvevict.integration.kv_cache.sink_window import (COMPANION_SUFFIX, PromptFullSpec,
+                                                               SinkWindowSpec)
+    from vllm_kvevict.integration.kv_cache.specs import layer_groups
+    from vllm_kvevict.integration.plugins.versions import KV_CACHE_PLANNING
 
     planning = importlib.import_module(KV_CACHE_PLANNING)
     prefix_cache.register_manager()

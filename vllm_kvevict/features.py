@@ -43,9 +43,9 @@ def connector_error(policy_config, connectors: list[str]) -> str | None:
 
 
 # KV cache dtypes served with every policy: the model's (`auto`) and vLLM's CPU fp8 formats
-# (`integration/fp8.py`: streaming heads' blocks hold fp8 codes too; token eviction rewrites kept
-# tokens through vLLM's own quantizing write). Decoupled eviction chunks read earlier steps'
-# K/V back from the paged cache, which `paged_layout.py` knows for the model dtype only.
+# (`integration/attention/fp8.py`: streaming heads' blocks hold fp8 codes too; token eviction
+# rewrites kept tokens through vLLM's own quantizing write). Decoupled eviction chunks read earlier
+# steps' K/V back from the paged cache, which `paged_layout.py` knows for the model dtype only.
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
@@ -212,7 +212,7 @@ def token_prefix_error(policy_config, prefix_caching: bool, sizes: dict[str, int
 def model_runner_error(policy_config, uses_v2: bool, turned_on: list[str]) -> str | None:
     """vLLM's V2 model runner (`VLLM_USE_V2_MODEL_RUNNER=1`, or Triton present: on CPU 0.32
     `CPUWorker` then builds `vllm.v1.worker.cpu.model_runner.CPUModelRunner`) serves every
-    policy (the worker side reads it through `integration/runners.py`, question rows in
+    policy (the worker side reads it through `integration/worker/runners.py`, question rows in
     `question_rows.py`; tokens == the reference, tests/test_v2_runner.py), eager or compiled,
     tensor and data parallel (tests/test_tensor_parallel.py, test_data_parallel.py), forced
     preemption, at the model's KV-cache dtype, without speculation or LoRA. With the V2 runner,

@@ -1,8 +1,7 @@
-"""The `--kv-*` flags: one table naming each flag, its `KVPolicyConfig` field and its help, and
-the one-line start-up error. Plain Python (no vLLM import): `integration/cli.py` puts the table
-on vLLM's parser, `launch.py` (tests, evaluation, load tests, scripts) builds command lines from
-it, `integration/validation.py` stops a server with `fail`.
-"""
+"""The `--kv-*` flags: one table naming each flag, its `KVPolicyConfig` field and its help, and the
+one-line start-up error. Plain Python (no vLLM import): `integration/entrypoints/cli.py` puts the
+table on vLLM's parser, `launch.py` (tests, evaluation, load tests, scripts) builds command lines
+from it, `integration/entrypoints/validation.py` stops a server with `fail`."""
 
 from __future__ import annotations
 
@@ -10,10 +9,9 @@ import re
 import sys
 
 from vllm_kvevict.config import (ADMISSION_MODES, ATTENTION_BACKENDS, DEFAULT_DECODE_INTERVAL,
-                                 DEFAULT_OBS_WINDOW,
-                                 DEFAULT_POOL_KERNEL, DEFAULT_SINK, DEFAULT_SPARSITY, DEFAULT_WINDOW, EVICTION_MODES,
-                                 POLICIES, PREFIX_REUSE_MODES, TP_HEAD_ORDERS,
-                                 KVPolicyError)
+                                 DEFAULT_OBS_WINDOW, DEFAULT_POOL_KERNEL, DEFAULT_SINK,
+                                 DEFAULT_SPARSITY, DEFAULT_WINDOW, EVICTION_MODES, POLICIES,
+                                 PREFIX_REUSE_MODES, TP_HEAD_ORDERS, KVPolicyError)
 
 # flag -> (KVPolicyConfig field, type, help)
 FLAGS = {

@@ -2,8 +2,8 @@
 and the freed tail blocks go back to vLLM's block pool during the request.
 
 The layers are split into KV-cache groups (`LayerGroups`; one block table per request and
-group, see integration/kv_cache_specs.py): one group for snapkv, one per tier of layers for pyramidkv. Two sides agree
-on one deterministic ledger per group (`allocation_evicted[g]`):
+group, see integration/kv_cache/specs.py): one group for snapkv, one per tier of layers for
+pyramidkv. Two sides agree on one deterministic ledger per group (`allocation_evicted[g]`):
 - scheduler (engine core): in group g a request holds blocks for `computed -
   allocation_evicted[g]` tokens (+ the chunk it runs); when a prefill chunk of length c has run,
   allocation_evicted[g] grows by c - max kept_l over the group's layers l, and the group's tail
@@ -18,13 +18,13 @@ on one deterministic ledger per group (`allocation_evicted[g]`):
 With `eviction_chunk` E set, an eviction chunk [s, s + E) may be prefilled over several engine
 steps (the scheduler never lets a step cross its end, see `cap_step_in_eviction_chunk` below):
 the steps before its last one only append; the last one scores and compacts the whole chunk,
-reading the earlier steps' K/V back from the paged cache (`integration/paged_layout.py`).
+reading the earlier steps' K/V back from the paged cache (`integration/attention/paged_layout.py`).
 Logical positions (RoPE of new tokens) are vLLM's own and never change. Within a group the
 layers share the block row sized for the group's largest layer, each using its own physical
 length.
 
-No vLLM import: the maths both sides share (`integration/token_eviction/token_ledger.py` on the scheduler side,
-`integration/token_eviction/token_eviction_worker.py` on the worker side), unit-tested in
+No vLLM import: the maths both sides share (`integration/core/token_ledger.py` on the scheduler
+side, `integration/worker/token_plan.py` on the worker side), unit-tested in
 tests/test_eviction_bookkeeping.py.
 """
 
@@ -53,7 +53,8 @@ class LayerGroups:
 
     @classmethod
     def tiers(cls, num_layers: int, num_tiers: int) -> "LayerGroups":
-        """Runs of num_layers / num_tiers consecutive layers (as integration/kv_cache_specs.py declares them)."""
+        """Runs of num_layers / num_tiers consecutive layers (as integration/kv_cache/specs.py
+        declares them)."""
         size = num_layers // num_tiers
         return cls(tuple(layer // size for layer in range(num_layers)))
 
@@ -92,7 +93,7 @@ def group_evictions(policy: KVPolicy, chunk_len: int, is_final: bool,
 def evicted_at_boundary(policy: KVPolicy, boundary: int,
                         groups: LayerGroups) -> tuple[list[int], list[int]]:
     """A request resumed at a canonical chunk boundary (a prefix-cache hit,
-    integration/token_eviction/prefix_cache.py): the tokens its chunks before the boundary
+    integration/kv_cache/prefix_cache.py): the tokens its chunks before the boundary
     evicted, per layer and per group (the slots each group's row gave back)."""
     chunk = policy.config.eviction_chunk
     kept = chunk_kept_per_layer(policy, chunk, False)

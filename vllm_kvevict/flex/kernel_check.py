@@ -161,9 +161,9 @@ def check_policies(device: str = "cpu", eager: bool = False, sink: int = 16, win
 
 def check_token_eviction(device: str = "cpu", eager: bool = False, seed: int = 0,
                          question_sees_chunk: bool = True) -> float:
-    """Max |flex - reference| for token eviction's step (`integration/flex_attention.py`): rows
-    over their compacted (kept) past by physical position, every head full. A prefill chunk of
-    188 tokens after 300 kept ones, a decode after 250 kept, and a patched question of 16 rows
+    """Max |flex - reference| for token eviction's step (`integration/attention/flex_attention.py`):
+    rows over their compacted (kept) past by physical position, every head full. A prefill chunk
+    of 188 tokens after 300 kept ones, a decode after 250 kept, and a patched question of 16 rows
     that shares the first row's pages (its keys written right after the chunk, which the
     chunk's own queries must not see). `question_sees_chunk=False`: a reference whose question
     row sees only its own keys (a negative control: must differ)."""

@@ -1,5 +1,5 @@
-"""What `--kv-attention-backend flex` serves so far, and the one-line refusal of the rest
-(plain Python; `integration/validation.py` calls `flex_error` with the other start-up checks).
+"""What `--kv-attention-backend flex` serves so far, and the one-line refusal of the rest (plain
+Python; `integration/entrypoints/validation.py` calls `flex_error` with the other start-up checks).
 
 Served: `full`; the head masks `streaming`, `duo`, `prulong` (block-sparse masks: a streaming
 head computes only its sink, window and chunk pages; its blocks go back to vLLM's pool as the

@@ -1,12 +1,13 @@
 """One attention layer under a policy, stepped twice: the checked path and the reference.
 
-Checked (what the served FlexAttention path runs, minus vLLM): per layer, heads that keep
-every KV attend over a paged cache with the head mask's block masks (`flex/block_mask.py`), one
-`flex_attention` call per kind of head (full, streaming), as `integration/flex_attention.py`
-does; heads that evict tokens attend over their compacted pages by physical position, patched
-scoring's question rows as extra rows sharing their request's pages (as `flex_token.py`), then
-each chunk is scored and selected by the policy object (`SnapKVPolicy.score` / `.select`, what
-`compress_chunks` calls) and its kept K/V written back after the kept past.
+Checked (what the served FlexAttention path runs, minus vLLM): per layer, heads that keep every KV
+attend over a paged cache with the head mask's block masks (`flex/block_mask.py`), one
+`flex_attention` call per kind of head (full, streaming), as
+`integration/attention/flex_attention.py` does; heads that evict tokens attend over their compacted
+pages by physical position, patched scoring's question rows as extra rows sharing their request's
+pages (as `flex_token.py`), then each chunk is scored and selected by the policy object
+(`SnapKVPolicy.score` / `.select`, what `compress_chunks` calls) and its kept K/V written back after
+the kept past.
 
 Reference (`reference/`: `visibility`, `attend`, `streaming_cut`, `observation_scores`,
 `select_kept`, `LayerKV`): per request, an explicit cache at true positions, the runner's

@@ -8,7 +8,7 @@ its own process), runs the independent plain-PyTorch reference on the same devic
 prints the comparison, and, when every cell is exact, records a pass for (plugin version, vLLM
 version, platform, device, dtype) under `records.record_dir()`. On a platform or vLLM release
 outside the supported list, the plugin activates only where such a pass exists
-(`integration/registration.py`); the refusal names this command.
+(`integration/plugins/registration.py`); the refusal names this command.
 
 `kernels` (`vllm_kvevict.flex.kernel_check`) is the part that needs no vLLM at all.
 """

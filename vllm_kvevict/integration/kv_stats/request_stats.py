@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
+from vllm_kvevict.integration.kv_cache.sink_window import canonical_chunk
 from vllm_kvevict.integration.kv_stats.connector_stats import (PENDING_LIMIT, SNAPSHOT_INTERVAL_S,
-                                                      KVEvictConnectorStats)
-from vllm_kvevict.integration.streaming.sink_window import canonical_chunk
+                                                               KVEvictConnectorStats)
 from vllm_kvevict.overrides import effective_config, request_prompt_len
 from vllm_kvevict.served import ServedPolicy
 from vllm_kvevict.stats import ByteLayout, RequestRecord, finite_or_none, footprint_function

@@ -15,7 +15,7 @@ import logging
 
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-from vllm_kvevict.integration.api_server import engine_stats
+from vllm_kvevict.integration.entrypoints.api_server import engine_stats
 from vllm_kvevict.integration.kv_stats.connector_stats import our_payload
 
 logger = logging.getLogger("vllm.kvevict")

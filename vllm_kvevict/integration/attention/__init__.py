@@ -1,0 +1,4 @@
+"""vLLM's attention backends (`vllm/v1/attention/backends`): the CPU path and the FlexAttention
+path with the policies inside them, each with its token-eviction part, the paged-cache layout
+and fp8.
+"""

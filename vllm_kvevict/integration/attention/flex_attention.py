@@ -1,0 +1,276 @@
+"""The FlexAttention path: vLLM's FlexAttention backend, subclassed, with the head-mask
+policies' streaming heads as block-sparse masks (`vllm_kvevict/flex/block_mask.py`).
+
+Chosen with `--kv-attention-backend flex` (the default off the CPU platform): vLLM's CPU
+platform answers CPU_ATTN whatever backend is asked for, so our worker class registers ours
+under that name before the model is built, and under FLEX_ATTENTION on other platforms
+(`use_flex_backend`), and remembers the model runner before it initialises its KV cache
+(`remember_runner`), since the metadata builder reads the rows' prompt lengths from it.
+
+Head masks keep their heads in vLLM's pool as one cache layer per KV head
+(`kv_cache/head_pages.py`): per layer, its full heads attend over their group's pages and its
+streaming heads over their sink + window group's, each kind read as one multi-head cache.
+Per step the metadata builder adds the per-token chunk starts (`PagedQueries`); a streaming
+head's mask lists only the pages of sink + window + chunk, so its work follows those, not the
+prompt. `full` runs vLLM's FlexAttention with our KV write and our (all-causal) block mask;
+snapkv / pyramidkv write and read at the token-eviction plan's physical slots.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.attention.backends.flex_attention import (FlexAttentionBackend, FlexAttentionImpl,
+                                                       FlexAttentionMetadataBuilder)
+
+from vllm_kvevict.flex.block_mask import PagedQueries, chunk_starts, head_mask_block_mask
+from vllm_kvevict.integration.attention import flex_token
+from vllm_kvevict.integration.kv_cache.head_pages import HeadSlots, head_slots
+from vllm_kvevict.integration.kv_cache.sink_window import canonical_chunk
+from vllm_kvevict.integration.worker import runners
+from vllm_kvevict.integration.worker.state import get_state, init_state
+from vllm_kvevict.served import policy_config_of
+
+FLEX_BACKEND = "vllm_kvevict.integration.attention.flex_attention.KVEvictFlexBackend"
+FLEX_RECOMPILE_LIMIT = 64
+_runner = None  # this worker's model runner (`remember_runner`): prompt lengths
+
+
+def flex_selected(vllm_config) -> bool:
+    return policy_config_of(vllm_config).attention_backend == "flex"
+
+
+# -- from our worker class (kvevict_worker.KVEvictWorker) -------------------------------------
+
+def use_flex_backend(vllm_config, platform: str) -> bool:
+    """Before the worker builds its model: our backend is what vLLM's CPU_ATTN resolves to
+    on the CPU platform (which answers CPU_ATTN whatever backend is asked for), and
+    FLEX_ATTENTION elsewhere (start-up validation set the config's backend to it);
+    `register_backend` is vLLM's way to override a name. MLA models get vLLM's MLA backends."""
+    if not flex_selected(vllm_config):
+        return False
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    name = "CPU_ATTN" if platform == "cpu" else "FLEX_ATTENTION"
+    register_backend(AttentionBackendEnum[name], FLEX_BACKEND)
+    allow_flex_recompiles()
+    return True
+
+
+def allow_flex_recompiles() -> None:
+    """vLLM's module sets 16 compilations of its compiled flex_attention; a head mask calls it
+    with each layer's count of full and of streaming heads (each a compilation, once per
+    shape). Raised here, in the worker that serves the flex path, not at import."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                               FLEX_RECOMPILE_LIMIT)
+
+
+def remember_runner(runner) -> None:
+    """Before vLLM initialises the KV cache (its metadata builders are made in there): the
+    builder reads the rows' prompt lengths from the runner."""
+    global _runner
+    _runner = runner
+
+
+def _prompt_lens(common, num_reqs: int) -> list[int] | None:
+    """Each row's prompt as the policy serves it (None: unknown, as in warm-up runs; every
+    query is then a prompt query of its step)."""
+    state = get_state()
+    req_ids = runners.row_requests(_runner, common, num_reqs, state is None or state.in_step)
+    if req_ids is None:
+        return None
+    return runners.policy_prompt_lens(_runner, req_ids,
+                                      state.extra_args if state is not None else {})
+
+
+class KVEvictFlexMetadataBuilder(FlexAttentionMetadataBuilder):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        # a head mask's canonical prefill chunk E (0: each step its own chunk): with prefix
+        # caching on, a cached block's K/V must not depend on how vLLM split the steps
+        self.kvevict_chunk = canonical_chunk(vllm_config)
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        common = common_attn_metadata
+        n = common.num_reqs
+        q_start = common.query_start_loc_cpu[: n + 1].long()
+        q_lens = (q_start[1:] - q_start[:-1]).tolist()
+        seq_lens = common.seq_lens[:n].cpu().long()
+        computed = (seq_lens - torch.tensor(q_lens, dtype=torch.long)).tolist()
+        doc = torch.repeat_interleave(torch.arange(n), torch.tensor(q_lens))
+        position = torch.tensor(computed, dtype=torch.long)[doc] + \
+            torch.arange(len(doc)) - q_start[:-1][doc]
+        device = common.seq_lens.device
+        metadata.kvevict_queries = PagedQueries(
+            doc=doc.to(device), position=position.to(device),
+            chunk_start=chunk_starts(computed, q_lens, _prompt_lens(common, n),
+                                     self.kvevict_chunk or None).to(device),
+            block_table=common.block_table_tensor[:n], seq_lens=seq_lens.to(device),
+            page_size=self.block_size, num_pages=self.cache_config.num_gpu_blocks)
+        metadata.kvevict_masks = {}  # per head split (token eviction: per layer lengths)
+        metadata.kvevict_capacity = mask_capacity(self.vllm_config)
+        state = init_state(self.vllm_config)
+        if state is not None and state.token is not None:
+            # token eviction: the step's physical lengths, slots, chunks
+            metadata.plan = state.step_plan(common)
+        return metadata
+
+
+def mask_capacity(vllm_config) -> tuple[int, int]:
+    """The mask tables' fixed sizes (tokens, rows): one compilation for every step
+    (block_mask.py). Patched eviction adds up to one question of `obs_window` rows per
+    request (`question_rows`; a per-request window above the served one is refused on this
+    path, `overrides.py`)."""
+    scheduler = vllm_config.scheduler_config
+    tokens, rows = scheduler.max_num_batched_tokens, scheduler.max_num_seqs
+    config = policy_config_of(vllm_config)
+    if config.evicts_tokens and config.patched:
+        return tokens + rows * config.obs_window, 2 * rows
+    return tokens, rows
+
+
+class KVEvictFlexImpl(FlexAttentionImpl):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # the policy's state (worker/state.py): head splits, token eviction's plans and ledgers;
+        # None for `full`
+        self.kv_state = init_state(get_current_vllm_config())
+        self._slots_of: tuple[HeadSlots, ...] | None = None  # this layer's, head masks
+        self._narrow: dict[int, KVEvictFlexImpl] = {}
+
+    def head_slots(self, layer) -> tuple[HeadSlots, ...]:
+        """A head mask: this layer's full and streaming heads in the pool (those it has)."""
+        if self._slots_of is None:
+            heads = self.kv_state.heads[extract_layer_index(layer.layer_name)]
+            full, streaming = head_slots(layer.layer_name, heads)
+            self._slots_of = tuple(
+                HeadSlots(names, kv, heads.queries_per_kv, kind)
+                for names, kv, kind in ((full, heads.full_kv, False),
+                                        (streaming, heads.streaming_kv, True)) if kv)
+        return self._slots_of
+
+    def _narrowed(self, num_kv_heads: int) -> KVEvictFlexImpl:
+        """This impl for `num_kv_heads` of its heads (and their query heads): vLLM's forward
+        reads its head counts from the impl."""
+        impl = self._narrow.get(num_kv_heads)
+        if impl is None:
+            impl = copy.copy(self)
+            impl.num_kv_heads = num_kv_heads
+            impl.num_heads = num_kv_heads * (self.num_heads // self.num_kv_heads)
+            self._narrow[num_kv_heads] = impl
+        return impl
+
+    def _slots(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """The cache as [slots, heads, 2 * head_size]: [blocks, heads, block_size, 2 *
+        head_size] over LBNHC storage, so (block, token) flattens to one slot axis. (A view,
+        not a reshape: a copy would take the writes silently; LBNHC makes it a view.)"""
+        return kv_cache.transpose(1, 2).view(-1, kv_cache.shape[1], 2 * self.head_size)
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        """The step's K/V at their slots (vLLM's CPU build has no `reshape_and_cache_flash`).
+        Token eviction: at their physical slots after earlier evictions, the patched
+        questions' rows included (the step plan's); a head mask: each kind in its group,
+        with a token policy its full heads so."""
+        state = self.kv_state
+        if state is not None and state.in_pool:
+            context = get_forward_context()
+            for slots in self.head_slots(layer):
+                meta = slots.metadata(context)
+                if meta is None:
+                    continue
+                k, v, where = key[:, slots.kv_heads], value[:, slots.kv_heads], meta.slot_mapping
+                if state.token is not None and not slots.streaming:
+                    plan = state.plan
+                    k, v = plan.with_questions(k), plan.with_questions(v)
+                    where = plan.slots[extract_layer_index(layer.layer_name)]
+                self._write(slots.cache(context), k, v, where)
+            return
+        if state is not None:
+            plan = state.plan
+            key, value = plan.with_questions(key), plan.with_questions(value)
+            slot_mapping = plan.slots[extract_layer_index(layer.layer_name)]
+        self._write(kv_cache, key, value, slot_mapping)
+
+    def _write(self, kv_cache, key, value, slot_mapping) -> None:
+        n = slot_mapping.shape[0]
+        slots = slot_mapping.long()
+        keep = slots >= 0  # (padding tokens have slot -1)
+        cache, hs = self._slots(kv_cache), self.head_size
+        cache[slots[keep], :, :hs] = key[:n][keep].to(cache.dtype)
+        cache[slots[keep], :, hs:] = value[:n][keep].to(cache.dtype)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        state = self.kv_state
+        if attn_metadata is not None and state is not None:
+            if state.in_pool:
+                return self._forward_head_slots(layer, query, key, value, output)
+            return flex_token.forward(self, layer, query, key, value, kv_cache, attn_metadata,
+                                      output)
+        # `full`: our block mask all the same: vLLM's direct one lists at most a sequence's
+        # pages per query block, and torch's CPU template refuses a mask narrower than the
+        # whole paged cache ("KV seqlen must be smaller than the block_mask size").
+        if attn_metadata is not None:
+            attn_metadata.block_mask = self._mask(attn_metadata, False, 0, 0)
+        return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                               output_scale, output_block_scale)
+
+    @staticmethod
+    def _mask(meta, streaming: bool, sink: int, window: int):
+        """The block mask of a group's step for heads of one kind (one head, broadcast over
+        the query heads), built once per step and shared by the group's layers."""
+        key = ("heads", streaming)
+        if key not in meta.kvevict_masks:
+            tokens, rows = meta.kvevict_capacity
+            meta.kvevict_masks[key] = head_mask_block_mask(
+                meta.kvevict_queries,
+                torch.full((1,), streaming, device=meta.kvevict_queries.doc.device),
+                sink, window, q_block=meta.q_block_size, token_capacity=tokens,
+                row_capacity=rows)
+        return meta.kvevict_masks[key]
+
+    def _forward_head_slots(self, layer, query, key, value, output):
+        """A head mask: each kind of head (full, streaming) attends over its own group's pages
+        with that group's block mask (a streaming head's lists sink + window + chunk); with a
+        token policy its full heads as token eviction does (`flex_token`), and patched
+        scoring's question rows on its streaming heads too."""
+        context, state = get_forward_context(), self.kv_state
+        cfg = state.config
+        for slots in self.head_slots(layer):
+            meta, impl = slots.metadata(context), self._narrowed(len(slots.kv_heads))
+            q, k, v = query[:, slots.q_heads], key[:, slots.kv_heads], value[:, slots.kv_heads]
+            out = torch.zeros_like(q)  # (all rows are copied: padding ones too)
+            if state.token is not None and not slots.streaming:
+                flex_token.forward(impl, layer, q, k, v, slots.cache(context), meta, out)
+                output[:, slots.q_heads] = out
+                continue
+            n = meta.num_actual_tokens
+            meta.block_mask = self._mask(meta, slots.streaming, cfg.sink, cfg.window)
+            # (vLLM's decoder forward reads K and V from the cache do_kv_cache_update wrote)
+            FlexAttentionImpl.forward(impl, layer, q, k, v, slots.cache(context), meta, out)
+            output[:n, slots.q_heads] = out[:n]
+            plan = getattr(meta, "plan", None)
+            if plan is not None and plan.num_questions:
+                off = plan.question_offset
+                output[off:off + plan.num_questions, slots.q_heads] = \
+                    flex_token.streaming_questions(plan, meta.kvevict_queries, q, k, v,
+                                                   self._slots(slots.cache(context)),
+                                                   self.scale, cfg.sink, cfg.window)
+        return output
+
+
+class KVEvictFlexBackend(FlexAttentionBackend):
+    """vLLM's FlexAttention backend with the plugin's KV write and head masks."""
+
+    @staticmethod
+    def get_impl_cls():
+        return KVEvictFlexImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return KVEvictFlexMetadataBuilder

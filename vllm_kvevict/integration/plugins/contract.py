@@ -1,0 +1,209 @@
+"""The contract with vLLM: every vLLM name the plugin wraps (`WRAPS`), relies on without
+wrapping (`RELIED_ON`), or changes or reads by a private name (`TOUCHED`), in one table.
+
+`registration.py` applies `WRAPS`; tests/test_vllm_contract.py resolves every name of `PATCHED`
+and `RELIED_ON` (a vLLM upgrade that moves one fails loudly), tests/test_layout.py finds every
+touched attribute in the glue and fails on one missing from `TOUCHED`, and `contract_report.py`
+looks every row up on the installed vLLM (`python -m vllm_kvevict.contract`). Plain data: no
+vLLM import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm_kvevict.integration.plugins.versions import KV_CACHE_PLANNING, MERGE_WORKER_SPECS
+
+
+@dataclass(frozen=True)
+class Wrap:
+    target: str  # "module:Owner.attribute" or "module:function"
+    hook: str    # "module:function" of ours: hook(self, stock, *args) for methods,
+                 # hook(stock, *args) for functions and staticmethods, hook(cls, stock, *args)
+                 # for classmethods
+    process: str  # where it matters
+    # API-server-only names: applied only where vLLM has already imported the module (`vllm
+    # serve` imports its app builder before plugins load; other processes never need it)
+    if_loaded: bool = False
+
+
+_I = "vllm_kvevict.integration."
+WRAPS: tuple[Wrap, ...] = (
+    # CLI and start-up (API-server process)
+    Wrap("vllm.engine.arg_utils:EngineArgs.add_cli_args", _I + "entrypoints.cli:add_cli_args",
+         "api server"),
+    Wrap("vllm.engine.arg_utils:EngineArgs.from_cli_args", _I + "entrypoints.cli:from_cli_args",
+         "api server"),
+    Wrap("vllm.engine.arg_utils:EngineArgs.create_engine_config",
+         _I + "plugins.registration:create_engine_config", "api server"),
+    # KV-cache groups of streaming heads held in the pool (engine core; worker too)
+    Wrap(f"{KV_CACHE_PLANNING}:get_kv_cache_groups", _I + "kv_cache.pool_groups:group_kv_cache",
+         "engine core"),
+    # KV-cache managers, every group's (engine core; the scheduler is a subclass)
+    Wrap("vllm.v1.core.single_type_kv_cache_manager:"
+         "SingleTypeKVCacheManager.get_num_blocks_to_allocate",
+         _I + "core.kv_cache_manager:blocks_to_allocate", "engine core"),
+    Wrap("vllm.v1.core.single_type_kv_cache_manager:SingleTypeKVCacheManager.allocate_new_blocks",
+         _I + "core.kv_cache_manager:allocate_new_blocks", "engine core"),
+    # API server: kv_stats into responses, server/ on the app
+    Wrap("vllm.v1.engine.output_processor:RequestState.make_request_output",
+         _I + "entrypoints.api_server:make_request_output", "api server", if_loaded=True),
+    Wrap("vllm.entrypoints.launchers.api_server.entry:build_app",
+         _I + "entrypoints.api_server:build_app", "api server", if_loaded=True),
+)
+
+# Not wrapped, but replaced or relied on (contract-tested all the same).
+RELIED_ON = (
+    # our scheduler class (kvevict_scheduler.py): installed through the engine config, its
+    # overrides call these under super()
+    "vllm.config.scheduler.SchedulerConfig.get_scheduler_cls",
+    "vllm.v1.core.sched.scheduler.Scheduler.__init__",
+    "vllm.v1.core.sched.scheduler.Scheduler.schedule",
+    "vllm.v1.core.sched.scheduler.Scheduler._reserve_prefill_lookahead",
+    "vllm.v1.core.sched.scheduler.Scheduler.update_from_output",
+    # our worker class (kvevict_worker.py), over the platform's worker; vLLM adds a cache-sharing
+    # layer to its target's group after initialize_from_config (V1: the runner's attribute)
+    "vllm.config.parallel.ParallelConfig.worker_cls",
+    "vllm.v1.worker.cpu_worker.CPUWorker",
+    "vllm.v1.worker.gpu_worker.Worker.get_kv_cache_spec",
+    "vllm.v1.worker.gpu_worker.Worker.initialize_from_config",
+    "vllm.v1.worker.gpu_worker.Worker.execute_model",
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner.maybe_add_kv_sharing_layers_to_kv_cache_groups",
+    # vLLM's V2 model runner (runners.py): rows -> request slots, the cache-sharing layers
+    "vllm.v1.worker.gpu.states.RequestState",
+    "vllm.v1.worker.gpu.attn_utils.get_shared_kv_cache_layers",
+    # vLLM's documented override point for a V1 runner subclass (question_rows.py); the
+    # CPU worker builds its runner at the end of init_device
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner._model_forward",
+    "vllm.v1.worker.cpu_worker.CPUWorker.init_device",
+    # patched eviction's question slots, counted where vLLM counts speculative lookahead
+    "vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots",
+    "vllm.v1.attention.backends.registry.register_backend(CPU_ATTN)",  # backend.py replaces it
+    # prefix_cache.py: our spec's manager, more keys per pooled block, vLLM's copy-on-write
+    "vllm.v1.kv_cache_spec_registry.KVCacheSpecRegistry.register",
+    "vllm.v1.core.single_type_kv_cache_manager.FullAttentionManager",
+    "vllm.v1.core.block_pool.BlockPool._insert_block_hash",
+    "vllm.v1.core.kv_cache_manager.KVCacheManager.take_kv_cache_block_copies",
+    "vllm.v1.worker.utils.copy_kv_cache_blocks_inplace",
+    # per-tier KV-cache groups (kv_cache_specs.py)
+    "vllm.v1.kv_cache_interface.FullAttentionSpec.merge",
+    "vllm.v1.kv_cache_interface.KVCacheSpec.is_uniform_with_collection",
+    f"{KV_CACHE_PLANNING}._get_kv_cache_groups_uniform_page_size",
+    "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinatorNoPrefixCache",
+    # the stats connector's channel to the API server (stats_connector.py, stat_logger.py):
+    # scheduler-side connector stats ride in SchedulerStats to the stat-logger plugins
+    "vllm.distributed.kv_transfer.kv_connector.factory.KVConnectorFactory.register_connector",
+    "vllm.v1.metrics.loggers.StatLoggerBase.record",
+    "vllm.plugins.STAT_LOGGER_PLUGINS_GROUP",
+    # tensor parallel (kv_cache_specs.layer_heads): every rank must declare one spec per layer,
+    # and rank r holds its contiguous slice of the KV heads
+    MERGE_WORKER_SPECS,
+    "vllm.distributed.get_tensor_model_parallel_rank",
+    # streaming heads in the pool (sink_window.py): a spec + manager through vLLM's registry,
+    # a cache-only companion layer per attention layer, the block-outer layout
+    "vllm.v1.kv_cache_spec_registry.KVCacheSpecRegistry.register",
+    "vllm.v1.core.single_type_kv_cache_manager.SlidingWindowManager.remove_skipped_blocks",
+    "vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager._remove_blocks_in_range",
+    "vllm.v1.kv_cache_interface.SlidingWindowSpec.max_admission_blocks_per_request",
+    "vllm.v1.kv_cache_layout.KVCacheLayout.BLHNC",
+    "vllm.forward_context.ForwardContext.__dataclass_fields__",  # no_compile_layers (test)
+    # seeded sampling on the CPU worker (seeded_sampling.py, from the execute_model row): a
+    # seeded request's generator in the sampler's dict and in the request's record becomes a
+    # rewindable one, because _bookkeeping_sync rewinds it by offset
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner._bookkeeping_sync",
+    "vllm.v1.worker.gpu_input_batch.InputBatch._make_sampling_metadata",
+    "vllm.v1.worker.gpu_input_batch.CachedRequestState",  # its `generator` field
+    # the API server's exit status (server/lifecycle.py): the engine client vLLM puts on the
+    # app's state, its `errored`, and its `shutdown`, which lifecycle wraps on that one object
+    # (a requested stop calls it while the engine runs; after a death it runs errored)
+    "vllm.entrypoints.launchers.api_server.app_state.init_app_state",
+    "vllm.v1.engine.async_llm.AsyncLLM.errored",
+    "vllm.v1.engine.async_llm.AsyncLLM.dead_error",
+    "vllm.v1.engine.async_llm.AsyncLLM.shutdown",
+    # FULL CUDA graphs off for a policy (validation.cudagraph_without_attention): the engine
+    # args' mode (None: vLLM's level default, FULL_AND_PIECEWISE from O2) and its enum
+    "vllm.engine.arg_utils.EngineArgs.optimization_level",
+    "vllm.config.compilation.CUDAGraphMode.PIECEWISE",
+    "vllm.config.compilation.CUDAGraphMode.FULL_AND_PIECEWISE",
+)
+
+# vLLM objects changed, or read by a private name, outside WRAPS: (file, attribute, why).
+# tests/test_layout.py finds every attribute set on an object that is not ours and every read
+# of a private attribute we do not define, in integration/, and fails on one missing here (or
+# listed here and gone).
+TOUCHED = (
+    ("attention/backend.py", "common",
+     "the step's common metadata on vLLM's metadata object, for the per-step plan (streaming"
+     " heads, token eviction)"),
+    ("attention/backend.py", "_k_scale_float",
+     "the layer's fp8 K scale, as vLLM's CPU kernel reads it"),
+    ("attention/backend.py", "_v_scale_float", "the layer's fp8 V scale"),
+    ("attention/cpu_token.py", "_k_scale_float", "as attention/backend.py"),
+    ("attention/cpu_token.py", "_v_scale_float", ""),
+    ("attention/paged_layout.py", "_k_scale_float", "fp8 K read back from the cache"),
+    ("attention/paged_layout.py", "_v_scale_float", "V"),
+    ("entrypoints/validation.py", "backend",
+     "FLEX_ATTENTION off the CPU platform: ours under its name"),
+    ("entrypoints/validation.py", "async_scheduling",
+     "off for a policy off the CPU platform (untested)"),
+    ("entrypoints/validation.py", "cudagraph_mode",
+     "PIECEWISE over vLLM's FULL_AND_PIECEWISE default for a policy off the CPU platform "
+     "(features.py)"),
+    ("entrypoints/cli.py", "_actions", "argparse's: add the --kv-* group once"),
+    ("entrypoints/cli.py", "additional_config",
+     "the --kv-* flags folded into EngineArgs' JSON form"),
+    ("worker/head_order.py", "load_format",
+     "the worker's load format, ours over the user's while it loads the model (restored "
+     "after)"),
+    ("attention/flex_attention.py", "kvevict_queries",
+     "the step's per-token chunk starts, on vLLM's FlexAttention metadata"),
+    ("attention/flex_attention.py", "kvevict_masks", "the step's block masks, one per head split"),
+    ("attention/flex_attention.py", "kvevict_capacity",
+     "the padded mask-table sizes (one compile)"),
+    ("attention/flex_attention.py", "block_mask",
+     "the layer's block mask for vLLM's FlexAttention"),
+    ("attention/flex_attention.py", "_dynamo", "torch's compiler config (below)"),
+    ("attention/flex_attention.py", "recompile_limit",
+     "raised above vLLM's 16: one compilation per layer's count of full / streaming heads"),
+    ("attention/flex_token.py", "block_mask",
+     "the same, token eviction's (on a copy of the metadata)"),
+    ("attention/flex_token.py", "num_actual_tokens",
+     "on a copy of the metadata: questions' rows count"),
+    ("kv_stats/kv_transfer.py", "kv_transfer_config",
+     "our stats connector, alone or beside the user's, before vLLM builds the config"),
+    ("core/kvevict_scheduler.py", "scheduler_cls",
+     "our Scheduler subclass, vLLM's extension point"),
+    ("core/kvevict_scheduler.py", "kvevict_reserve",
+     "the scheduler's admission rule / ledger, handed to each KV-cache manager it built"),
+    ("core/kvevict_scheduler.py", "skip_reading_prefix_cache",
+     "a teacher-forced tail: no prefix hit"),
+    ("worker/kvevict_worker.py", "worker_cls",
+     "our worker over the platform's, vLLM's extension point"),
+    ("worker/question_rows.py", "__class__",
+     "the V1 runner / V2 model state vLLM built inline, as our subclass of its class (no "
+     "class hook)"),
+    ("kv_cache/specs.py", "kv_sharing_target_layer_name",
+     "a layer without full heads shares its companion's cache"),
+    ("plugins/registration.py", "_registry", "KVConnectorFactory's: register our connector once"),
+    ("worker/seeded_sampling.py", "generator", "a seeded request's generator made rewindable"),
+    ("kv_cache/prefix_cache.py", "_insert_block_hash", "the block pool's: one more key on a block"),
+    ("kv_cache/prefix_cache.py", "_ensure_registered",
+     "vLLM's built-in specs registered before ours"),
+    ("kv_cache/sink_window.py", "_null_block", "vLLM's null block, for dropped window positions"),
+    ("kv_cache/sink_window.py", "_ensure_registered",
+     "vLLM's built-in specs registered before ours"),
+    ("kv_cache/sink_window.py", "_partial_hit_reqs",
+     "SlidingWindowManager's partial prefix hits, as its own get_num_blocks_to_allocate "
+     "reads them"),
+    ("kv_cache/sink_window.py", "_record_new_block_ids",
+     "the manager's block-zeroing switch, as its own allocate_new_blocks reads it"),
+    ("kv_stats/stats_connector.py", "_kv_cache_manager",
+     "the connector's KV-cache manager, for pool snapshots"),
+)
+
+PATCHED = tuple(w.target.replace(":", ".") for w in WRAPS)
+
+# Where the plugin is inactive (`support.py`), only these rows apply (a policy gets our error)
+INERT_WRAPS = ("vllm.engine.arg_utils:EngineArgs.add_cli_args",
+               "vllm.engine.arg_utils:EngineArgs.from_cli_args",
+               "vllm.engine.arg_utils:EngineArgs.create_engine_config")

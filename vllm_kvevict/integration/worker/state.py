@@ -1,0 +1,276 @@
+"""Worker side: the policy's per-process state (the served policy, per-layer head splits, the
+token-eviction ledgers, the current step's plan); our worker class, `kvevict_worker.py`, builds
+the state, hands it down and keeps it in step with vLLM."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm_kvevict.config import KVPolicyConfig
+from vllm_kvevict.integration.kv_cache.head_split import LayerHeads, layer_heads
+from vllm_kvevict.integration.kv_cache.sink_window import canonical_chunk
+from vllm_kvevict.integration.kv_cache.specs import layer_groups
+from vllm_kvevict.integration.worker import head_order, runners
+from vllm_kvevict.integration.worker.step_plan import StepPlan, build_step_plan
+from vllm_kvevict.integration.worker.token_plan import TokenEvictionWorker, TokenStepPlan
+from vllm_kvevict.policies import KVPolicy
+from vllm_kvevict.served import ServedPolicy, served_policy
+
+logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
+
+
+@dataclass
+class WorkerState:
+    served: ServedPolicy
+    heads: list[LayerHeads]
+    head_dim: int
+    dtype: torch.dtype
+    block_size: int
+    chunk: int = 0  # the canonical prefill chunk (sink_window.canonical_chunk; 0: the step)
+    flex: bool = False  # --kv-attention-backend flex (integration/attention/flex_attention.py)
+    in_place: bool = False  # decode runs in place over the pool (`in_place_hint` is None)
+    # tensor parallel: long [L, H], each layer's KV heads (original indices) in the served
+    # order, the weights permuted to it at load (`head_order.py`); None: vLLM's order
+    head_order: torch.Tensor | None = None
+    base_load_format: str = "auto"  # the user's load format, under head_order's loader
+    step: int = 0
+    runner: object = None
+    token: TokenEvictionWorker | None = None
+    _plan_key: tuple | None = None
+    plan: StepPlan | TokenStepPlan | None = None
+    _finished_key: tuple | None = None
+    _groups_of: object = None
+    _plan_anchor: object = None
+    in_step: bool = False  # inside KVEvictWorker.execute_model (not a profile or dummy run)
+    # request id -> its sampling params' extra_args (per-request overrides), from the
+    # scheduler's output: neither of vLLM's runners needs to be asked for it
+    extra_args: dict = field(default_factory=dict)
+    blocks: object = None  # token eviction: runners.V1Blocks / V2Blocks, this runner's
+    _rows: list = field(default_factory=list)  # the token plan's request id per row
+
+    @property
+    def config(self) -> KVPolicyConfig:
+        return self.served.config
+
+    @property
+    def policy(self) -> KVPolicy:
+        return self.served.policy
+
+    @property
+    def in_pool(self) -> bool:
+        """Streaming heads, in vLLM's pool (companion KV-cache groups, `sink_window.py`)."""
+        return self.config.uses_head_mask
+
+    # -- requests ------------------------------------------------------------------------
+    def begin_step(self, runner, scheduler_output) -> None:
+        """Before vLLM's step (`KVEvictWorker.execute_model`): finished and preempted requests
+        release their state."""
+        self.runner = runner
+        self.step += 1
+        self.in_step = True
+        for new in scheduler_output.scheduled_new_reqs:
+            self.extra_args[new.req_id] = getattr(new.sampling_params, "extra_args", None)
+        for req_id in scheduler_output.finished_req_ids:
+            self.extra_args.pop(req_id, None)
+        if self.token is not None:
+            if self.blocks is None or self.blocks.runner is not runner:
+                self.blocks = runners.request_blocks(runner)
+            self.blocks.update(scheduler_output)
+        self.release(scheduler_output.finished_req_ids)
+        self.release(getattr(scheduler_output, "preempted_req_ids", None))
+
+    def release(self, req_ids) -> None:
+        if self.token is not None:
+            self.token.release(req_ids)
+
+    # -- per step ------------------------------------------------------------------------
+    def step_plan(self, common) -> StepPlan:
+        """The plan of the step whose common attention metadata is `common` (built once: every
+        KV-cache group's builder gets a shallow copy of one common metadata, sharing its
+        query_start_loc tensor, which identifies the step; the key keeps it alive)."""
+        key = (self.step, id(common.query_start_loc))
+        if key == self._plan_key and self.plan is not None:
+            return self.plan
+        self._plan_anchor = common.query_start_loc  # alive while its id is the key
+        num_reqs = common.num_reqs
+        q_start = common.query_start_loc_cpu[: num_reqs + 1].tolist()
+        q_lens = [q_start[i + 1] - q_start[i] for i in range(num_reqs)]
+        seq_lens = common.seq_lens[:num_reqs].cpu().tolist()
+        computed = [s - q for s, q in zip(seq_lens, q_lens)]
+        req_ids = runners.row_requests(self.runner, common, num_reqs, self.in_step)
+        valid = req_ids is not None
+        req_ids = req_ids or []
+        if self.token is not None:
+            plan = self._token_plan(req_ids[:num_reqs], computed, q_lens, valid)
+            if self.config.is_hybrid:  # its streaming heads: the head-mask plan, + questions
+                plan.streaming = self._streaming_plan(
+                    req_ids[:num_reqs], computed, q_lens, valid,
+                    [(j.row, len(j.question), j.question_start) for j in plan.jobs
+                     if j.question])
+        else:
+            plan = self._streaming_plan(req_ids[:num_reqs], computed, q_lens, valid)
+        self._plan_key, self.plan = key, plan
+        return plan
+
+    def _streaming_plan(self, req_ids, computed, q_lens, valid, questions=()) -> StepPlan:
+        prompt_lens = self._prompt_lens(req_ids[:len(q_lens)]) if valid else None
+        plan = build_step_plan(computed, q_lens, self.config.sink, self.config.window,
+                               self.block_size, prompt_lens, questions, chunk=self.chunk or None)
+        plan.valid = valid
+        return plan
+
+    def _token_plan(self, req_ids, computed, q_lens, valid) -> TokenStepPlan:
+        self._ensure_groups()
+        if not valid:  # profiling / warm-up: nothing to keep, nothing to evict
+            n = len(q_lens)
+            req_ids = [f"__dummy{i}" for i in range(n)]
+            prompt_lens = [0] * n
+            block_ids = [[[0]] * self.token.groups.num_groups] * n
+        else:
+            prompt_lens = self._prompt_lens(req_ids)
+            block_ids = [self.blocks.block_ids(r) for r in req_ids]
+        self._rows = req_ids
+        plan = self.token.plan(req_ids, computed, q_lens, prompt_lens, block_ids,
+                               prompt_ids=lambda row: self.blocks.prompt_ids(req_ids[row]),
+                               extra_args=lambda row: self.extra_args.get(req_ids[row]))
+        plan.valid = valid
+        if not valid:
+            self.token.release(req_ids)
+        return plan
+
+    def _prompt_lens(self, req_ids) -> list[int]:
+        """Each row's prompt as the policy serves it (a teacher-forced tail is decoded)."""
+        return runners.policy_prompt_lens(self.runner, req_ids, self.extra_args)
+
+    def _ensure_groups(self) -> None:
+        """The token ledger's layer -> KV-cache group map, from the runner's KV cache config
+        (known once vLLM has initialised the KV cache; the same map the scheduler uses)."""
+        config = getattr(self.runner, "kv_cache_config", None)
+        if config is None or self._groups_of is config:
+            return
+        groups = layer_groups(config, self.policy.num_layers)
+        if groups != self.token.groups:
+            if self.token.ledgers:
+                raise RuntimeError("vllm-kvevict: KV-cache groups changed with requests running")
+            self.token.groups = groups
+            logger.info("vllm-kvevict: token eviction over %d KV-cache group(s)",
+                        groups.num_groups)
+        self._groups_of = config
+
+    def finish_step(self) -> None:
+        """End of an engine step (worker): book token evictions once per plan."""
+        self.in_step = False
+        plan = self.plan
+        if (self.token is None or plan is None or not plan.valid
+                or self._finished_key == self._plan_key or self._plan_key[0] != self.step):
+            return
+        self._finished_key = self._plan_key
+        self.token.finish_step(plan, self.blocks.block_ids, self.blocks.row_counts(self._rows))
+
+
+_state: WorkerState | None = None
+
+
+def tensor_parallel_rank(vllm_config) -> tuple[int, int]:
+    """(this worker's tensor-parallel rank, the TP size): which slice of the KV heads it holds."""
+    world = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+    if world == 1:
+        return 0, 1
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank(), world
+
+
+def get_state() -> WorkerState | None:
+    return _state
+
+
+def init_state(vllm_config) -> WorkerState | None:
+    """This worker's state, from the served policy (None for `full`: stock vLLM runs)."""
+    global _state
+    if _state is not None:
+        return _state
+    served = served_policy(vllm_config)
+    if served.config.policy == "full":
+        return None
+    block_size = vllm_config.cache_config.block_size
+    rank, world = tensor_parallel_rank(vllm_config)
+    streaming = served.policy.streaming_heads()
+    order, line = head_order.choose(streaming, world, served.config.tp_head_order,
+                                    head_order.blocker(vllm_config))
+    if line and rank == 0:
+        logger.info("vllm-kvevict: %s", line)
+    if order is not None:
+        streaming = streaming.gather(1, order)
+    _state = WorkerState(
+        served=served, heads=layer_heads(streaming, served.shape.queries_per_kv, rank, world),
+        head_order=order,
+        head_dim=served.shape.head_dim, dtype=vllm_config.model_config.dtype,
+        block_size=block_size,
+        chunk=canonical_chunk(vllm_config), flex=served.config.attention_backend == "flex",
+        token=TokenEvictionWorker(served.policy, block_size, for_request=served.for_request)
+        if served.policy.evicts_tokens else None)
+    if _state.token is not None:
+        _state.token.combine_scores = replica_scores(rank, world, served.shape.num_kv_heads)
+        # (on only where settle_config kept it: naive token eviction, prefix_cache.py)
+        _state.token.reuses_prefixes = bool(vllm_config.cache_config.enable_prefix_caching)
+    hint = in_place_hint(served.config.sink, served.config.window, block_size)
+    _state.in_place = hint is None
+    if _state.in_pool and not _state.flex and rank == 0:
+        dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+        for line in (hint, full_block_hint(block_size, served.config, world, dtype)):
+            if line:
+                logger.info("vllm-kvevict: %s", line)
+    return _state
+
+
+def replica_scores(rank: int, world: int, num_kv_heads: int):
+    """Replicated KV heads (world a multiple of the KV heads, R = world / H replicas each):
+    rank r holds a replica of head r // R with 1/R of its query heads, and a SnapKV / PyramidKV
+    score is a mean over the head's query heads (then a linear pooling): the head's score is the
+    mean of its R replicas' scores, gathered over the tensor-parallel group. Every rank scores
+    the same layers and chunks with equal shapes (the ledger depends on lengths only), so the
+    collective lines up. None when each rank holds whole GQA groups."""
+    if world <= num_kv_heads:
+        return None
+    replicas = world // num_kv_heads
+    first = rank // replicas * replicas
+
+    def combine(scores: torch.Tensor) -> torch.Tensor:
+        if scores.numel() == 0:
+            return scores
+        from vllm.distributed import get_tp_group
+
+        gathered = get_tp_group().all_gather(scores.contiguous(), dim=0)  # [world, n]
+        return gathered[first:first + replicas].mean(dim=0, keepdim=True)
+    return combine
+
+
+def in_place_hint(sink: int, window: int, block_size: int) -> str | None:
+    """What to pass for the streaming heads' decode to run in place over the pool
+    (`step_plan.window_rows`: sink in whole blocks, window >= a block), when it does not."""
+    if sink % block_size == 0 and window >= block_size:
+        return None
+    fits = [b for b in (128, 64, 32) if sink % b == 0 and window >= b]
+    why = (f"the sink ({sink}) is not whole {block_size}-token blocks" if sink % block_size
+           else f"the window ({window}) is shorter than a {block_size}-token block")
+    return (f"decode reads each streaming head's sink + window back from the pool every step: "
+            f"{why}" + (f"; --block-size {fits[0]} lets vLLM's kernel read them in place"
+                        if fits else ""))
+
+
+def full_block_hint(block_size: int, config, world: int = 1,
+                    cache_dtype: str = "auto") -> str | None:
+    """What to pass for a head mask's full heads to be read in 128-token blocks, when they are
+    in smaller ones and the flag is served (`--kv-full-block-size`, `features.full_block_error`:
+    one tensor-parallel rank, an unquantized cache)."""
+    if config.full_block_size or config.policy == "streaming" or config.token_policy \
+            or world > 1 or cache_dtype != "auto" \
+            or block_size >= 128 or 128 % block_size or block_size % 32:
+        return None
+    return (f"full heads in {block_size}-token blocks: --kv-full-block-size 128 lets vLLM's CPU "
+            f"kernel read them as fast as stock's 128-token cache (the streaming heads keep "
+            f"--block-size {block_size})")

@@ -1,0 +1,299 @@
+"""Worker side of chunked token eviction (snapkv, pyramidkv): the per-step plan (physical slots
+and lengths per layer, the chunks to compress, the patched question rows) and the booking of
+each compressed chunk, which drops the same tail blocks from vLLM's worker-side block lists as
+the scheduler frees (`token_ledger.py`). The shared maths is `vllm_kvevict/ledger.py`; the
+attention backend (`backend.py`) runs the plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from vllm_kvevict.integration.worker.decode_eviction import DecodePlan, plan_decode_row
+from vllm_kvevict.ledger import (LayerGroups, cached_decode_group_budgets, decode_group_evictions,
+                                 evicted_at_boundary, eviction_chunk_len, group_evictions_of)
+from vllm_kvevict.policies import KVPolicy
+
+
+@dataclass
+class RequestLedger:
+    """Worker-side record of one request."""
+
+    evicted: list[int]              # per layer: logical - physical tokens
+    allocation_evicted: list[int]   # per KV-cache group: the scheduler's count (slots given back)
+
+
+@dataclass
+class EvictionJob:
+    """One eviction chunk to compress after attention. Its last `end - start` tokens are this
+    step's batch tokens [start, end); the `chunk_len - (end - start)` before them ran in earlier
+    steps (decoupled eviction chunk) and are read back from the paged cache."""
+
+    req_id: str
+    row: int
+    computed: int                 # logical tokens before this step
+    start: int
+    end: int
+    is_final: bool
+    phys_before: list[int]        # per layer: physical length before the eviction chunk
+    keep: list                    # per layer: ChunkKeep
+    chunk_len: int = 0            # tokens of the eviction chunk (this step's and earlier ones)
+    question: list[int] = field(default_factory=list)  # patched: the prompt's last k tokens
+    policy: KVPolicy | None = None  # the request's (served policy + its overrides)
+    question_start: int = 0       # their rows in the extended token axis [T, T + Q)
+
+
+@dataclass
+class TokenStepPlan:
+    num_reqs: int
+    query_start_loc: torch.Tensor    # int32 [num_reqs + 1]
+    block_table: torch.Tensor        # int32 [G, num_reqs, width]: the request's blocks per group
+    seq_lens: torch.Tensor           # int32 [L, num_reqs]: physical length incl. this step
+    slots: torch.Tensor              # int64 [L, T]: physical slot of each new token
+    jobs: list[EvictionJob]
+    block_size: int
+    layer_group: tuple[int, ...] = ()  # KV-cache group (block table) of each layer
+    valid: bool = True
+    kernel_schedules: dict = field(default_factory=dict)
+    # Patched scoring: the question tokens run as extra rows after the batch's T tokens.
+    num_tokens: int = 0                    # T
+    question_ids: torch.Tensor | None = None        # long [Q]
+    question_positions: torch.Tensor | None = None  # long [Q]
+    question_offset: int = 0               # where they sit in the model's token axis
+    streaming: object = None  # a head mask with a token policy: its streaming heads' StepPlan
+    decode: DecodePlan = field(default_factory=DecodePlan)  # decode-time eviction
+    # tensor parallel with replicated KV heads: a rank's scores (from its share of the head's
+    # queries) -> the head's (all its queries'); None: each rank holds whole GQA groups
+    combine_scores: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def scores(self, policy, obs_q, keys, obs_offset: int, window: int) -> torch.Tensor:
+        out = policy.score(obs_q, keys, obs_offset=obs_offset, window=window)
+        return out if self.combine_scores is None else self.combine_scores(out)
+
+    @property
+    def num_questions(self) -> int:
+        return 0 if self.question_ids is None else int(self.question_ids.shape[0])
+
+    def with_questions(self, x: torch.Tensor) -> torch.Tensor:
+        """The batch's tokens of `x` (the model's token axis) followed by the patched-scoring
+        question rows (if any)."""
+        n = self.num_tokens
+        if not self.num_questions:
+            return x[:n]
+        off = self.question_offset
+        return torch.cat([x[:n], x[off:off + self.num_questions]])
+
+    def table(self, layer: int) -> torch.Tensor:
+        """[num_reqs, width]: the block rows of the layer's group."""
+        return self.block_table[self.layer_group[layer]]
+
+    def physical_slots(self, layer: int, row: int, positions: torch.Tensor) -> torch.Tensor:
+        bs = self.block_size
+        return self.table(layer)[row, positions // bs].long() * bs + positions % bs
+
+
+def compress_chunks(plan: TokenStepPlan, layer: int, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, read_past: Callable[[EvictionJob, int], tuple]
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Score each prefill chunk of the plan by its observation window and keep the best KVs
+    per KV head: (K [n, H, d], V [n, H, d], physical slots [n]) to write back, contiguous at
+    the layer's physical end of the past (None: no chunk). `query`/`key`/`value` are the
+    model's token axis (the patched questions' rows at `plan.question_offset`); `read_past(job,
+    count)` -> (K, V) [count, H, d] of a decoupled chunk's earlier steps from the paged cache
+    (each attention backend reads its own layout)."""
+    kept_k, kept_v, kept_slots = [], [], []
+    heads = torch.arange(key.shape[1])
+    for job in plan.jobs:
+        policy = job.policy
+        keep = job.keep[layer]
+        c, step = job.chunk_len, job.end - job.start
+        chunk_k, chunk_v = key[job.start:job.end], value[job.start:job.end]
+        if c > step:  # the chunk's earlier steps: read back from the paged cache
+            past_k, past_v = read_past(job, c - step)
+            chunk_k, chunk_v = torch.cat([past_k, chunk_k]), torch.cat([past_v, chunk_v])
+        if job.question:  # patched: the question's queries, positioned after the chunk
+            first = plan.question_offset + job.question_start - plan.num_tokens
+            obs_q = query[first:first + len(job.question)].transpose(0, 1)
+            obs_offset = c
+        else:  # naive, and every final chunk: the chunk's own last k queries
+            num_obs = policy.config.observation_rows(c)
+            if num_obs > step:  # the scheduler's step_cap prevents this; never guess
+                raise RuntimeError(f"vllm-kvevict: the last step of an eviction chunk ran "
+                                   f"{step} tokens, fewer than its {num_obs} observation "
+                                   f"queries")
+            obs_q = query[job.end - num_obs:job.end].transpose(0, 1)
+            obs_offset = c - num_obs
+        scores = plan.scores(policy, obs_q, chunk_k.transpose(0, 1), obs_offset, keep.window)
+        idx = policy.select(scores, keep.selected, c, keep.window)  # [H, kept]
+        kept_k.append(chunk_k[idx.T, heads])                        # [kept, H, d]
+        kept_v.append(chunk_v[idx.T, heads])
+        positions = job.phys_before[layer] + torch.arange(idx.shape[1])
+        kept_slots.append(plan.physical_slots(layer, job.row, positions))
+    if not kept_k:
+        return None
+    return torch.cat(kept_k), torch.cat(kept_v), torch.cat(kept_slots)
+
+
+class TokenEvictionWorker:
+    def __init__(self, policy: KVPolicy, block_size: int, groups: LayerGroups | None = None,
+                 for_request: Callable[[Any], KVPolicy] | None = None):
+        self.policy = policy
+        # extra_args -> the request's policy (ServedPolicy.for_request; overrides applied)
+        self.policy_for = for_request or (lambda extra_args: policy)
+        self.block_size = block_size
+        self.groups = groups or LayerGroups.single(policy.num_layers)
+        self.ledgers: dict[str, RequestLedger] = {}
+        self.decode_queries: dict[str, dict] = {}  # req_id -> {layer: [k, Hq, d]}
+        self.combine_scores = None  # (TokenStepPlan.combine_scores; set by the worker state)
+        self.reuses_prefixes = False  # vLLM's prefix caching on (prefix_cache.py)
+
+    def release(self, req_ids) -> None:
+        for req_id in req_ids or ():
+            self.ledgers.pop(req_id, None)
+            self.decode_queries.pop(req_id, None)
+
+    def plan(self, req_ids: list[str], computed: list[int], query_lens: list[int],
+             prompt_lens: list[int], block_ids: list[list[list[int]]],
+             prompt_ids=None, extra_args=None) -> TokenStepPlan:
+        """block_ids[row][group]: the row's block ids in each KV-cache group;
+        prompt_ids(row) -> the row's prompt token ids (needed by patched scoring only);
+        extra_args(row) -> the request's sampling extra_args (per-request overrides)."""
+        L, bs, G = self.policy.num_layers, self.block_size, self.groups.num_groups
+        rows, jobs, decode = len(req_ids), [], DecodePlan()
+        seq_lens = torch.zeros(L, rows, dtype=torch.int32)
+        phys_before = torch.zeros(L, rows, dtype=torch.long)
+        for r, (req_id, a, c, n) in enumerate(zip(req_ids, computed, query_lens, prompt_lens)):
+            led = self.ledgers.get(req_id)
+            if led is None or a == 0:  # new, restarted after preemption, or a prefix hit
+                led = self.ledgers[req_id] = self._new_ledger(a if a < n else 0)
+            before = torch.tensor([a - e for e in led.evicted])
+            phys_before[:, r] = before
+            seq_lens[:, r] = (before + c).int()
+            if a + c > n:  # decode
+                if self.policy.config.decode_budget is not None:  # (a server setting)
+                    plan_decode_row(self.policy_for(extra_args(r) if extra_args else None),
+                                    req_id, r, a, a + c, n, (before + c).tolist(), decode)
+                continue
+            chunk_len = eviction_chunk_len(self.policy.config, a, c)  # raises on a crossing
+            if self.policy.config.is_eviction_point(a + c, n):  # compress the chunk
+                policy = self.policy_for(extra_args(r) if extra_args else None)
+                is_final = a + c == n
+                k = 0 if is_final else policy.config.question_rows(n)
+                question = list(prompt_ids(r)[n - k:n]) if k else []
+                jobs.append(EvictionJob(
+                    req_id=req_id, row=r, computed=a, start=0, end=0, is_final=is_final,
+                    phys_before=(before - (chunk_len - c)).tolist(), question=question,
+                    policy=policy, chunk_len=chunk_len,
+                    keep=[policy.chunk_keep(l, chunk_len, is_final) for l in range(L)]))
+        width = max((len(b) for row in block_ids for b in row), default=1) or 1
+        table = torch.zeros(G, rows, width, dtype=torch.int32)
+        for r, row in enumerate(block_ids):
+            for g, b in enumerate(row[:G]):
+                table[g, r, : len(b)] = torch.tensor(b, dtype=torch.int32)
+        q_start = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(),
+                               dtype=torch.int32)
+        for job in jobs:
+            job.start, job.end = int(q_start[job.row]), int(q_start[job.row + 1])
+        token_row = torch.repeat_interleave(torch.arange(rows), torch.tensor(query_lens))
+        token_off = torch.arange(len(token_row)) - q_start[:-1].long()[token_row]
+        pos = phys_before[:, token_row] + token_off            # [L, T]
+        plan = TokenStepPlan(num_reqs=rows, query_start_loc=q_start, block_table=table,
+                             seq_lens=seq_lens, slots=None, jobs=jobs, block_size=bs,
+                             layer_group=self.groups.of_layer, num_tokens=len(token_row),
+                             decode=decode.at_tokens(q_start, self.decode_queries),
+                             combine_scores=self.combine_scores)
+        patched = [j for j in jobs if j.question]
+        if patched:
+            self._add_questions(plan, patched, token_row, pos, phys_before)
+        else:
+            plan.slots = self._slots(table, token_row, pos)
+        return plan
+
+    def _new_ledger(self, computed: int) -> RequestLedger:
+        """A request first seen with `computed` tokens done: 0, or a prefix hit at a chunk
+        boundary (prefix_cache.py; warm-up rows, which hold nothing, start at 0 too)."""
+        chunk = self.policy.config.eviction_chunk
+        if not (self.reuses_prefixes and computed and chunk) or computed % chunk:
+            return RequestLedger([0] * self.policy.num_layers, [0] * self.groups.num_groups)
+        return RequestLedger(*evicted_at_boundary(self.policy, computed, self.groups))
+
+    def _slots(self, table: torch.Tensor, token_row: torch.Tensor, pos: torch.Tensor):
+        """[L, T] physical slots: token t of layer l at pos[l, t] in its row of l's group."""
+        bs = self.block_size
+        group = torch.tensor(self.groups.of_layer, dtype=torch.long).unsqueeze(1)   # [L, 1]
+        blocks = table[group, token_row.unsqueeze(0), pos // bs]                    # [L, T]
+        return blocks.long() * bs + pos % bs
+
+    def _add_questions(self, plan, patched, token_row, pos, phys_before) -> None:
+        """Patched scoring: each non-final chunk's question (the prompt's last k tokens) runs as
+        extra rows at logical positions right after the chunk and physical slots right after
+        it (the scheduler reserved them); the kernel sees them as extra sequences that share
+        their request's block rows. Their KVs end up past the kept length: dropped."""
+        ids, positions, rows, offs = [], [], [], []
+        q_lens, seq_extra = [], []
+        start = plan.num_tokens
+        for job in patched:
+            k, c = len(job.question), job.end - job.start
+            job.question_start = start
+            start += k
+            ids += job.question
+            positions += range(job.computed + c, job.computed + c + k)
+            rows += [job.row] * k
+            offs.append(torch.arange(k) + c)
+            q_lens.append(k)
+            seq_extra.append(phys_before[:, job.row] + c + k)
+        rows_t = torch.tensor(rows)
+        q_pos = phys_before[:, rows_t] + torch.cat(offs)                    # [L, Q]
+        all_rows = torch.cat([token_row, rows_t])
+        all_pos = torch.cat([pos, q_pos], dim=1)
+        plan.slots = self._slots(plan.block_table, all_rows, all_pos)
+        plan.question_ids = torch.tensor(ids, dtype=torch.long)
+        plan.question_positions = torch.tensor(positions, dtype=torch.long)
+        ends = plan.query_start_loc[-1].item() + torch.tensor(q_lens).cumsum(0)
+        plan.query_start_loc = torch.cat([plan.query_start_loc, ends.int()])
+        plan.seq_lens = torch.cat([plan.seq_lens, torch.stack(seq_extra, 1).int()], dim=1)
+        plan.block_table = torch.cat([plan.block_table,
+                                      plan.block_table[:, [j.row for j in patched]]], dim=1)
+        plan.num_reqs += len(patched)
+
+    def finish_step(self, plan: TokenStepPlan, request_block_ids, row_block_counts) -> None:
+        """After the forward: book the compressed chunks and drop the tail blocks from vLLM's
+        worker-side block lists, exactly as the scheduler frees them before its next step.
+
+        request_block_ids(req_id) -> the request's block-id lists, one per group (mutable);
+        row_block_counts[g]: the persistent batch's per-row block counts of group g (mutable)."""
+        for job in plan.jobs:
+            led = self.ledgers[job.req_id]
+            c, chunk_len = job.end - job.start, job.chunk_len
+            kept = [k.kept for k in job.keep]
+            led.evicted = [e + chunk_len - k for e, k in zip(led.evicted, kept)]
+            freed = group_evictions_of(kept, chunk_len, self.groups)
+            led.allocation_evicted = [a + f for a, f in zip(led.allocation_evicted, freed)]
+            self._drop_tail_blocks(led, job.req_id, job.row, job.computed + c,
+                                   request_block_ids, row_block_counts)
+        for job in plan.decode.jobs:
+            led = self.ledgers[job.req_id]
+            end = job.end
+            led.evicted = [e if k is None else e + k.chunk_len - k.kept
+                           for e, k in zip(led.evicted, job.keep)]
+            freed = decode_group_evictions(cached_decode_group_budgets(job.policy, self.groups),
+                                           [end - a for a in led.allocation_evicted])
+            led.allocation_evicted = [a + f for a, f in zip(led.allocation_evicted, freed)]
+            self._drop_tail_blocks(led, job.req_id, job.row, end, request_block_ids,
+                                   row_block_counts)
+
+    def _drop_tail_blocks(self, led: RequestLedger, req_id: str, row: int, end: int,
+                          request_block_ids, row_block_counts) -> None:
+        """Drop, from vLLM's worker-side block lists of every group, the blocks past the
+        request's physical length after a step that ended at logical `end`."""
+        per_group = request_block_ids(req_id)
+        if per_group is None:
+            return
+        for g, ids in enumerate(per_group):
+            own = -(-(end - led.allocation_evicted[g]) // self.block_size)
+            if len(ids) > own:
+                del ids[own:]
+                row_block_counts[g][row] = own
