@@ -102,7 +102,7 @@ def summary(runs: list[dict]) -> str:
     lines += ["", "Bytes are those of the " f"{PROMPT_LENGTHS[-1]}-token prompt. "
               "Head masks cost more bytes at TP 2 than at TP 1: vLLM requires every rank "
               "to declare the same KV-cache spec per layer, so each rank's paged cache holds "
-              "the most full heads any rank holds in that layer (docs/design.md, "
+              "the most full heads any rank holds in that layer (docs/design/parallel.md, "
               "\"Tensor parallel\"); `streaming` has no full head at all, and vLLM needs one "
               "paged layer to schedule blocks, so each rank keeps the 1-head placeholder layer "
               "of TP 1 (two heads in all). Token eviction splits evenly.", "",

@@ -1,4 +1,4 @@
-"""Installing into a user's own vLLM (docs/design.md, "Installing into a user's vLLM"):
+"""Installing into a user's own vLLM (docs/design/plugins.md, "Installing into a user's vLLM"):
 the package pins no vLLM or torch, and on a vLLM version or platform it was not built for the
 plugin stays inert (stock serving) while any --kv-* flag stops the start-up with the reason."""
 

@@ -92,7 +92,7 @@ def check_v2(bundled_model_dir, tokenizer, hf_model, case, backend, **more) -> d
     policy, chunk = CASES.get(case, ({"policy": "full"}, 256))
     policy = {**policy, "attention_backend": backend}
     config = KVPolicyConfig.from_dict(policy)
-    # prefix caching where the policy serves it without more flags (design.md)
+    # prefix caching where the policy serves it without more flags (docs/design/kv_cache.md)
     caching = not config.patched and config.decode_budget is None
     prompts = source_prompts(tokenizer, (700, 1600, 1000))
     result = result_of(run_v2(bundled_model_dir, policy, chunk, prompts, caching, **more))

