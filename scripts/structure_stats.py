@@ -169,6 +169,14 @@ def kind_branches(tree: dict[str, str]) -> tuple[int, int]:
     return lines, files
 
 
+def kind_reads(tree: dict[str, str]) -> tuple[int, int]:
+    """(lines, files) of the glue reading `.kind` (`ServedPolicy.kind`: the factories)."""
+    hits = {p: {n.lineno for n in ast.walk(ast.parse(t))
+                if isinstance(n, ast.Attribute) and n.attr == "kind"}
+            for p, t in tree.items() if p.startswith(GLUE) and p.endswith(".py")}
+    return sum(map(len, hits.values())), sum(bool(h) for h in hits.values())
+
+
 def table_rows(tree: dict[str, str]) -> str:
     """WRAPS / RELIED_ON / TOUCHED: the rows of the contract's three tables (registration.py
     held them before issue 69's second slice, plugins/contract.py after)."""
@@ -214,6 +222,7 @@ def stats(rev: str | None) -> dict[str, object]:
     readme = tree.get("README.md", "")
     return {
         "kind branches in the glue (lines / files)": f"{kind_lines} / {kind_files}",
+        "`.kind` reads (the factories' choice; lines / files)": "{} / {}".format(*kind_reads(tree)),
         "isinstance(rule, TokenEvictionLedger)": sum(
             len(re.findall(r"isinstance\([^)]*TokenEvictionLedger\)", tree[p]))
             for p in glue_py),

@@ -402,3 +402,45 @@ def test_imports_inside_functions_only_at_the_entry_points_with_a_reason():
         for line in lines:
             above = text[max(0, line - 6):line - 1]
             assert any(s.strip().startswith("#") for s in above), f"{name}:{line} has no reason"
+
+
+# -- the policy's kind, chosen once by a factory per concept ----------------------------------
+
+# Where the glue reads `ServedPolicy.kind` (and nowhere else): each builds its concept's part
+# for the served kind (an attention impl per layer, the scheduler's admission rule, the
+# worker's step planner).
+KIND_FACTORIES = {"attention/backend.py", "attention/flex_attention.py",
+                  "core/kv_cache_manager.py", "worker/state.py"}
+
+
+def test_the_served_kind_names_each_policy():
+    from vllm_kvevict.config import KVPolicyConfig
+    from vllm_kvevict.served import KINDS, ModelShape, ServedPolicy
+
+    shape = ModelShape(num_layers=4, num_kv_heads=2, num_q_heads=4, head_dim=64)
+    expected = {"full": "full", "streaming": "head_mask", "duo": "head_mask",
+                "prulong": "head_mask", "snapkv": "token", "pyramidkv": "token"}
+    for policy, kind in expected.items():
+        raw = {"policy": policy} if policy == "full" else {"policy": policy, "sparsity": 0.5}
+        served = ServedPolicy(KVPolicyConfig.from_dict(raw), "tiny", shape, policy=None)
+        assert served.kind == kind, policy
+    hybrid = KVPolicyConfig.from_dict({"policy": "prulong", "sparsity": 0.5,
+                                       "token_policy": "snapkv"})
+    assert ServedPolicy(hybrid, "tiny", shape, policy=None).kind == "hybrid"
+    assert set(expected.values()) | {"hybrid"} == set(KINDS)
+
+
+def test_the_kind_is_read_only_by_the_factories():
+    """`.kind` is read in the factories' files only; the attention paths no longer ask the
+    state which kind they serve (each kind has its impl class, chosen by `get_impl_cls`)."""
+    glue = REPO / "vllm_kvevict" / "integration"
+    readers = set()
+    for path in files("vllm_kvevict/integration"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "kind" \
+                    and isinstance(node.ctx, ast.Load):
+                readers.add(str(path.relative_to(glue)))
+    assert readers == KIND_FACTORIES, readers ^ KIND_FACTORIES
+    for name in ("attention/backend.py", "attention/flex_attention.py"):
+        text = (glue / name).read_text()
+        assert ".token is not None" not in text and ".token is None" not in text, name

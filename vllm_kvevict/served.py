@@ -31,7 +31,8 @@ from vllm_kvevict import masks
 logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
 
 ADDITIONAL_CONFIG_KEY = "kv_policy"
-MAX_VARIANTS = 64  # distinct per-request settings kept built (oldest dropped first)
+MAX_VARIANTS = 64
+KINDS = ("full", "head_mask", "token", "hybrid")  # `ServedPolicy.kind`  # distinct per-request settings kept built (oldest dropped first)
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,18 @@ class ServedPolicy:
         if mask:
             params["mask"] = os.path.basename(mask)
         return params
+
+    @property
+    def kind(self) -> str:
+        """What the glue's factories choose by (`KINDS`): `full` (stock vLLM), `head_mask`
+        (streaming heads: streaming, duo, prulong), `token` (snapkv, pyramidkv) or `hybrid` (a
+        head mask whose full heads evict tokens: the head-mask and token parts composed)."""
+        cfg = self.config
+        if cfg.policy == "full":
+            return "full"
+        if cfg.uses_head_mask:
+            return "hybrid" if cfg.evicts_tokens else "head_mask"
+        return "token"
 
     # -- start-up ---------------------------------------------------------------------------
     @property

@@ -69,6 +69,8 @@ class KVEvictMetadataBuilder(CPUAttentionMetadataBuilder):
 
 
 class KVEvictAttentionImpl(CPUAttentionBackendImpl):
+    """Head masks (streaming, duo, prulong): full heads over their own paged cache, streaming
+    heads over sink + window laid out from the pool; `KVEvictTokenImpl` for token eviction."""
     _scratch: dict[tuple, torch.Tensor] = {}  # per (streaming heads, dtype), shared by layers
 
     def __init__(self, *args, **kwargs) -> None:
@@ -81,21 +83,7 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
         self._views: dict[str, tuple] = {}  # `head_caches`: per use, (cache, heads, K/V views)
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        state = self.kv_state
-        heads = state.heads[_layer_index(layer)]
-        if state.token is not None:
-            # New tokens go to their physical slots in this layer (after earlier evictions);
-            # a head mask with a token policy writes its full heads only.
-            plan = state.plan
-            if not heads.all_full:
-                if not heads.full_kv:
-                    return None
-                # (tensor parallel: a padded spec's first heads)
-                full, num_full = heads.full_kv_at, len(heads.full_kv)
-                key, value, kv_cache = key[:, full], value[:, full], kv_cache[:, :num_full]
-            slots = plan.slots[heads.layer]
-            return super().do_kv_cache_update(layer, plan.with_questions(key),
-                                              plan.with_questions(value), kv_cache, slots)
+        heads = self.kv_state.heads[_layer_index(layer)]
         if heads.all_full:
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         if heads.full_kv:  # (a view where the full heads sit side by side: the write takes it)
@@ -108,11 +96,7 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
         if attn_metadata is None:  # a profile run without attention: defined values (V2's
             return output.zero_()  # sampler runs on them; vLLM's flex backend does the same)
         state = self.kv_state
-        l = _layer_index(layer)
-        if state.token is not None:
-            return cpu_token.forward(self, state, layer, l, query, key, value, kv_cache,
-                                     attn_metadata, output)
-        heads = state.heads[l]
+        heads = state.heads[_layer_index(layer)]
         if heads.all_full:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
@@ -245,6 +229,36 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
         return sched
 
 
+class KVEvictTokenImpl(KVEvictAttentionImpl):
+    """Token eviction (snapkv, pyramidkv), and the hybrid: a head mask whose full heads evict
+    tokens (its streaming heads run the head-mask path's `_streaming`, in `cpu_token.py`)."""
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        # New tokens go to their physical slots in this layer (after earlier evictions); a
+        # head mask with a token policy writes its full heads only.
+        heads, plan = self.kv_state.heads[_layer_index(layer)], self.kv_state.plan
+        if not heads.all_full:
+            if not heads.full_kv:
+                return None
+            # (tensor parallel: a padded spec's first heads)
+            full, num_full = heads.full_kv_at, len(heads.full_kv)
+            key, value, kv_cache = key[:, full], value[:, full], kv_cache[:, :num_full]
+        return CPUAttentionBackendImpl.do_kv_cache_update(
+            self, layer, plan.with_questions(key), plan.with_questions(value), kv_cache,
+            plan.slots[heads.layer])
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        if attn_metadata is None:  # (a profile run without attention, as above)
+            return output.zero_()
+        return cpu_token.forward(self, self.kv_state, layer, _layer_index(layer), query, key,
+                                 value, kv_cache, attn_metadata, output)
+
+
+# The attention path of each kind of policy, chosen once (vLLM builds the impl per layer).
+IMPLS = {"head_mask": KVEvictAttentionImpl, "token": KVEvictTokenImpl, "hybrid": KVEvictTokenImpl}
+
+
 class KVEvictAttentionBackend(CPUAttentionBackend):
     """Keeps the name CPU_ATTN: vLLM's CPU platform selects backends by that name."""
 
@@ -257,7 +271,7 @@ class KVEvictAttentionBackend(CPUAttentionBackend):
     @staticmethod
     def get_impl_cls():
         state = init_state(get_current_vllm_config())
-        return CPUAttentionBackendImpl if state is None else KVEvictAttentionImpl
+        return CPUAttentionBackendImpl if state is None else IMPLS[state.served.kind]
 
     @staticmethod
     def get_builder_cls():

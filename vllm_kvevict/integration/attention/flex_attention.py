@@ -115,7 +115,7 @@ class KVEvictFlexMetadataBuilder(FlexAttentionMetadataBuilder):
         metadata.kvevict_masks = {}  # per head split (token eviction: per layer lengths)
         metadata.kvevict_capacity = mask_capacity(self.vllm_config)
         state = init_state(self.vllm_config)
-        if state is not None and state.token is not None:
+        if state is not None and state.served.kind in ("token", "hybrid"):
             # token eviction: the step's physical lengths, slots, chunks
             metadata.plan = state.step_plan(common)
         return metadata
@@ -172,28 +172,7 @@ class KVEvictFlexImpl(FlexAttentionImpl):
         return kv_cache.transpose(1, 2).view(-1, kv_cache.shape[1], 2 * self.head_size)
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        """The step's K/V at their slots (vLLM's CPU build has no `reshape_and_cache_flash`).
-        Token eviction: at their physical slots after earlier evictions, the patched
-        questions' rows included (the step plan's); a head mask: each kind in its group,
-        with a token policy its full heads so."""
-        state = self.kv_state
-        if state is not None and state.in_pool:
-            context = get_forward_context()
-            for slots in self.head_slots(layer):
-                meta = slots.metadata(context)
-                if meta is None:
-                    continue
-                k, v, where = key[:, slots.kv_heads], value[:, slots.kv_heads], meta.slot_mapping
-                if state.token is not None and not slots.streaming:
-                    plan = state.plan
-                    k, v = plan.with_questions(k), plan.with_questions(v)
-                    where = plan.slots[extract_layer_index(layer.layer_name)]
-                self._write(slots.cache(context), k, v, where)
-            return
-        if state is not None:
-            plan = state.plan
-            key, value = plan.with_questions(key), plan.with_questions(value)
-            slot_mapping = plan.slots[extract_layer_index(layer.layer_name)]
+        """The step's K/V at their slots (vLLM's CPU build has no `reshape_and_cache_flash`)."""
         self._write(kv_cache, key, value, slot_mapping)
 
     def _write(self, kv_cache, key, value, slot_mapping) -> None:
@@ -206,12 +185,6 @@ class KVEvictFlexImpl(FlexAttentionImpl):
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
-        state = self.kv_state
-        if attn_metadata is not None and state is not None:
-            if state.in_pool:
-                return self._forward_head_slots(layer, query, key, value, output)
-            return flex_token.forward(self, layer, query, key, value, kv_cache, attn_metadata,
-                                      output)
         # `full`: our block mask all the same: vLLM's direct one lists at most a sequence's
         # pages per query block, and torch's CPU template refuses a mask narrower than the
         # whole paged cache ("KV seqlen must be smaller than the block_mask size").
@@ -234,6 +207,55 @@ class KVEvictFlexImpl(FlexAttentionImpl):
                 row_capacity=rows)
         return meta.kvevict_masks[key]
 
+
+class FlexTokenImpl(KVEvictFlexImpl):
+    """Token eviction (snapkv, pyramidkv) on the flex path: K/V at their physical slots after
+    earlier evictions, the patched questions' rows included (the step plan's); attention and
+    compression in `flex_token`."""
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        plan = self.kv_state.plan
+        self._write(kv_cache, plan.with_questions(key), plan.with_questions(value),
+                    plan.slots[extract_layer_index(layer.layer_name)])
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        if attn_metadata is None:  # (a profile run: vLLM's own answer)
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
+        return flex_token.forward(self, layer, query, key, value, kv_cache, attn_metadata,
+                                  output)
+
+
+class FlexHeadMaskImpl(KVEvictFlexImpl):
+    """A head mask on the flex path: each kind of head (full, streaming) in its own KV-cache
+    group of the pool, with its own block mask. The hybrid is this composed with the token
+    path: its full heads' slots write and attend as `FlexTokenImpl` does (`_token_heads`)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._token_heads = self.kv_state.served.kind == "hybrid"  # (full heads evict tokens)
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        context = get_forward_context()
+        for slots in self.head_slots(layer):
+            meta = slots.metadata(context)
+            if meta is None:
+                continue
+            k, v, where = key[:, slots.kv_heads], value[:, slots.kv_heads], meta.slot_mapping
+            if self._token_heads and not slots.streaming:
+                plan = self.kv_state.plan
+                k, v = plan.with_questions(k), plan.with_questions(v)
+                where = plan.slots[extract_layer_index(layer.layer_name)]
+            self._write(slots.cache(context), k, v, where)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        if attn_metadata is None:  # (a profile run: vLLM's own answer)
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
+        return self._forward_head_slots(layer, query, key, value, output)
+
     def _forward_head_slots(self, layer, query, key, value, output):
         """A head mask: each kind of head (full, streaming) attends over its own group's pages
         with that group's block mask (a streaming head's lists sink + window + chunk); with a
@@ -245,7 +267,7 @@ class KVEvictFlexImpl(FlexAttentionImpl):
             meta, impl = slots.metadata(context), self._narrowed(len(slots.kv_heads))
             q, k, v = query[:, slots.q_heads], key[:, slots.kv_heads], value[:, slots.kv_heads]
             out = torch.zeros_like(q)  # (all rows are copied: padding ones too)
-            if state.token is not None and not slots.streaming:
+            if self._token_heads and not slots.streaming:
                 flex_token.forward(impl, layer, q, k, v, slots.cache(context), meta, out)
                 output[:, slots.q_heads] = out
                 continue
@@ -264,12 +286,18 @@ class KVEvictFlexImpl(FlexAttentionImpl):
         return output
 
 
+# The attention path of each kind of policy, chosen once (vLLM builds the impl per layer).
+IMPLS = {"full": KVEvictFlexImpl, "head_mask": FlexHeadMaskImpl, "token": FlexTokenImpl,
+         "hybrid": FlexHeadMaskImpl}
+
+
 class KVEvictFlexBackend(FlexAttentionBackend):
     """vLLM's FlexAttention backend with the plugin's KV write and head masks."""
 
     @staticmethod
     def get_impl_cls():
-        return KVEvictFlexImpl
+        state = init_state(get_current_vllm_config())
+        return IMPLS["full" if state is None else state.served.kind]
 
     @staticmethod
     def get_builder_cls():

@@ -27,12 +27,14 @@ def attach(scheduler) -> GrowthReserve | None:
     """After vLLM's Scheduler.__init__ (in `KVEvictScheduler`): the growth reserve for head-mask
     policies, the ledger for token-eviction ones, None for `full` (stock vLLM)."""
     served = served_policy(scheduler.vllm_config)
-    cfg = served.config
+    cfg, kind = served.config, served.kind
     reserve_growth = cfg.admission == "reserve"
-    if cfg.uses_head_mask and not cfg.evicts_tokens:
+    if kind == "full":
+        return None
+    if kind == "head_mask":
         rule = GrowthReserve(reserve_growth=reserve_growth)
         rule.canonical_chunk = canonical_chunk(scheduler.vllm_config)
-    elif cfg.evicts_tokens:  # (a head mask with a token policy: its full heads' slots)
+    else:  # token, hybrid (a head mask with a token policy: its full heads' slots)
         groups = layer_groups(scheduler.kv_cache_config, served.shape.num_layers)
         # the prompt is compressed once per eviction chunk: its peak need follows that chunk
         chunk = cfg.eviction_chunk or scheduler.vllm_config.scheduler_config.max_num_batched_tokens
@@ -41,8 +43,6 @@ def attach(scheduler) -> GrowthReserve | None:
         logger.info("vllm-kvevict: token eviction ledger over %d KV-cache group(s) of %s layers",
                     groups.num_groups,
                     sorted({len(groups.layers(g)) for g in range(groups.num_groups)}))
-    else:
-        return None
     rule.scheduler = scheduler
     return rule
 

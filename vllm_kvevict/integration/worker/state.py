@@ -42,14 +42,12 @@ class WorkerState:
     _plan_key: tuple | None = None
     plan: StepPlan | TokenStepPlan | None = None
     _finished_key: tuple | None = None
-    _groups_of: object = None
     _plan_anchor: object = None
+    planner: object = None  # `PLANNERS[kind]`: the step planner of the served kind
     in_step: bool = False  # inside KVEvictWorker.execute_model (not a profile or dummy run)
     # request id -> its sampling params' extra_args (per-request overrides), from the
     # scheduler's output: neither of vLLM's runners needs to be asked for it
     extra_args: dict = field(default_factory=dict)
-    blocks: object = None  # token eviction: runners.V1Blocks / V2Blocks, this runner's
-    _rows: list = field(default_factory=list)  # the token plan's request id per row
 
     @property
     def config(self) -> KVPolicyConfig:
@@ -75,16 +73,9 @@ class WorkerState:
             self.extra_args[new.req_id] = getattr(new.sampling_params, "extra_args", None)
         for req_id in scheduler_output.finished_req_ids:
             self.extra_args.pop(req_id, None)
-        if self.token is not None:
-            if self.blocks is None or self.blocks.runner is not runner:
-                self.blocks = runners.request_blocks(runner)
-            self.blocks.update(scheduler_output)
-        self.release(scheduler_output.finished_req_ids)
-        self.release(getattr(scheduler_output, "preempted_req_ids", None))
-
-    def release(self, req_ids) -> None:
-        if self.token is not None:
-            self.token.release(req_ids)
+        self.planner.begin_step(runner, scheduler_output)
+        self.planner.release(scheduler_output.finished_req_ids)
+        self.planner.release(getattr(scheduler_output, "preempted_req_ids", None))
 
     # -- per step ------------------------------------------------------------------------
     def step_plan(self, common) -> StepPlan:
@@ -103,26 +94,69 @@ class WorkerState:
         req_ids = runners.row_requests(self.runner, common, num_reqs, self.in_step)
         valid = req_ids is not None
         req_ids = req_ids or []
-        if self.token is not None:
-            plan = self._token_plan(req_ids[:num_reqs], computed, q_lens, valid)
-            if self.config.is_hybrid:  # its streaming heads: the head-mask plan, + questions
-                plan.streaming = self._streaming_plan(
-                    req_ids[:num_reqs], computed, q_lens, valid,
-                    [(j.row, len(j.question), j.question_start) for j in plan.jobs
-                     if j.question])
-        else:
-            plan = self._streaming_plan(req_ids[:num_reqs], computed, q_lens, valid)
+        plan = self.planner.plan(req_ids[:num_reqs], computed, q_lens, valid)
         self._plan_key, self.plan = key, plan
         return plan
 
-    def _streaming_plan(self, req_ids, computed, q_lens, valid, questions=()) -> StepPlan:
-        prompt_lens = self._prompt_lens(req_ids[:len(q_lens)]) if valid else None
-        plan = build_step_plan(computed, q_lens, self.config.sink, self.config.window,
-                               self.block_size, prompt_lens, questions, chunk=self.chunk or None)
+    def prompt_lens(self, req_ids) -> list[int]:
+        """Each row's prompt as the policy serves it (a teacher-forced tail is decoded)."""
+        return runners.policy_prompt_lens(self.runner, req_ids, self.extra_args)
+
+    def finish_step(self) -> None:
+        """End of an engine step (worker): book token evictions once per plan."""
+        self.in_step = False
+        plan = self.plan
+        if (plan is None or not plan.valid or self._finished_key == self._plan_key
+                or self._plan_key[0] != self.step):
+            return
+        self._finished_key = self._plan_key
+        self.planner.finish_step(plan)
+
+
+class HeadMaskPlanner:
+    """Streaming heads (streaming, duo, prulong): each step's read-back plan from the pool;
+    nothing kept per request."""
+
+    def __init__(self, state: WorkerState) -> None:
+        self.state = state
+
+    def begin_step(self, runner, scheduler_output) -> None:
+        pass
+
+    def release(self, req_ids) -> None:
+        pass
+
+    def plan(self, req_ids, computed, q_lens, valid, questions=()) -> StepPlan:
+        state, cfg = self.state, self.state.config
+        prompt_lens = state.prompt_lens(req_ids[:len(q_lens)]) if valid else None
+        plan = build_step_plan(computed, q_lens, cfg.sink, cfg.window, state.block_size,
+                               prompt_lens, questions, chunk=state.chunk or None)
         plan.valid = valid
         return plan
 
-    def _token_plan(self, req_ids, computed, q_lens, valid) -> TokenStepPlan:
+    def finish_step(self, plan) -> None:
+        pass
+
+
+class TokenPlanner:
+    """Token eviction (snapkv, pyramidkv): each step's physical slots and chunks to compress
+    from the per-request ledgers (`TokenEvictionWorker`), their evictions booked after it."""
+
+    def __init__(self, state: WorkerState) -> None:
+        self.state, self.token = state, state.token
+        self.blocks = None  # runners.V1Blocks / V2Blocks, this runner's
+        self._rows: list = []  # the plan's request id per row
+        self._groups_of = None
+
+    def begin_step(self, runner, scheduler_output) -> None:
+        if self.blocks is None or self.blocks.runner is not runner:
+            self.blocks = runners.request_blocks(runner)
+        self.blocks.update(scheduler_output)
+
+    def release(self, req_ids) -> None:
+        self.token.release(req_ids)
+
+    def plan(self, req_ids, computed, q_lens, valid) -> TokenStepPlan:
         self._ensure_groups()
         if not valid:  # profiling / warm-up: nothing to keep, nothing to evict
             n = len(q_lens)
@@ -130,28 +164,25 @@ class WorkerState:
             prompt_lens = [0] * n
             block_ids = [[[0]] * self.token.groups.num_groups] * n
         else:
-            prompt_lens = self._prompt_lens(req_ids)
+            prompt_lens = self.state.prompt_lens(req_ids)
             block_ids = [self.blocks.block_ids(r) for r in req_ids]
         self._rows = req_ids
+        extra_args = self.state.extra_args
         plan = self.token.plan(req_ids, computed, q_lens, prompt_lens, block_ids,
                                prompt_ids=lambda row: self.blocks.prompt_ids(req_ids[row]),
-                               extra_args=lambda row: self.extra_args.get(req_ids[row]))
+                               extra_args=lambda row: extra_args.get(req_ids[row]))
         plan.valid = valid
         if not valid:
             self.token.release(req_ids)
         return plan
 
-    def _prompt_lens(self, req_ids) -> list[int]:
-        """Each row's prompt as the policy serves it (a teacher-forced tail is decoded)."""
-        return runners.policy_prompt_lens(self.runner, req_ids, self.extra_args)
-
     def _ensure_groups(self) -> None:
         """The token ledger's layer -> KV-cache group map, from the runner's KV cache config
         (known once vLLM has initialised the KV cache; the same map the scheduler uses)."""
-        config = getattr(self.runner, "kv_cache_config", None)
+        config = getattr(self.state.runner, "kv_cache_config", None)
         if config is None or self._groups_of is config:
             return
-        groups = layer_groups(config, self.policy.num_layers)
+        groups = layer_groups(config, self.state.policy.num_layers)
         if groups != self.token.groups:
             if self.token.ledgers:
                 raise RuntimeError("vllm-kvevict: KV-cache groups changed with requests running")
@@ -160,15 +191,28 @@ class WorkerState:
                         groups.num_groups)
         self._groups_of = config
 
-    def finish_step(self) -> None:
-        """End of an engine step (worker): book token evictions once per plan."""
-        self.in_step = False
-        plan = self.plan
-        if (self.token is None or plan is None or not plan.valid
-                or self._finished_key == self._plan_key or self._plan_key[0] != self.step):
-            return
-        self._finished_key = self._plan_key
+    def finish_step(self, plan) -> None:
         self.token.finish_step(plan, self.blocks.block_ids, self.blocks.row_counts(self._rows))
+
+
+class HybridPlanner(TokenPlanner):
+    """A head mask whose full heads evict tokens, composed: the token plan for its full heads,
+    the head-mask plan (with patched scoring's question rows) for its streaming heads."""
+
+    def __init__(self, state: WorkerState) -> None:
+        super().__init__(state)
+        self.streaming = HeadMaskPlanner(state)
+
+    def plan(self, req_ids, computed, q_lens, valid) -> TokenStepPlan:
+        plan = super().plan(req_ids, computed, q_lens, valid)
+        plan.streaming = self.streaming.plan(
+            req_ids, computed, q_lens, valid,
+            [(j.row, len(j.question), j.question_start) for j in plan.jobs if j.question])
+        return plan
+
+
+# The step planner of each kind of policy, chosen once per process (`init_state`).
+PLANNERS = {"head_mask": HeadMaskPlanner, "token": TokenPlanner, "hybrid": HybridPlanner}
 
 
 _state: WorkerState | None = None
@@ -217,6 +261,7 @@ def init_state(vllm_config) -> WorkerState | None:
         _state.token.combine_scores = replica_scores(rank, world, served.shape.num_kv_heads)
         # (on only where settle_config kept it: naive token eviction, prefix_cache.py)
         _state.token.reuses_prefixes = bool(vllm_config.cache_config.enable_prefix_caching)
+    _state.planner = PLANNERS[served.kind](_state)
     hint = in_place_hint(served.config.sink, served.config.window, block_size)
     _state.in_place = hint is None
     if _state.in_pool and not _state.flex and rank == 0:
