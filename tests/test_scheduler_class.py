@@ -180,7 +180,8 @@ for extra in json.loads(sys.argv[2]):
     worker = resolve_obj_by_qualname(config.parallel_config.worker_cls)
     print("WORKER", json.dumps([config.parallel_config.worker_cls,
                                 [k.__name__ for k in worker.__mro__[:3]]]))
-    print("CONFIG", json.dumps([config.use_v2_model_runner,
+    from vllm_kvevict.integration.plugins.versions import uses_v2_runner
+    print("CONFIG", json.dumps([uses_v2_runner(config),
                                 config.additional_config["kv_policy"].get("attention_backend"),
                                 getattr(config.attention_config.backend, "name", None),
                                 args.async_scheduling,

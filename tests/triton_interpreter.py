@@ -19,10 +19,18 @@ def enable() -> None:
     if "vllm" in sys.modules:
         raise RuntimeError("triton_interpreter.enable() must run before vLLM is imported")
     os.environ["TRITON_INTERPRET"] = "1"
+    import importlib.metadata
+
     import triton.backends
 
     inactive = types.SimpleNamespace(is_active=lambda: False)
     triton.backends.backends.setdefault("cpu", types.SimpleNamespace(driver=inactive))
+    if "+cpu" not in importlib.metadata.version("vllm"):
+        # A CUDA wheel (vLLM 0.34's engine side, tested here): its CPU platform refuses an x86
+        # CPU without Triton, which it finds by exactly one active non-"cpu" driver; the
+        # interpreter is that one (it runs the kernels, no driver is ever asked to).
+        active = types.SimpleNamespace(is_active=lambda: True)
+        triton.backends.backends.setdefault("interpreter", types.SimpleNamespace(driver=active))
 
 
 # A server on the V2 runner: every process it starts (engine cores, tensor-parallel workers,

@@ -16,9 +16,9 @@ the paged heads attend over their compacted past and each prefill chunk is compr
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
-from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.models.utils import extract_layer_index
@@ -29,8 +29,11 @@ from vllm_kvevict.integration.attention import cpu_token
 from vllm_kvevict.integration.attention.fp8 import is_fp8
 from vllm_kvevict.integration.attention.paged_layout import (POOL_LAYOUTS, decode_in_place,
                                                              decode_window, lay_out_from_pool)
+from vllm_kvevict.integration.plugins.versions import CPU_OPS
 from vllm_kvevict.integration.worker.state import get_state, init_state
 from vllm_kvevict.integration.worker.step_plan import decode_attention
+
+ops = importlib.import_module(CPU_OPS)  # vLLM's CPU attention ops (moved in 0.34)
 
 
 @functools.lru_cache(maxsize=None)  # (parsed once per layer name, not twice per layer and step)

@@ -11,12 +11,16 @@ the question rows included.
 
 from __future__ import annotations
 
+import importlib
+
 import torch
-from vllm import _custom_ops as ops
 
 from vllm_kvevict.integration.attention.paged_layout import paged_layout
+from vllm_kvevict.integration.plugins.versions import CPU_OPS
 from vllm_kvevict.integration.worker.decode_eviction import compress_decode
 from vllm_kvevict.integration.worker.token_plan import compress_chunks
+
+ops = importlib.import_module(CPU_OPS)  # vLLM's CPU attention ops (moved in 0.34)
 
 
 def forward(impl, state, layer, l, query, key, value, kv_cache, attn_metadata, output):

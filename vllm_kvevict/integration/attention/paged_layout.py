@@ -15,15 +15,18 @@ pool storage of streaming heads (`lay_out_from_pool`): each step reads their win
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
-from vllm import _custom_ops as ops
 from vllm.forward_context import get_forward_context
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from vllm_kvevict.integration.attention.fp8 import grid_values, is_fp8
 from vllm_kvevict.integration.kv_cache.sink_window import COMPANION_SUFFIX
+from vllm_kvevict.integration.plugins.versions import CPU_OPS
 from vllm_kvevict.integration.worker.step_plan import lay_out_visible, window_rows
+
+ops = importlib.import_module(CPU_OPS)  # vLLM's CPU attention ops (moved in 0.34)
 
 # Index digits written per probe pass: small integers, exact in the model's float dtypes (base
 # 256) and in both fp8 formats (0..7; e5m2 rounds 9 down to 8), so each element's code reads back

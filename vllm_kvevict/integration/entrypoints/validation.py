@@ -19,6 +19,7 @@ from vllm_kvevict.flex.support import default_backend, flex_error, platform_erro
 from vllm_kvevict.integration.kv_cache.sink_window import canonical_chunk
 from vllm_kvevict.integration.kv_stats.kv_transfer import inject_config, user_connectors
 from vllm_kvevict.integration.plugins.support import platform_name, unlocked_dtype_error
+from vllm_kvevict.integration.plugins.versions import uses_v2_runner
 from vllm_kvevict.served import ADDITIONAL_CONFIG_KEY, policy_config_of, settle_config
 
 
@@ -90,12 +91,10 @@ def feature_errors(vllm_config, served, platform: str, chosen: str | None,
                 cfg.eviction_chunk or 0, int(getattr(cache, "block_size", 0) or 0)),
             lora_error(cfg, getattr(vllm_config, "lora_config", None) is not None),
             full_block_error(cfg, int(getattr(cache, "block_size", 0) or 0), sizes,
-                             bool(getattr(vllm_config, "use_v2_model_runner",
-                                          False)),
+                             uses_v2_runner(vllm_config),
                              canonical_chunk(vllm_config) if cfg.full_block_size
                              else 0, str(cache_dtype)),
-            model_runner_error(cfg, bool(getattr(vllm_config, "use_v2_model_runner",
-                                                 False)), v2_features_on(vllm_config)))
+            model_runner_error(cfg, uses_v2_runner(vllm_config), v2_features_on(vllm_config)))
 
 
 def check_tiers_and_chunk(vllm_config, served) -> None:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm_kvevict.integration.plugins.versions import KV_CACHE_PLANNING, MERGE_WORKER_SPECS
+from vllm_kvevict.integration.plugins.versions import (KV_CACHE_PLANNING, MERGE_WORKER_SPECS,
+                                                        V1_RUNNER)
 
 
 @dataclass(frozen=True)
@@ -68,14 +69,11 @@ RELIED_ON = (
     "vllm.v1.worker.gpu_worker.Worker.get_kv_cache_spec",
     "vllm.v1.worker.gpu_worker.Worker.initialize_from_config",
     "vllm.v1.worker.gpu_worker.Worker.execute_model",
-    "vllm.v1.worker.gpu_model_runner.GPUModelRunner.maybe_add_kv_sharing_layers_to_kv_cache_groups",
+    # our CPU worker's runner is built at the end of init_device (question_rows.py)
+    "vllm.v1.worker.cpu_worker.CPUWorker.init_device",
     # vLLM's V2 model runner (runners.py): rows -> request slots, the cache-sharing layers
     "vllm.v1.worker.gpu.states.RequestState",
     "vllm.v1.worker.gpu.attn_utils.get_shared_kv_cache_layers",
-    # vLLM's documented override point for a V1 runner subclass (question_rows.py); the
-    # CPU worker builds its runner at the end of init_device
-    "vllm.v1.worker.gpu_model_runner.GPUModelRunner._model_forward",
-    "vllm.v1.worker.cpu_worker.CPUWorker.init_device",
     # patched eviction's question slots, counted where vLLM counts speculative lookahead
     "vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots",
     "vllm.v1.attention.backends.registry.register_backend(CPU_ATTN)",  # backend.py replaces it
@@ -107,12 +105,6 @@ RELIED_ON = (
     "vllm.v1.kv_cache_interface.SlidingWindowSpec.max_admission_blocks_per_request",
     "vllm.v1.kv_cache_layout.KVCacheLayout.BLHNC",
     "vllm.forward_context.ForwardContext.__dataclass_fields__",  # no_compile_layers (test)
-    # seeded sampling on the CPU worker (seeded_sampling.py, from the execute_model row): a
-    # seeded request's generator in the sampler's dict and in the request's record becomes a
-    # rewindable one, because _bookkeeping_sync rewinds it by offset
-    "vllm.v1.worker.gpu_model_runner.GPUModelRunner._bookkeeping_sync",
-    "vllm.v1.worker.gpu_input_batch.InputBatch._make_sampling_metadata",
-    "vllm.v1.worker.gpu_input_batch.CachedRequestState",  # its `generator` field
     # the API server's exit status (server/lifecycle.py): the engine client vLLM puts on the
     # app's state, its `errored`, and its `shutdown`, which lifecycle wraps on that one object
     # (a requested stop calls it while the engine runs; after a death it runs errored)
@@ -126,6 +118,20 @@ RELIED_ON = (
     "vllm.config.compilation.CUDAGraphMode.PIECEWISE",
     "vllm.config.compilation.CUDAGraphMode.FULL_AND_PIECEWISE",
 )
+# The V1 model runner's names (vLLM 0.32, 0.33), relied on where it runs: the cache-sharing
+# layers' group (kvevict_worker.py), vLLM's documented override point for a runner subclass
+# (question_rows.py), and seeded sampling's rewind (seeded_sampling.py: a seeded request's
+# generator in the sampler's dict and its record made rewindable, because _bookkeeping_sync
+# rewinds it by offset). vLLM 0.34 removed the V1 runner (`versions.V1_RUNNER`).
+V1_RUNNER_ROWS = (
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner.maybe_add_kv_sharing_layers_to_kv_cache_groups",
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner._model_forward",
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner._bookkeeping_sync",
+    "vllm.v1.worker.gpu_input_batch.InputBatch._make_sampling_metadata",
+    "vllm.v1.worker.gpu_input_batch.CachedRequestState",  # its `generator` field
+)
+if V1_RUNNER:
+    RELIED_ON += V1_RUNNER_ROWS
 
 # vLLM objects changed, or read by a private name, outside WRAPS: (file, attribute, why).
 # tests/test_layout.py finds every attribute set on an object that is not ours and every read

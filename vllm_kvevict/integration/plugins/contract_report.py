@@ -22,6 +22,7 @@ from pathlib import Path
 
 from vllm_kvevict.integration.plugins import contract
 from vllm_kvevict.integration.plugins.support import activation, platform_name, vllm_version
+from vllm_kvevict.integration.plugins.versions import V1_RUNNER
 
 DEFINITION = re.compile(r"^\s*(?:async\s+)?(?:def|class)\s+(\w+)|^(\w+)\s*(?::[^=]*)?=",
                         re.MULTILINE)
@@ -31,7 +32,7 @@ DEFINITION = re.compile(r"^\s*(?:async\s+)?(?:def|class)\s+(\w+)|^(\w+)\s*(?::[^
 class Row:
     table: str        # WRAPS, RELIED_ON or TOUCHED
     name: str         # the dotted vLLM name, or "file.py: attribute" for TOUCHED
-    status: str       # present, moved, missing or ours
+    status: str       # present, moved, missing, ours, or n/a (a row this release has no use for)
     where: str = ""   # moved: the vLLM files that define its leaf now
 
 
@@ -101,6 +102,9 @@ def report() -> dict:
     source = VLLMSource()
     rows = [check_name("WRAPS", w.target, source) for w in contract.WRAPS]
     rows += [check_name("RELIED_ON", name, source) for name in dict.fromkeys(contract.RELIED_ON)]
+    if not V1_RUNNER:  # (where vLLM has no V1 runner the plugin's V1 parts never run)
+        rows += [Row("RELIED_ON", name, "n/a", "V1 runner only: removed in vLLM 0.34")
+                 for name in contract.V1_RUNNER_ROWS]
     rows += [check_touched(file, attr, source)
              for file, attr, _ in dict.fromkeys((f, a, "") for f, a, _ in contract.TOUCHED)]
     version, platform = vllm_version(), platform_name()
@@ -112,13 +116,14 @@ def report() -> dict:
 
 def render(result: dict) -> str:
     rows = result["rows"]
-    counts = {s: sum(r["status"] == s for r in rows) for s in ("present", "moved", "missing",
-                                                                "ours")}
+    counts = {s: sum(r["status"] == s for r in rows)
+              for s in ("present", "moved", "missing", "ours", "n/a")}
     lines = [f"vllm-kvevict contract report: vLLM {result['vllm']}, platform "
              f"{result['platform']} ({result['seconds']} s)", "",
              f"{'table':<10} {'status':<8} name", "-" * 100]
     lines += [f"{r['table']:<10} {r['status']:<8} {r['name']}"
-              + (f"  -> {r['where']}" if r["where"] else "") for r in rows]
+              + (f"  ({r['where']})" if r["status"] == "n/a" else
+                 f"  -> {r['where']}" if r["where"] else "") for r in rows]
     lines += ["", "rows: " + ", ".join(f"{n} {s}" for s, n in counts.items()),
               "plugin can activate here: " + ("yes" if result["can_activate"] else
                                              f"no ({result['inactive_reason']})")]

