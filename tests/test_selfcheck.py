@@ -145,14 +145,14 @@ def gate(model_dir, pass_dir: Path, dtype: str = "float32") -> dict:
 
 
 def test_vllm033_needs_a_recorded_pass_and_then_activates(bundled_model_dir, tmp_path):
-    """vLLM 0.33 (a release outside the supported list; run in the 0.33 environment, where the
-    engine configs are real): a policy is refused, naming the self-check, until a pass for this
+    """vLLM 0.33 or 0.34 (releases outside the supported list; run in their environments, where
+    the engine configs are real): a policy is refused, naming the self-check, until a pass for this
     plugin, vLLM, platform and device exists; with one the plugin applies its table and installs
     its scheduler and worker; a dtype the pass does not cover stays refused."""
     from vllm_kvevict.integration.plugins.versions import vllm_release
 
     if vllm_release() == (0, 32):
-        pytest.skip("the served release needs no pass: runs in the vLLM 0.33 environment")
+        pytest.skip("the served release needs no pass: runs in the vLLM 0.33 / 0.34 environments")
     import vllm
 
     out = gate(bundled_model_dir, tmp_path)
