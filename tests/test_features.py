@@ -281,3 +281,50 @@ def test_larger_full_blocks_refused_where_untested():
     assert full_block_error(cfg, 64, one, False, 320) == (
         "--kv-full-block-size 128 must divide the canonical prefill chunk (320: "
         "--kv-eviction-chunk, else --max-num-batched-tokens with prefix caching)")
+
+
+def test_fast_layout_is_chosen_where_it_is_served(monkeypatch):
+    """The README's serve command gets the fast layout (issue 71): a head mask on the CPU path
+    with no --block-size / --kv-full-block-size has its streaming heads in the largest block
+    its sink fills whole (64 for the bundled masks' 64-token sink), its full heads in 128; any
+    flag the layout is not served with (features.full_block_error), a token policy, the flex
+    path, or a user's own block size leaves vLLM's default."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_kvevict.features import fast_layout
+    from vllm_kvevict.integration.entrypoints.validation import choose_fast_layout
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    assert fast_layout(KVPolicyConfig.from_dict({"policy": "prulong", "sparsity": 0.7})) == \
+        (64, 128)
+    assert fast_layout(KVPolicyConfig.from_dict({"policy": "streaming"})) == (64, None)
+    assert fast_layout(KVPolicyConfig.from_dict({"policy": "duo", "sink": 128})) is None
+    assert fast_layout(KVPolicyConfig.from_dict({"policy": "duo", "sink": 96})) == (32, 128)
+    assert fast_layout(KVPolicyConfig.from_dict({"policy": "duo", "sink": 100})) is None
+
+    def chosen(policy: dict, **engine) -> tuple:
+        args = EngineArgs(model="m", additional_config={"kv_policy": dict(policy)}, **engine)
+        return (choose_fast_layout(args), args.block_size,
+                args.additional_config["kv_policy"].get("full_block_size"))
+
+    prulong = {"policy": "prulong", "sparsity": 0.7}
+    from vllm_kvevict.integration.plugins.versions import V1_RUNNER
+
+    if not V1_RUNNER:  # (vLLM 0.34: the V2 runner only, where the layout is not served)
+        assert chosen(prulong) == (False, None, None)
+        return
+    assert chosen(prulong) == (True, 64, 128)
+    assert chosen({"policy": "streaming"}) == (True, 64, None)
+    for policy, engine in (
+            (prulong, {"block_size": 128}), (prulong, {"block_size": 64}),
+            ({**prulong, "full_block_size": 64}, {}),
+            ({**prulong, "token_policy": "snapkv"}, {}),
+            ({**prulong, "attention_backend": "flex"}, {}),
+            (prulong, {"tensor_parallel_size": 2}), (prulong, {"pipeline_parallel_size": 2}),
+            (prulong, {"kv_cache_dtype": "fp8"}),
+            ({"policy": "snapkv", "sparsity": 0.7}, {}), ({"policy": "full"}, {})):
+        fast, block, full = chosen(policy, **engine)
+        assert not fast and block == engine.get("block_size"), (policy, engine)
+        assert full == policy.get("full_block_size"), (policy, engine)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # (vLLM's envs read it when asked)
+    assert chosen(prulong) == (False, None, None)

@@ -293,6 +293,20 @@ def model_error(policy_config, hf_config) -> str | None:
             "(--kv-policy full serves any model vLLM does)")
 
 
+def fast_layout(policy_config) -> tuple[int, int | None] | None:
+    """(--block-size, --kv-full-block-size) the plugin picks for a head mask on the CPU path
+    when the user set neither (docs/results/limits/): the streaming heads in the largest of
+    128, 64 and 32 tokens whose blocks their sink fills whole and their window holds (decode
+    then reads them in place, `in_place_hint`), the full heads, if any, in 128-token blocks, as
+    fast as stock's cache (`full_block_error` says where that is served). None: vLLM's own
+    128-token blocks already are that layout (or no smaller block fits)."""
+    sink, window = policy_config.sink, policy_config.window
+    fits = [b for b in (128, 64, 32) if sink % b == 0 and window >= b]
+    if not fits or fits[0] == 128:
+        return None
+    return fits[0], (128 if policy_config.policy != "streaming" else None)
+
+
 def full_block_error(policy_config, block_size: int, sizes: dict[str, int],
                      uses_v2: bool, chunk: int = 0, cache_dtype: str = "auto") -> str | None:
     """`--kv-full-block-size` (full heads' groups in larger blocks than the streaming heads'):

@@ -5,12 +5,14 @@ pins its head mask, so every process serves the same file."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
 from vllm_kvevict.config import KVPolicyError
 from vllm_kvevict.features import (PARALLEL_FLAGS, connector_error, cudagraph_error,
-                                   decode_eviction_error, full_block_error, kv_cache_dtype_error,
+                                   decode_eviction_error, fast_layout, full_block_error,
+                                   kv_cache_dtype_error,
                                    lora_error, model_error, model_runner_error, parallel_error,
                                    prefix_caching_error, prompt_embeds_error, speculative_error,
                                    token_prefix_error, v2_features_on)
@@ -19,22 +21,27 @@ from vllm_kvevict.flex.support import default_backend, flex_error, platform_erro
 from vllm_kvevict.integration.kv_cache.sink_window import canonical_chunk
 from vllm_kvevict.integration.kv_stats.kv_transfer import inject_config, user_connectors
 from vllm_kvevict.integration.plugins.support import platform_name, unlocked_dtype_error
-from vllm_kvevict.integration.plugins.versions import uses_v2_runner
+from vllm_kvevict.integration.plugins.versions import uses_v2_runner, v2_runner_expected
 from vllm_kvevict.served import ADDITIONAL_CONFIG_KEY, policy_config_of, settle_config
+
+logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
 
 
 def _running_vllm_cli() -> bool:
     return os.path.basename(sys.argv[0]) == "vllm"
 
 
-def validate_against_model(vllm_config, prefix_caching_requested: bool | None = None) -> None:
+def validate_against_model(vllm_config, prefix_caching_requested: bool | None = None,
+                           fast: bool = False) -> None:
     """`prefix_caching_requested`: the engine args' value before vLLM resolved its default
-    (None: the user did not ask)."""
+    (None: the user did not ask). `fast`: `before_create` chose the fast layout."""
     try:
         platform = platform_name()
         raw = (getattr(vllm_config, "additional_config", None) or {}).get(ADDITIONAL_CONFIG_KEY)
         if isinstance(raw, dict):
             default_backend(raw, platform)  # off the CPU platform: FlexAttention
+            if fast:
+                keep_fast_layout_served(vllm_config, raw)
         attention = getattr(vllm_config, "attention_config", None)
         chosen = getattr(getattr(attention, "backend", None), "name", None)
         # the model first: a mask lookup for an unsupported model would only confuse
@@ -116,29 +123,73 @@ def check_tiers_and_chunk(vllm_config, served) -> None:
                                 f"--kv-obs-window ({cfg.obs_window}), got {budget}")
 
 
-def before_create(engine_args) -> None:
+def choose_fast_layout(engine_args) -> bool:
+    """CPU platform, before vLLM builds its config: a head mask's fast layout
+    (`features.fast_layout`) where the user set no `--block-size` and no
+    `--kv-full-block-size`, on the CPU kernel, one tensor-parallel and pipeline rank, the V1
+    runner and an unquantized cache (`full_block_error`); True when chosen."""
+    raw = (getattr(engine_args, "additional_config", None) or {}).get(ADDITIONAL_CONFIG_KEY)
+    if not isinstance(raw, dict) or engine_args.block_size is not None:
+        return False
+    cfg = policy_config_of(engine_args)
+    layout = fast_layout(cfg)
+    if (layout is None or cfg.full_block_size is not None or not cfg.uses_head_mask
+            or cfg.evicts_tokens or cfg.attention_backend == "flex"
+            or (engine_args.tensor_parallel_size or 1) > 1
+            or (engine_args.pipeline_parallel_size or 1) > 1
+            or str(engine_args.kv_cache_dtype or "auto") != "auto" or v2_runner_expected()):
+        return False
+    engine_args.block_size, full = layout
+    if full:
+        raw["full_block_size"] = full
+    logger.info("vllm-kvevict: streaming heads in %d-token blocks%s (the fast layout; "
+                "--block-size or --kv-full-block-size overrides it)", layout[0],
+                f", full heads in {full}" if full else "")
+    return True
+
+
+def keep_fast_layout_served(vllm_config, raw: dict) -> None:
+    """The fast layout's full-head blocks stand where `full_block_error` serves them (e.g. the
+    canonical prefill chunk a multiple of them); elsewhere the full heads keep --block-size
+    too, which is as exact."""
+    cache = vllm_config.cache_config
+    parallel = vllm_config.parallel_config
+    cfg = policy_config_of(vllm_config)
+    chunk = cfg.eviction_chunk or (vllm_config.scheduler_config.max_num_batched_tokens
+                                   if cache.enable_prefix_caching else 0)
+    error = full_block_error(cfg, int(cache.block_size),
+                             {field: getattr(parallel, field, 1) for field, _ in PARALLEL_FLAGS},
+                             uses_v2_runner(vllm_config), int(chunk), str(cache.cache_dtype))
+    if error and raw.pop("full_block_size", None):
+        logger.info("vllm-kvevict: full heads in %d-token blocks too: %s", cache.block_size,
+                    error)
+
+
+def before_create(engine_args) -> bool:
     """Settled on the engine args before vLLM builds its config: our stats connector
     (`kv_transfer.inject_config`), and a policy's steps scheduled one after the other. vLLM's
     CPU platform turns async scheduling off (platforms/cpu.py), so every policy is tested that
     way; elsewhere it is vLLM's default, and it schedules step t+1 before step t's output is
     back while the policies free evicted blocks at the next schedule (untested there): off
     unless the user asked for it, and then refused. FULL CUDA graphs likewise wherever our
-    attention backend runs (`cudagraph_without_attention`)."""
+    attention backend runs (`cudagraph_without_attention`). On the CPU platform: the fast
+    layout (`choose_fast_layout`); True when chosen."""
     inject_config(engine_args)
     if platform_name() == "cpu":
-        return
+        return choose_fast_layout(engine_args)
     cfg = policy_config_of(engine_args)  # (it reads any object's additional_config)
     policy = cfg.policy
     if policy != "full" or cfg.attention_backend == "flex":
         cudagraph_without_attention(engine_args, cfg)
     if policy == "full":
-        return
+        return False
     if engine_args.async_scheduling:
         raise KVPolicyError(f"--async-scheduling is not supported with --kv-policy {policy} "
                             "yet (untested: evicted blocks are freed at the next schedule); "
                             "valid: leave it out (the plugin turns it off) or "
                             "--no-async-scheduling")
     engine_args.async_scheduling = False
+    return False
 
 
 def cudagraph_without_attention(engine_args, cfg) -> None:
@@ -176,11 +227,11 @@ def check_unlocked(vllm_config, unlocked_by: dict[str, str]) -> None:
         raise KVPolicyError(error)
 
 
-def refusing(check, *args) -> None:
-    """Run a start-up step that raises KVPolicyError: under the `vllm` CLI its message is the
-    one line the server stops with."""
+def refusing(check, *args):
+    """Run a start-up step that raises KVPolicyError (its result returned): under the `vllm` CLI
+    its message is the one line the server stops with."""
     try:
-        check(*args)
+        return check(*args)
     except KVPolicyError as exc:
         if _running_vllm_cli():
             fail(str(exc))

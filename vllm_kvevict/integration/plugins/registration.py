@@ -124,11 +124,12 @@ def create_engine_config(engine_args, stock_create, *args, **kwargs):
     from vllm_kvevict.integration.entrypoints import api_server
     from vllm_kvevict.integration.worker import kvevict_worker
 
-    validation.refusing(validation.before_create, engine_args)  # stats connector, scheduling
+    # stats connector, scheduling, the fast layout
+    fast = validation.refusing(validation.before_create, engine_args)
     requested = engine_args.enable_prefix_caching  # None unless the user set it
     vllm_config = stock_create(engine_args, *args, **kwargs)
     validation.refusing(validation.check_unlocked, vllm_config, unlocked_by)
-    validation.validate_against_model(vllm_config, prefix_caching_requested=requested)
+    validation.validate_against_model(vllm_config, prefix_caching_requested=requested, fast=fast)
     validation.refusing(kvevict_scheduler.install, vllm_config)
     validation.refusing(kvevict_worker.install, vllm_config)
     api_server.remember_config(vllm_config)

@@ -37,6 +37,21 @@ MERGE_WORKER_SPECS = (f"{KV_CACHE_PLANNING}.get_global_kv_cache_groups" if _033
 V1_RUNNER = vllm_release() < (0, 34)
 
 
+def v2_runner_expected() -> bool:
+    """Before vLLM builds its config: whether it may pick the V2 runner (0.32, 0.33:
+    `VLLM_USE_V2_MODEL_RUNNER`, else whenever Triton is present; it can still fall back to V1,
+    which `uses_v2_runner` tells once the config exists)."""
+    if not V1_RUNNER:
+        return True
+    from vllm import envs  # (vLLM is loaded wherever an engine config is made)
+
+    if envs.VLLM_USE_V2_MODEL_RUNNER is not None:
+        return bool(envs.VLLM_USE_V2_MODEL_RUNNER)
+    from vllm.triton_utils import HAS_TRITON
+
+    return bool(HAS_TRITON)
+
+
 def uses_v2_runner(vllm_config) -> bool:
     """Whether this engine runs vLLM's V2 model runner: chosen per config up to 0.33
     (`VllmConfig.use_v2_model_runner`), the only runner from 0.34 (which drops the attribute)."""
