@@ -554,9 +554,10 @@ def test_vllm_internals_pool_storage_overrides():
         assert params(getattr(SingleTypeKVCacheManager, name)) == params(
             getattr(SinkWindowManager, name)), name
     manager, _, _ = _manager(sink=16, window=32)
-    for attr in ("_null_block", "_partial_hit_reqs", "_record_new_block_ids", "new_block_ids",
+    for attr in ("_partial_hit_reqs", "records_new_block_ids", "new_block_ids",
                  "req_to_blocks"):
         assert hasattr(manager, attr), attr
+    assert manager.block_pool.null_block.is_null  # (what dropped positions hold)
 
 
 def test_pool_storage_prompt_steps_stop_at_canonical_chunk_ends():

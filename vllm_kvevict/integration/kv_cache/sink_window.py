@@ -177,10 +177,11 @@ class SinkWindowManager(SlidingWindowManager):
         dropped = self._dropped(request_id, len(blocks), cdiv(num_tokens, self.block_size),
                                 num_tokens_main_model)
         new = self.block_pool.get_new_blocks(dropped.count(False))
-        if self._record_new_block_ids:
+        if self.records_new_block_ids:
             self.new_block_ids.extend(b.block_id for b in new)
         it = iter(new)
-        added = [self._null_block if drop else next(it) for drop in dropped]
+        null = self.block_pool.null_block
+        added = [null if drop else next(it) for drop in dropped]
         blocks.extend(added)
         return added  # nulls included: the worker's block table is appended position by position
 
@@ -197,7 +198,7 @@ class SinkWindowManager(SlidingWindowManager):
         if start >= last_block:
             return
         freed = [b for b in blocks[start:last_block] if not b.is_null]
-        blocks[start:last_block] = [self._null_block] * (last_block - start)
+        blocks[start:last_block] = [self.block_pool.null_block] * (last_block - start)
         self._freed_to[request_id] = last_block
         if freed:
             # vLLM frees in reverse so a request's tail blocks are evicted first

@@ -60,6 +60,7 @@ class KVEvictStatsConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
+        self._manager = None  # the scheduler's KV-cache manager (`bind_kv_cache_manager`)
         self._stats: RequestStatsTracker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._stats = RequestStatsTracker(served_policy(vllm_config), vllm_config,
@@ -108,9 +109,14 @@ class KVEvictStatsConnector(KVConnectorBase_V1, SupportsHMA):
         if self._stats is not None:
             self._stats.guard(self._stats.add, request)
 
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        """The scheduler hands its KV-cache manager over once built (for pool snapshots)."""
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._manager = kv_cache_manager
+
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         if self._stats is not None:
-            self._stats.guard(self._stats.on_schedule, scheduler_output, self._kv_cache_manager)
+            self._stats.guard(self._stats.on_schedule, scheduler_output, self._manager)
         return KVEvictStatsMetadata()
 
     def on_step_output(self, scheduler_output) -> None:

@@ -93,6 +93,8 @@ RELIED_ON = (
     "vllm.distributed.kv_transfer.kv_connector.factory.KVConnectorFactory.register_connector",
     "vllm.v1.metrics.loggers.StatLoggerBase.record",
     "vllm.plugins.STAT_LOGGER_PLUGINS_GROUP",
+    # (the scheduler's KV-cache manager, handed to the connector for pool snapshots)
+    "vllm.distributed.kv_transfer.kv_connector.v1.base.KVConnectorBase_V1.bind_kv_cache_manager",
     # tensor parallel (kv_cache_specs.layer_heads): every rank must declare one spec per layer,
     # and rank r holds its contiguous slice of the KV heads
     MERGE_WORKER_SPECS,
@@ -102,6 +104,9 @@ RELIED_ON = (
     "vllm.v1.kv_cache_spec_registry.KVCacheSpecRegistry.register",
     "vllm.v1.core.single_type_kv_cache_manager.SlidingWindowManager.remove_skipped_blocks",
     "vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager._remove_blocks_in_range",
+    # (its block-zeroing switch, as vLLM's own managers read it; the pool's `null_block`, an
+    # attribute BlockPool.__init__ sets, is read as they read it)
+    "vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager.records_new_block_ids",
     "vllm.v1.kv_cache_interface.SlidingWindowSpec.max_admission_blocks_per_request",
     "vllm.v1.kv_cache_layout.KVCacheLayout.BLHNC",
     "vllm.forward_context.ForwardContext.__dataclass_fields__",  # no_compile_layers (test)
@@ -195,16 +200,11 @@ TOUCHED = (
     ("kv_cache/prefix_cache.py", "_insert_block_hash", "the block pool's: one more key on a block"),
     ("kv_cache/prefix_cache.py", "_ensure_registered",
      "vLLM's built-in specs registered before ours"),
-    ("kv_cache/sink_window.py", "_null_block", "vLLM's null block, for dropped window positions"),
     ("kv_cache/sink_window.py", "_ensure_registered",
      "vLLM's built-in specs registered before ours"),
     ("kv_cache/sink_window.py", "_partial_hit_reqs",
      "SlidingWindowManager's partial prefix hits, as its own get_num_blocks_to_allocate "
      "reads them"),
-    ("kv_cache/sink_window.py", "_record_new_block_ids",
-     "the manager's block-zeroing switch, as its own allocate_new_blocks reads it"),
-    ("kv_stats/stats_connector.py", "_kv_cache_manager",
-     "the connector's KV-cache manager, for pool snapshots"),
 )
 
 PATCHED = tuple(w.target.replace(":", ".") for w in WRAPS)
