@@ -74,7 +74,9 @@ class RequestStatsTracker:
         self.served = served
         self.cfg = served.config
         shape = served.shape
-        block_size = vllm_config.cache_config.block_size
+        # full attention as this server would hold it: every head a full head, in the full
+        # heads' blocks (`--kv-full-block-size`, or the fast layout's 128, features.fast_layout)
+        block_size = self.cfg.full_block_size or vllm_config.cache_config.block_size
         first = kv_cache_config.kv_cache_groups[0].kv_cache_spec if kv_cache_config else None
         spec = getattr(first, "first_spec", first)  # UniformTypeKVCacheSpecs -> a layer's spec
         kv_dtype = getattr(spec, "dtype", None) or vllm_config.model_config.dtype
