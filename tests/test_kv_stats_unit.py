@@ -69,6 +69,26 @@ def test_record_chunks_bytes_and_timing():
     json.dumps(stats)
 
 
+def test_record_counts_the_pool_plans_padding_apart():
+    """Two groups whose blocks reserve 800 bytes, the second's layers filling 600 of them (the
+    pool plan's padding): kv_bytes_* count the reservation, *_in_heads the heads' pages."""
+    layout = ByteLayout(block_size=BS, group_bytes_per_block=(800, 800),
+                        full_bytes_per_block=1_300, group_head_bytes_per_block=(800, 600))
+    rec = RequestRecord(request_id="r", prompt_len=200, arrival_time=None, layout=layout)
+    rec.on_step(0, 100, [blocks(1), blocks(1, 10)], now=1.0)
+    rec.on_step(100, 100, [blocks(2), blocks(2, 10)], now=2.0)
+    stats = rec.finish(completion_tokens=1, now=3.0, policy_name="prulong", params={},
+                       footprint_of=None)
+    assert stats["kv_bytes_peak"] == 3_200 > stats["full_kv_bytes_peak"] == 2_600
+    assert stats["kv_bytes_peak_in_heads"] == 2_800
+    assert stats["measured_footprint"] == pytest.approx((1_600 + 3_200) / (1_300 + 2_600))
+    assert stats["measured_footprint_in_heads"] == pytest.approx((1_400 + 2_800) / 3_900)
+    # a layout without the heads' bytes (one group, no padding): the same as the reservation
+    plain = record().finish(completion_tokens=0, now=1.0, policy_name="full", params={},
+                            footprint_of=None)
+    assert plain["kv_bytes_peak_in_heads"] == plain["kv_bytes_peak"]
+
+
 def test_record_counts_evicted_blocks_by_id_but_not_preemption():
     rec = record(prompt_len=600)
     rec.on_step(0, 256, [blocks(2)], now=1.0)            # blocks 1, 2

@@ -46,6 +46,13 @@ class ByteLayout:
     # tensor parallel: group_bytes_per_block sums every rank; each rank holds 1/ranks of a
     # block's bytes (every rank declares the same specs: kv_cache_specs.layer_heads)
     ranks: int = 1
+    # bytes of each group's block that hold heads (its layers' pages): less than the
+    # reservation where the pool plan packs a group narrower than the widest (pool_groups)
+    group_head_bytes_per_block: tuple[int, ...] = ()
+
+    def head_bytes(self, g: int) -> int:
+        heads = self.group_head_bytes_per_block
+        return heads[g] if g < len(heads) else self.group_bytes_per_block[g]
 
     def per_rank(self, total_bytes: int) -> list[int]:
         """A request's bytes (a sum over ranks) on each rank."""
@@ -81,6 +88,8 @@ class RequestRecord:
     tokens: int = 0
     bytes_peak: int = 0
     bytes_integral: int = 0
+    head_bytes_peak: int = 0      # of bytes_peak's kind, counting only pages that hold heads
+    head_bytes_integral: int = 0
     full_bytes_peak: int = 0
     full_bytes_integral: int = 0
     blocks_held_peak: int = 0
@@ -128,7 +137,7 @@ class RequestRecord:
 
         if len(self._held) != len(held_ids):
             self._held = [None] * len(held_ids)
-        held_bytes = held_blocks = 0
+        held_bytes = held_blocks = head_bytes = 0
         for g, ids in enumerate(held_ids):
             prev = self._held[g]
             if prev:
@@ -138,6 +147,7 @@ class RequestRecord:
             self._held[g] = ids
             held_blocks += len(ids)
             held_bytes += len(ids) * self.layout.group_bytes_per_block[g]
+            head_bytes += len(ids) * self.layout.head_bytes(g)
         total = computed + scheduled
         full_bytes = self.layout.full_bytes(total)
 
@@ -149,6 +159,8 @@ class RequestRecord:
         self.full_blocks = -(-total // self.layout.block_size)
         self.bytes_peak = max(self.bytes_peak, held_bytes)
         self.bytes_integral += held_bytes * scheduled
+        self.head_bytes_peak = max(self.head_bytes_peak, head_bytes)
+        self.head_bytes_integral += head_bytes * scheduled
         self.full_bytes_peak = max(self.full_bytes_peak, full_bytes)
         self.full_bytes_integral += full_bytes * scheduled
         return ends_prefill
@@ -199,6 +211,11 @@ class RequestRecord:
             "full_kv_bytes_peak": self.full_bytes_peak,
             "full_kv_bytes_integral": self.full_bytes_integral,
             "measured_footprint": _ratio(self.bytes_integral, self.full_bytes_integral),
+            # without the pool plan's padding (head pages a narrower group leaves empty): what
+            # the heads themselves hold, at most full attention's at every step
+            "kv_bytes_peak_in_heads": self.head_bytes_peak,
+            "measured_footprint_in_heads": _ratio(self.head_bytes_integral,
+                                                  self.full_bytes_integral),
             "kv_bytes_saved": self.full_bytes_peak - self.bytes_peak,
             # held at the request's last step: what each of its last decode steps reads
             "kv_bytes_end": self.bytes_now,

@@ -34,8 +34,9 @@ def _dtype_bytes(dtype) -> int:
     return torch.tensor([], dtype=dtype).element_size()
 
 
-def _group_bytes_per_block(kv_cache_config) -> tuple[int, ...]:
-    """Real bytes one block of each KV-cache group reserves.
+def _group_bytes_per_block(kv_cache_config) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Real bytes one block of each KV-cache group reserves, and of those the bytes its layers'
+    pages hold (the rest is the pool plan's padding: a group narrower than the widest).
 
     vLLM 0.32 lays all groups over one allocation (`get_kv_cache_config_from_groups`: every
     KVCacheTensor has size = bytes_per_block x num_blocks, groups alias from byte 0, and
@@ -62,8 +63,8 @@ def _group_bytes_per_block(kv_cache_config) -> tuple[int, ...]:
         if allocation and allocation != pages[0]:
             logger.info("vllm-kvevict: KV pool reserves %d bytes per block, the group's pages "
                         "sum to %d; reporting the reservation", allocation, pages[0])
-        return (allocation or pages[0],)
-    return tuple(allocation or p for p in pages)
+        return (allocation or pages[0],), (pages[0],)
+    return tuple(allocation or p for p in pages), tuple(pages)
 
 
 class RequestStatsTracker:
@@ -89,11 +90,11 @@ class RequestStatsTracker:
             else shape.num_kv_heads
         full_bytes_per_block = (shape.num_layers * 2 * block_size * held_heads
                                 * head_size * _dtype_bytes(kv_dtype))
+        reserved, in_heads = _group_bytes_per_block(kv_cache_config)
         self.layout = ByteLayout(
-            block_size=block_size,
-            group_bytes_per_block=tuple(ranks * b for b in
-                                        _group_bytes_per_block(kv_cache_config)),
-            full_bytes_per_block=full_bytes_per_block, ranks=ranks)
+            block_size=block_size, group_bytes_per_block=tuple(ranks * b for b in reserved),
+            full_bytes_per_block=full_bytes_per_block, ranks=ranks,
+            group_head_bytes_per_block=tuple(ranks * b for b in in_heads))
         # a head mask with prefix caching: the prompt is chunked at multiples of the budget
         self.canonical_chunk = canonical_chunk(vllm_config)
         # data parallel: which engine core (replica) serves the request. vLLM runs a dense
