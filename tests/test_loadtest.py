@@ -772,3 +772,27 @@ def test_a_decode_pair_round_judges_the_policy_against_that_rounds_stock_fit():
     assert r["batch"]["measured_over_limit"] == pytest.approx(1.0)
     assert r["b1"]["measured_over_limit"] == pytest.approx(
         (0.020 + 1e-11 * long1 / 2 * 1.1) / (0.020 + 1e-11 * long1 / 2))
+
+
+def test_capacity_report_names_each_policys_crossover(tmp_path):
+    """loadtest.capacity's report: the crossover is the largest pool at which the policy
+    serves more output tokens/s than stock (none when it never does); table and PNG written."""
+    from loadtest import capacity
+
+    def row(policy, pool, tok_s, kv=None):
+        lat = {"p50": 1000.0 * pool, "p99": 2000.0 * pool}
+        return {"policy": policy, "pool_requests": pool, "requests": 8, "ok": 8,
+                "input_len": 4000, "output_len": 64, "out_tok_s": tok_s, "e2e_ms": lat,
+                "ttft_ms": lat, "running_peak": pool, "running_mean": pool / 2,
+                "preemptions": 0, "kv_bytes_vs_full": kv}
+    rows = [row("stock", 1, 10), row("stock", 2, 20), row("stock", 8, 40),
+            row("prulong:0.7", 1, 25, 0.4), row("prulong:0.7", 2, 30, 0.4),
+            row("prulong:0.7", 8, 38, 0.4), row("full", 1, 9, 1.0), row("full", 2, 19, 1.0)]
+    assert capacity.crossover(rows, "prulong:0.7") == 2
+    assert capacity.crossover(rows, "full") is None
+    text = capacity.report(rows, tmp_path, 4000)
+    assert "| prulong:0.7 | 2 |" in text and "| full | never, in the measured range |" in text
+    assert "| prulong:0.7 | 1 | 8/8 | 1 / 0.5 | 25.0 | 2.50 |" in text
+    assert (tmp_path / "table-4000.md").read_text() == text
+    assert (tmp_path / "capacity-4000.png").stat().st_size > 0
+    assert capacity.full_request_bytes(4064, 10) == 4096 * 10

@@ -28,7 +28,7 @@ from vllm.v1.attention.backends.flex_attention import (FlexAttentionBackend, Fle
                                                        FlexAttentionMetadataBuilder)
 
 from vllm_kvevict.flex.block_mask import PagedQueries, chunk_starts, head_mask_block_mask
-from vllm_kvevict.integration.attention import flex_token
+from vllm_kvevict.integration.attention import flex_token, inductor_cache
 from vllm_kvevict.integration.kv_cache.head_pages import HeadSlots, head_slots
 from vllm_kvevict.integration.kv_cache.sink_window import canonical_chunk
 from vllm_kvevict.integration.worker import runners
@@ -58,6 +58,7 @@ def use_flex_backend(vllm_config, platform: str) -> bool:
     name = "CPU_ATTN" if platform == "cpu" else "FLEX_ATTENTION"
     register_backend(AttentionBackendEnum[name], FLEX_BACKEND)
     allow_flex_recompiles()
+    inductor_cache.guard()
     return True
 
 

@@ -1,0 +1,205 @@
+"""Capacity curves: what each policy serves against the KV pool's size, stock vLLM beside it.
+
+    python -m loadtest.capacity --policies stock prulong:0.7 snapkv:0.7:patched \
+        --input-len 4000 --output-len 64 --requests 8 --pools 1 2 4 8 \
+        --out-dir docs/results/capacity          # resumable: one JSON line per point
+
+A point is one server (one policy, one pool) and one burst: `--requests` prompts of
+`--input-len` random-word tokens sent at once, `--output-len` greedy tokens each
+(`ignore_eos`). The pool is given in full-attention requests: `--pools 1` holds one request of
+the burst as stock vLLM keeps it (every layer and KV head, 128-token blocks), and
+`--pools R` (R = `--requests`) holds the whole burst, so nothing waits for memory. Each point
+records the requests running at once (vLLM's own gauge, sampled every second: peak and mean),
+output throughput over the burst, p50 / p99 of end-to-end latency and TTFT, vLLM's
+preemptions, and the KV bytes every request held against full attention's (kv_stats' peaks,
+summed), so a curve that stays flat cannot hide a policy that evicted nothing.
+
+The report (`--report-only`, also written after every point): `table-<input-len>.md`,
+`capacity-<input-len>.png`
+(throughput and requests at once against the pool, a line per policy) and each policy's
+crossover: the largest pool at which it serves more output tokens per second than stock, i.e.
+below which it pays (none: it never does in the measured range).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from loadtest.client import make_http_client, send_request
+from loadtest.limits import MODEL_NAME, model_bytes, prompts_of
+from loadtest.metrics import latency_stats_ms
+from loadtest.monitors import MetricsSampler
+from vllm_kvevict.launch import ServerProcess, server_launch
+
+STOCK_BLOCK = 128  # vLLM's CPU default block size
+
+
+def full_request_bytes(tokens: int, per_token: int) -> int:
+    """Stock vLLM's KV bytes for one request of `tokens` tokens, in 128-token blocks."""
+    return -(-tokens // STOCK_BLOCK) * STOCK_BLOCK * per_token
+
+
+async def burst(base: str, prompts) -> tuple[list, dict, float]:
+    """Every prompt at once, vLLM's gauges sampled meanwhile: (results, metrics, wall s)."""
+    async with make_http_client(3600.0) as client:
+        sampler = MetricsSampler(client, base, interval=1.0)
+        t0 = time.perf_counter()
+        await sampler.start(t0)
+        loop = asyncio.get_running_loop()
+        results = await asyncio.gather(*(send_request(
+            client, base, MODEL_NAME, p, t0, loop.time() + 3600.0, 3600.0) for p in prompts))
+        wall = time.perf_counter() - t0
+        await sampler.stop()
+    return results, sampler.summary(), wall
+
+
+def measure(policy: str, pool_requests: float, args, model: str, tok, per_token: int) -> dict:
+    """One point: `policy`'s server with a pool of `pool_requests` full-attention requests."""
+    tokens = args.input_len + args.output_len
+    pool = int(pool_requests * full_request_bytes(tokens, per_token))
+    port = args.port
+    argv, env = server_launch(
+        model, policy, kv_cache_bytes=pool, max_batched_tokens=args.chunk, port=port, eager=True,
+        extra_args=["--dtype", "float32", "--served-model-name", MODEL_NAME,
+                    "--max-model-len", str(-(-tokens // STOCK_BLOCK) * STOCK_BLOCK),
+                    "--max-num-seqs", str(args.requests)])
+    env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = args.reserved_cpus
+    log = args.out_dir / "logs" / f"{policy.replace(':', '-')}_pool{pool_requests:g}.log"
+    base = f"http://127.0.0.1:{port}"
+    rng = np.random.default_rng(args.seed)  # the same prompts for every point
+    prompts = prompts_of(tok, rng, args.requests, args.input_len, args.output_len, "burst")
+    with ServerProcess(argv, log, env=env) as server:
+        ready = server.wait_healthy(base)
+        asyncio.run(burst(base, prompts_of(tok, np.random.default_rng(1), 1, 32, 2, "warmup")))
+        results, gauges, wall = asyncio.run(burst(base, prompts))
+    ok = [r for r in results if r.ok]
+    stats = [r.kv_stats for r in ok if r.kv_stats]
+    held = sum(s["kv_bytes_peak"] for s in stats) if len(stats) == len(ok) else None
+    full = sum(s["full_kv_bytes_peak"] for s in stats) if len(stats) == len(ok) else None
+    return {
+        "policy": policy, "pool_requests": pool_requests, "pool_bytes": pool,
+        "input_len": args.input_len, "output_len": args.output_len, "requests": args.requests,
+        "ok": len(ok), "failed": [f"{r.outcome}: {r.error}" for r in results if not r.ok],
+        "ready_s": ready, "wall_s": wall,
+        "out_tok_s": sum(r.output_tokens for r in ok) / wall,
+        "e2e_ms": latency_stats_ms(r.e2e_s for r in ok),
+        "ttft_ms": latency_stats_ms(r.ttft_s for r in ok),
+        "running_peak": gauges["running_peak"], "running_mean": gauges["running_mean"],
+        "preemptions": gauges["preemptions"],
+        "kv_bytes_peak_sum": held, "full_kv_bytes_peak_sum": full,
+        "kv_bytes_vs_full": held / full if held and full else None,
+    }
+
+
+def load(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def crossover(rows: list[dict], policy: str) -> float | None:
+    """The largest measured pool at which `policy` serves more output tokens/s than stock."""
+    stock = {r["pool_requests"]: r["out_tok_s"] for r in rows if r["policy"] == "stock"}
+    wins = [r["pool_requests"] for r in rows if r["policy"] == policy
+            and r["pool_requests"] in stock and r["out_tok_s"] > stock[r["pool_requests"]]]
+    return max(wins) if wins else None
+
+
+def report(rows: list[dict], out_dir: Path, input_len: int) -> str:
+    if not rows:
+        return "no points yet\n"
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    stock = {r["pool_requests"]: r for r in rows if r["policy"] == "stock"}
+    lines = ["| policy | pool (full requests) | ok | at once, peak / mean | out tok/s | x stock "
+             "| e2e p50 / p99 (s) | TTFT p50 / p99 (s) | preemptions | KV bytes vs full |",
+             "|---|---:|---:|---|---:|---:|---|---|---:|---:|"]
+    for r in sorted(rows, key=lambda r: (policies.index(r["policy"]), r["pool_requests"])):
+        base = stock.get(r["pool_requests"])
+        ratio = f"{r['out_tok_s'] / base['out_tok_s']:.2f}" if base else "-"
+        ms = lambda d: f"{d['p50'] / 1e3:.1f} / {d['p99'] / 1e3:.1f}" if d.get("p50") else "-"  # noqa: E731
+        kv = f"{r['kv_bytes_vs_full']:.2f}" if r.get("kv_bytes_vs_full") else "-"
+        lines.append(f"| {r['policy']} | {r['pool_requests']:g} | {r['ok']}/{r['requests']} | "
+                     f"{r['running_peak']:g} / {r['running_mean']:.1f} | {r['out_tok_s']:.1f} | "
+                     f"{ratio} | {ms(r['e2e_ms'])} | {ms(r['ttft_ms'])} | {r['preemptions']} | "
+                     f"{kv} |")
+    lines += ["", "| policy | crossover: pays at pools up to (full requests) |", "|---|---|"]
+    for p in policies:
+        if p != "stock":
+            c = crossover(rows, p)
+            lines.append(f"| {p} | {'never, in the measured range' if c is None else f'{c:g}'} |")
+    text = "\n".join(lines) + "\n"
+    (out_dir / f"table-{input_len}.md").write_text(text)
+    plot(rows, policies, out_dir / f"capacity-{input_len}.png")
+    return text
+
+
+def plot(rows: list[dict], policies: list[str], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for p in policies:
+        pts = sorted((r for r in rows if r["policy"] == p), key=lambda r: r["pool_requests"])
+        x = [r["pool_requests"] for r in pts]
+        axes[0].plot(x, [r["out_tok_s"] for r in pts], marker="o", label=p)
+        axes[1].plot(x, [r["running_mean"] for r in pts], marker="o", label=p)
+        axes[2].plot(x, [(r["e2e_ms"].get("p99") or 0) / 1e3 for r in pts], marker="o", label=p)
+    for ax, title in zip(axes, ("output tokens/s", "requests at once (mean)",
+                                "end-to-end latency p99 (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("KV pool (full-attention requests)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    r0 = rows[0]
+    fig.suptitle(f"{r0['requests']} requests at once, {r0['input_len']}-token prompts, "
+                 f"{r0['output_len']} tokens each")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--policies", nargs="+", default=["stock", "prulong:0.7",
+                                                      "snapkv:0.7:patched"])
+    ap.add_argument("--pools", type=float, nargs="+", default=[1, 2, 4, 8],
+                    help="pool sizes in full-attention requests of the burst")
+    ap.add_argument("--input-len", type=int, default=4000)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--chunk", type=int, default=1024)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--port", type=int, default=8140)
+    ap.add_argument("--reserved-cpus", default="1")
+    ap.add_argument("--out-dir", type=Path, default=Path("docs/results/capacity"))
+    ap.add_argument("--report-only", action="store_true")
+    args = ap.parse_args()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    path = args.out_dir / f"points-{args.input_len}.jsonl"
+    if not args.report_only:
+        from tqdm import tqdm
+        from transformers import AutoTokenizer
+
+        from vllm_kvevict.model import ensure_bundled_model
+
+        model = str(ensure_bundled_model())
+        tok = AutoTokenizer.from_pretrained(model)
+        per_token = model_bytes(model)[1]
+        done = {(r["policy"], r["pool_requests"]) for r in load(path)}
+        todo = [(p, k) for k in args.pools for p in args.policies if (p, k) not in done]
+        for policy, k in tqdm(todo, desc="capacity points", unit="server"):
+            row = measure(policy, k, args, model, tok, per_token)
+            with path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            report(load(path), args.out_dir, args.input_len)
+    print(report(load(path), args.out_dir, args.input_len))
+
+
+if __name__ == "__main__":
+    main()
