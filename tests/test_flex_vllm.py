@@ -43,6 +43,27 @@ def test_flex_matches_reference(case, bundled_model_dir, tokenizer, hf_model):
         ref = reference(hf_model, bundled_model_dir, policy, prompt, chunk)
         assert text == tokenizer.decode(ref.token_ids), f"{case}, {len(prompt)} tokens"
         assert abs(logprob - float(ref.first_token_logprobs.max())) < LOGPROB_TOL
+    # the worker marked its Inductor cache in use (`inductor_cache.py`) and a stop (SIGTERM,
+    # vLLM's worker exits through SystemExit) takes the mark away: the next server keeps the cache
+    marks = inductor_marks(server)
+    assert marks, "the flex worker marks its Inductor cache in use"
+    server.stop()
+    assert not [m for m in marks if m.exists()], marks
+
+
+def inductor_marks(server) -> list[Path]:
+    """The Inductor-cache marks of the server's processes (`inductor_cache.MARKS`)."""
+    import os
+
+    import psutil
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from vllm_kvevict.integration.attention import inductor_cache
+
+    directory = Path(os.environ.get(inductor_cache.ENV) or Path(default_cache_dir())
+                     / f"vllm-kvevict-{inductor_cache.cache_key()}")
+    pids = {str(p.pid) for p in psutil.Process(server.pid).children(recursive=True)}
+    return [m for m in (directory / inductor_cache.MARKS).glob("*") if m.name in pids]
 
 
 @pytest.mark.server
