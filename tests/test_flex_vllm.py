@@ -6,13 +6,18 @@ not serve yet. (Tensor parallel through flex: tests/test_tensor_parallel.py.)"""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import start_server
 from test_policies_vllm import CASES as POLICY_CASES
+
+from vllm_kvevict.integration.attention import inductor_cache
 from test_policies_vllm import (DECOUPLED, LOGPROB_TOL, check_decoupled, check_mixed_batch, flags,
                                 reference, served, served_top_logprobs, source_prompts)
 
@@ -35,6 +40,7 @@ PROMPT_LENGTHS = (1100,)  # five 256-token chunks (one prompt: CI's budget)
         "hybrid-prulong-0.5-snapkv-patched-0.5"))])
 def test_flex_matches_reference(case, bundled_model_dir, tokenizer, hf_model):
     policy, chunk = CASES[case]
+    started = time.time()
     server = start_server(bundled_model_dir, flags({**policy, **FLEX}, chunk))
     log = server.log_path.read_text(errors="replace")
     assert "attention_backend=flex" in log
@@ -43,27 +49,12 @@ def test_flex_matches_reference(case, bundled_model_dir, tokenizer, hf_model):
         ref = reference(hf_model, bundled_model_dir, policy, prompt, chunk)
         assert text == tokenizer.decode(ref.token_ids), f"{case}, {len(prompt)} tokens"
         assert abs(logprob - float(ref.first_token_logprobs.max())) < LOGPROB_TOL
-    # the worker marked its Inductor cache in use (`inductor_cache.py`) and a stop (SIGTERM,
-    # vLLM's worker exits through SystemExit) takes the mark away: the next server keeps the cache
-    marks = inductor_marks(server)
-    assert marks, "the flex worker marks its Inductor cache in use"
-    server.stop()
-    assert not [m for m in marks if m.exists()], marks
-
-
-def inductor_marks(server) -> list[Path]:
-    """The Inductor-cache marks of the server's processes (`inductor_cache.MARKS`)."""
-    import os
-
-    import psutil
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    from vllm_kvevict.integration.attention import inductor_cache
-
-    directory = Path(os.environ.get(inductor_cache.ENV) or Path(default_cache_dir())
-                     / f"vllm-kvevict-{inductor_cache.cache_key()}")
+    # the worker compiled in the keyed Inductor cache, marking it only while it compiled
+    # (`inductor_cache.py`): served, no mark is left to make the next server set it aside
+    marks = inductor_cache.directory_for(os.environ) / inductor_cache.MARKS
+    assert marks.is_dir() and marks.stat().st_mtime >= started, marks
     pids = {str(p.pid) for p in psutil.Process(server.pid).children(recursive=True)}
-    return [m for m in (directory / inductor_cache.MARKS).glob("*") if m.name in pids]
+    assert not [m for m in marks.glob("*") if m.name in pids], list(marks.glob("*"))
 
 
 @pytest.mark.server
