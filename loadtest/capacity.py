@@ -7,7 +7,7 @@
 A point is one server (one policy, one pool) and one burst: `--requests` prompts of
 `--input-len` random-word tokens sent at once, `--output-len` greedy tokens each
 (`ignore_eos`). The pool is given in full-attention requests: `--pools 1` holds one request of
-the burst as stock vLLM keeps it (every layer and KV head, 128-token blocks), and
+the burst as stock vLLM keeps it (every layer and KV head, 128-token blocks, plus vLLM's null block), and
 `--pools R` (R = `--requests`) holds the whole burst, so nothing waits for memory. Each point
 records the requests running at once (vLLM's own gauge, sampled every second: peak and mean),
 output throughput over the burst, p50 / p99 of end-to-end latency and TTFT, vLLM's
@@ -62,7 +62,8 @@ async def burst(base: str, prompts) -> tuple[list, dict, float]:
 def measure(policy: str, pool_requests: float, args, model: str, tok, per_token: int) -> dict:
     """One point: `policy`'s server with a pool of `pool_requests` full-attention requests."""
     tokens = args.input_len + args.output_len
-    pool = int(pool_requests * full_request_bytes(tokens, per_token))
+    # (plus vLLM's null block, which holds no request)
+    pool = int(pool_requests * full_request_bytes(tokens, per_token)) + STOCK_BLOCK * per_token
     port = args.port
     argv, env = server_launch(
         model, policy, kv_cache_bytes=pool, max_batched_tokens=args.chunk, port=port, eager=True,
