@@ -128,10 +128,13 @@ def report(rows: list[dict], out_dir: Path, input_len: int) -> str:
                      f"{ratio} | {ms(r['e2e_ms'])} | {ms(r['ttft_ms'])} | {r['preemptions']} | "
                      f"{kv} |")
     lines += ["", "| policy | crossover: pays at pools up to (full requests) |", "|---|---|"]
+    largest = max(r["pool_requests"] for r in rows)
     for p in policies:
         if p != "stock":
             c = crossover(rows, p)
-            lines.append(f"| {p} | {'never, in the measured range' if c is None else f'{c:g}'} |")
+            said = ("never, in the measured range" if c is None else f"{c:g}" + (
+                " (the largest measured: it pays at every pool)" if c == largest else ""))
+            lines.append(f"| {p} | {said} |")
     text = "\n".join(lines) + "\n"
     (out_dir / f"table-{input_len}.md").write_text(text)
     plot(rows, policies, out_dir / f"capacity-{input_len}.png")

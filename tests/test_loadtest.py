@@ -792,6 +792,11 @@ def test_capacity_report_names_each_policys_crossover(tmp_path):
     assert capacity.crossover(rows, "full") is None
     text = capacity.report(rows, tmp_path, 4000)
     assert "| prulong:0.7 | 2 |" in text and "| full | never, in the measured range |" in text
+    rows.append(row("full", 8, 41))  # beats stock at the largest pool only
+    assert "| full | 8 (the largest measured: it pays at every pool) |" in capacity.report(
+        rows, tmp_path, 4000)
+    rows.pop()
+    text = capacity.report(rows, tmp_path, 4000)
     assert "| prulong:0.7 | 1 | 8/8 | 1 / 0.5 | 25.0 | 2.50 |" in text
     assert (tmp_path / "table-4000.md").read_text() == text
     assert (tmp_path / "capacity-4000.png").stat().st_size > 0
