@@ -792,7 +792,9 @@ def test_capacity_report_names_each_policys_crossover(tmp_path):
     assert capacity.crossover(rows, "full") is None
     text = capacity.report(rows, tmp_path, 4000)
     assert "| prulong:0.7 | 2 |" in text and "| full | never, in the measured range |" in text
-    rows.append(row("full", 8, 41))  # beats stock at the largest pool only
+    rows.append(row("full", 8, 41))  # within the noise band: not a win
+    assert capacity.crossover(rows, "full") is None
+    rows[-1] = row("full", 8, 43)  # beats stock at the largest pool only
     assert "| full | 8 (the largest measured: it pays at every pool) |" in capacity.report(
         rows, tmp_path, 4000)
     rows.pop()
