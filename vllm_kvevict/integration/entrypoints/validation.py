@@ -133,8 +133,7 @@ def choose_fast_layout(engine_args) -> bool:
         return False
     cfg = policy_config_of(engine_args)
     layout = fast_layout(cfg)
-    if (layout is None or cfg.full_block_size is not None or not cfg.uses_head_mask
-            or cfg.evicts_tokens or cfg.attention_backend == "flex"
+    if (layout is None or cfg.full_block_size is not None
             or (engine_args.tensor_parallel_size or 1) > 1
             or (engine_args.pipeline_parallel_size or 1) > 1
             or str(engine_args.kv_cache_dtype or "auto") != "auto" or v2_runner_expected()):
