@@ -171,6 +171,16 @@ class KVPolicyConfig:
         tokens (the question), appended after the chunk; 0 for every other policy."""
         return self.observation_rows(prompt_len) if self.patched else 0
 
+    def canonical_chunk(self, prefix_caching: bool, step_budget: int) -> int:
+        """A head mask's canonical prefill chunk E: `eviction_chunk` if given, else the step
+        budget when prefix caching is on (cached blocks must not depend on how the scheduler
+        split the steps), 0 otherwise (each step is its own chunk); 0 for other policies."""
+        if not self.uses_head_mask:
+            return 0
+        if self.eviction_chunk:
+            return int(self.eviction_chunk)
+        return int(step_budget) if prefix_caching else 0
+
     def is_eviction_point(self, end: int, prompt_len: int) -> bool:
         """Does a prefill step ending at token `end` (<= prompt_len) close an eviction chunk?"""
         if not self.evicts_tokens or end > prompt_len:

@@ -105,6 +105,33 @@ def parallel_error(policy_config, sizes: dict[str, int], num_kv_heads: int | Non
     return None
 
 
+def tiers_error(policy_config, num_layers: int) -> str | None:
+    """--kv-tiers must divide the layers: vLLM's hybrid allocator makes groups of equal layer
+    counts, so it would pad the smaller tiers with phantom layers, which cost pool memory."""
+    tiers = policy_config.num_tiers(num_layers)
+    if num_layers % tiers == 0:
+        return None
+    divisors = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
+    return (f"--kv-tiers {tiers} does not divide the model's {num_layers} layers; valid: "
+            f"{', '.join(map(str, divisors))}")
+
+
+def eviction_chunk_error(policy_config, step_budget: int) -> str | None:
+    """--kv-eviction-chunk with token eviction: a chunk's last step must hold its observation
+    window whole (its queries score)."""
+    if policy_config.eviction_chunk is None or not policy_config.evicts_tokens \
+            or step_budget >= policy_config.obs_window:
+        return None
+    return (f"--kv-eviction-chunk needs --max-num-batched-tokens >= --kv-obs-window "
+            f"({policy_config.obs_window}), got {step_budget}")
+
+
+def serves_on_flex(policy_config, platform: str, chosen: str | None) -> bool:
+    """Off the CPU platform a policy runs on our FlexAttention backend, registered under vLLM's
+    FLEX_ATTENTION name, when the user chose no backend (`platform_error` refuses others)."""
+    return policy_config.policy != "full" and platform != "cpu" and chosen is None
+
+
 def api_servers_error(policy_config, count: int | None) -> str | None:
     """`vllm serve --api-server-count` (vLLM defaults it to --data-parallel-size): the kv_stats
     store, `/v1/kv_stats`, the live view and the vllm_kvevict_* gauges live in one API-server

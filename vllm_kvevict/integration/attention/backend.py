@@ -66,7 +66,7 @@ class KVEvictMetadataBuilder(CPUAttentionMetadataBuilder):
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        metadata.plan = self.kv_state.step_plan(common_attn_metadata)
+        metadata.plan = self.kv_state.planner.step_plan(common_attn_metadata)
         metadata.common = common_attn_metadata
         return metadata
 
@@ -239,7 +239,7 @@ class KVEvictTokenImpl(KVEvictAttentionImpl):
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         # New tokens go to their physical slots in this layer (after earlier evictions); a
         # head mask with a token policy writes its full heads only.
-        heads, plan = self.kv_state.heads[_layer_index(layer)], self.kv_state.plan
+        heads, plan = self.kv_state.heads[_layer_index(layer)], self.kv_state.planner.plan
         if not heads.all_full:
             if not heads.full_kv:
                 return None
@@ -260,6 +260,8 @@ class KVEvictTokenImpl(KVEvictAttentionImpl):
 
 # The attention path of each kind of policy, chosen once (vLLM builds the impl per layer).
 IMPLS = {"head_mask": KVEvictAttentionImpl, "token": KVEvictTokenImpl, "hybrid": KVEvictTokenImpl}
+# The KV-cache layouts of the kinds whose streaming heads are in the pool (vLLM's otherwise).
+LAYOUTS = {"head_mask": POOL_LAYOUTS, "hybrid": POOL_LAYOUTS}
 
 
 class KVEvictAttentionBackend(CPUAttentionBackend):
@@ -268,8 +270,8 @@ class KVEvictAttentionBackend(CPUAttentionBackend):
     @classmethod
     def supported_kv_cache_layouts(cls):
         state = get_state()  # (pool storage: groups of mixed page sizes, sink_window.py)
-        return POOL_LAYOUTS if state is not None and state.in_pool else \
-            super().supported_kv_cache_layouts()
+        layouts = LAYOUTS.get(state.served.kind) if state is not None else None
+        return layouts or super().supported_kv_cache_layouts()
 
     @staticmethod
     def get_impl_cls():

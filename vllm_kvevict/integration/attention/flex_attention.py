@@ -80,12 +80,12 @@ def remember_runner(runner) -> None:
 def _prompt_lens(common, num_reqs: int) -> list[int] | None:
     """Each row's prompt as the policy serves it (None: unknown, as in warm-up runs; every
     query is then a prompt query of its step)."""
-    state = get_state()
-    req_ids = runners.row_requests(_runner, common, num_reqs, state is None or state.in_step)
+    planner = getattr(get_state(), "planner", None)
+    req_ids = runners.row_requests(_runner, common, num_reqs, planner is None or planner.in_step)
     if req_ids is None:
         return None
     return runners.policy_prompt_lens(_runner, req_ids,
-                                      state.extra_args if state is not None else {})
+                                      planner.extra_args if planner is not None else {})
 
 
 class KVEvictFlexMetadataBuilder(FlexAttentionMetadataBuilder):
@@ -118,7 +118,7 @@ class KVEvictFlexMetadataBuilder(FlexAttentionMetadataBuilder):
         state = init_state(self.vllm_config)
         if state is not None and state.served.kind in ("token", "hybrid"):
             # token eviction: the step's physical lengths, slots, chunks
-            metadata.plan = state.step_plan(common)
+            metadata.plan = state.planner.step_plan(common)
         return metadata
 
 
@@ -129,9 +129,9 @@ def mask_capacity(vllm_config) -> tuple[int, int]:
     path, `overrides.py`)."""
     scheduler = vllm_config.scheduler_config
     tokens, rows = scheduler.max_num_batched_tokens, scheduler.max_num_seqs
-    config = policy_config_of(vllm_config)
-    if config.evicts_tokens and config.patched:
-        return tokens + rows * config.obs_window, 2 * rows
+    window = policy_config_of(vllm_config).max_obs_window  # (None: no question rows)
+    if window is not None:
+        return tokens + rows * window, 2 * rows
     return tokens, rows
 
 
@@ -215,7 +215,7 @@ class FlexTokenImpl(KVEvictFlexImpl):
     compression in `flex_token`."""
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        plan = self.kv_state.plan
+        plan = self.kv_state.planner.plan
         self._write(kv_cache, plan.with_questions(key), plan.with_questions(value),
                     plan.slots[extract_layer_index(layer.layer_name)])
 
@@ -245,7 +245,7 @@ class FlexHeadMaskImpl(KVEvictFlexImpl):
                 continue
             k, v, where = key[:, slots.kv_heads], value[:, slots.kv_heads], meta.slot_mapping
             if self._token_heads and not slots.streaming:
-                plan = self.kv_state.plan
+                plan = self.kv_state.planner.plan
                 k, v = plan.with_questions(k), plan.with_questions(v)
                 where = plan.slots[extract_layer_index(layer.layer_name)]
             self._write(slots.cache(context), k, v, where)

@@ -22,7 +22,7 @@ from vllm.forward_context import get_forward_context
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from vllm_kvevict.integration.attention.fp8 import grid_values, is_fp8
-from vllm_kvevict.integration.kv_cache.sink_window import COMPANION_SUFFIX
+from vllm_kvevict.integration.kv_cache.sink_window import companion_name
 from vllm_kvevict.integration.plugins.versions import CPU_OPS
 from vllm_kvevict.integration.worker.step_plan import lay_out_visible, window_rows
 
@@ -143,7 +143,7 @@ def store_step(impl, layer, keys, values):
     companion layer's cache (vLLM's slot mapping of its KV-cache group; the manager above frees
     what leaves sink + window). Returns the group's metadata and this rank's K and V caches."""
     context = get_forward_context()
-    name = layer.layer_name + COMPANION_SUFFIX
+    name = companion_name(layer.layer_name)
     meta = context.attn_metadata[name]
     # tensor parallel: this rank's streaming heads first, the companion's padding unused
     key_cache, value_cache = impl.head_caches("pool", context.no_compile_layers[name].kv_cache,

@@ -33,6 +33,7 @@ class TokenEvictionLedger(GrowthReserve):
                  for_request: Callable[[Any], KVPolicy] | None = None):
         super().__init__(reserve_growth)
         self.policy = policy
+        self.asks_questions = policy.config.patched  # (a non-final chunk runs the question)
         # extra_args -> the request's policy (ServedPolicy.for_request; overrides applied)
         self.policy_for = for_request or (lambda extra_args: policy)
         self.chunk_size = chunk_size
@@ -70,15 +71,14 @@ class TokenEvictionLedger(GrowthReserve):
         eviction: a non-final prefill chunk also writes its question's KVs right after the
         chunk (what speculative decoding's lookahead slots are for, so counted the same way)."""
         # (eviction is a server setting: no request of an unpatched policy has questions)
-        request = (None if self.scheduler is None or not self.policy.config.patched
+        request = (None if self.scheduler is None or not self.asks_questions
                    else self.scheduler.requests.get(req_id))
         if request is not None:
             policy = self.request_policy(request)
             n = request_prompt_len(request)
-            if (policy.config.patched and step_end < n
-                    and policy.config.is_eviction_point(step_end, n)):
-                num_tokens = min(num_tokens + policy.config.question_rows(n),
-                                 self.scheduler.max_model_len)
+            rows = policy.config.question_rows(n)  # (0 unless patched)
+            if rows and step_end < n and policy.config.is_eviction_point(step_end, n):
+                num_tokens = min(num_tokens + rows, self.scheduler.max_model_len)
         return self.physical(req_id, num_tokens, group)
 
     def peak_tokens(self, request, num_tokens: int) -> list[int]:

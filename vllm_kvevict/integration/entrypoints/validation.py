@@ -14,7 +14,8 @@ from vllm_kvevict.features import (PARALLEL_FLAGS, connector_error, cudagraph_er
                                    decode_eviction_error, fast_layout, full_block_error,
                                    kv_cache_dtype_error,
                                    lora_error, model_error, model_runner_error, parallel_error,
-                                   prefix_caching_error, prompt_embeds_error, speculative_error,
+                                   prefix_caching_error, prompt_embeds_error, serves_on_flex,
+                                   speculative_error, tiers_error, eviction_chunk_error,
                                    token_prefix_error, v2_features_on)
 from vllm_kvevict.flags import fail
 from vllm_kvevict.flex.support import default_backend, flex_error, platform_error
@@ -56,9 +57,7 @@ def validate_against_model(vllm_config, prefix_caching_requested: bool | None = 
                                     prefix_caching_requested):
             if error:
                 raise KVPolicyError(error)
-        if cfg.policy == "full":
-            return
-        if platform != "cpu" and chosen is None:
+        if serves_on_flex(cfg, platform, chosen):
             # our backend is registered under vLLM's name (flex_attention.use_flex_backend)
             from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
@@ -106,21 +105,11 @@ def feature_errors(vllm_config, served, platform: str, chosen: str | None,
 
 def check_tiers_and_chunk(vllm_config, served) -> None:
     """--kv-tiers must divide the layers; --kv-eviction-chunk must hold the observation window."""
-    cfg = served.config
-    num_layers = served.shape.num_layers
-    tiers = cfg.num_tiers(num_layers)
-    if num_layers % tiers:
-        # vLLM's hybrid allocator makes groups of equal layer counts: it would pad the
-        # smaller tiers with phantom layers, and those cost pool memory.
-        divisors = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
-        raise KVPolicyError(f"--kv-tiers {tiers} does not divide the model's {num_layers} "
-                            f"layers; valid: {', '.join(map(str, divisors))}")
-    if cfg.eviction_chunk is not None and cfg.evicts_tokens:
-        # a chunk's last step must hold its observation window whole (its queries score)
-        budget = vllm_config.scheduler_config.max_num_batched_tokens
-        if budget < cfg.obs_window:
-            raise KVPolicyError(f"--kv-eviction-chunk needs --max-num-batched-tokens >= "
-                                f"--kv-obs-window ({cfg.obs_window}), got {budget}")
+    budget = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", 0)
+    for error in (tiers_error(served.config, served.shape.num_layers),
+                  eviction_chunk_error(served.config, budget)):
+        if error:
+            raise KVPolicyError(error)
 
 
 def choose_fast_layout(engine_args) -> bool:

@@ -32,6 +32,16 @@ def head_slots(name: str, heads: LayerHeads) -> tuple[list[str], list[str]]:
     return names[:heads.paged_heads], names[heads.paged_heads:]
 
 
+def slot_layer(slot: str) -> str:
+    """The attention layer whose head a cache layer (`head_slots`) holds."""
+    return slot.split(HEAD_SUFFIX)[0]
+
+
+def is_head_slot(name: str) -> bool:
+    """A cache-only layer of one KV head (the flex path's head slots beyond a layer's first)."""
+    return HEAD_SUFFIX in name
+
+
 def head_page_specs(layers: dict[str, LayerHeads], full_spec, streaming_spec) -> dict:
     """Every head slot's spec (`head_slots`): `full_spec` or `streaming_spec`, one KV head each."""
     specs = {}

@@ -9,8 +9,8 @@ import dataclasses
 import logging
 import math
 
-from vllm_kvevict.integration.kv_cache.head_pages import HEAD_SUFFIX
-from vllm_kvevict.integration.kv_cache.sink_window import (COMPANION_SUFFIX, SinkWindowSpec,
+from vllm_kvevict.integration.kv_cache.head_pages import is_head_slot, slot_layer
+from vllm_kvevict.integration.kv_cache.sink_window import (SinkWindowSpec, is_companion,
                                                            register_manager)
 
 logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
@@ -163,8 +163,8 @@ def kv_cache_groups(vllm_config, specs: dict) -> list:
     per_head = math.gcd(*(spec.page_size_bytes // max(spec.num_kv_heads, 1)
                           for spec in specs.values()))
     heads = {name: spec.page_size_bytes // per_head for name, spec in specs.items()}
-    full = [(n, heads[n]) for n in specs if not n.endswith(COMPANION_SUFFIX)]
-    streaming = [(n, heads[n]) for n in specs if n.endswith(COMPANION_SUFFIX)]
+    full = [(n, heads[n]) for n in specs if not is_companion(n)]
+    streaming = [(n, heads[n]) for n in specs if is_companion(n)]
     width, full_groups, stream_groups, groups = planned_groups(
         vllm_config, specs, full, streaming, lambda name: [name])
     logger.info("vllm-kvevict: KV-cache groups in the pool: %d of full heads, %d of streaming "
@@ -182,7 +182,7 @@ def head_page_groups(vllm_config, specs: dict) -> list:
     vLLM's layer-outer layout puts them one layer stride apart."""
     slots: dict[tuple[str, bool], list[str]] = {}  # (layer, streaming) -> its slots
     for name, spec in specs.items():
-        slots.setdefault((name.split(HEAD_SUFFIX)[0], isinstance(spec, SinkWindowSpec)),
+        slots.setdefault((slot_layer(name), isinstance(spec, SinkWindowSpec)),
                          []).append(name)
     width, full_groups, stream_groups, groups = planned_groups(
         vllm_config, specs, [(k, len(v)) for k, v in slots.items() if not k[1]],
@@ -197,10 +197,10 @@ def group_kv_cache(stock_groups, vllm_config, kv_cache_spec):
     """`get_kv_cache_groups` (kv_cache_utils in vLLM 0.32, kv_cache_planning from 0.33): our plan when the specs hold streaming companions
     (vLLM's own packing would bucket by balanced page-size patterns and may split a bucket
     across groups) or the FlexAttention path's head slots, vLLM's otherwise."""
-    if any(name.endswith(COMPANION_SUFFIX) for name in kv_cache_spec):
+    if any(is_companion(name) for name in kv_cache_spec):
         register_manager()
         return kv_cache_groups(vllm_config, kv_cache_spec)
-    if any(HEAD_SUFFIX in name or isinstance(spec, SinkWindowSpec)
+    if any(is_head_slot(name) or isinstance(spec, SinkWindowSpec)
            for name, spec in kv_cache_spec.items()):
         register_manager()
         return head_page_groups(vllm_config, kv_cache_spec)

@@ -101,11 +101,12 @@ class TokenPrefixSinkSpec(SinkWindowSpec):
 
 
 def prefix_specs(specs: dict, state, vllm_config) -> dict:
-    """Token eviction with vLLM's prefix caching on (`served.settle_config` leaves it on only
-    where this is exact): the specs (plain or tiered; a head mask's full heads) as
-    `TokenPrefixSpec`s, with the chunk E and each tier's kept slots per non-final chunk; a head
-    mask's streaming companions as `TokenPrefixSinkSpec`s. Anything else: `specs` unchanged."""
-    if state.token is None or not vllm_config.cache_config.enable_prefix_caching:
+    """Token eviction's specs (its planners', `worker/state.py`) with vLLM's prefix caching on
+    (`served.settle_config` leaves it on only where this is exact): the specs (plain or tiered;
+    a head mask's full heads) as `TokenPrefixSpec`s, with the chunk E and each tier's kept
+    slots per non-final chunk; a head mask's streaming companions as `TokenPrefixSinkSpec`s.
+    Prefix caching off: `specs` unchanged."""
+    if not vllm_config.cache_config.enable_prefix_caching:
         return specs
     policy, num_layers = state.served.policy, state.served.shape.num_layers
     tiers = state.config.num_tiers(num_layers)

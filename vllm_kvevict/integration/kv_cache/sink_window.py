@@ -48,19 +48,22 @@ COMPANION_SUFFIX = ".kvevict_streaming"
 
 
 def canonical_chunk(vllm_config) -> int:
-    """The canonical prefill chunk E of a head mask: `--kv-eviction-chunk` if given, else the
-    step budget when prefix caching is on (cached blocks must not depend on how vLLM split the
-    steps), 0 otherwise (each step is its own chunk). One value for the scheduler, the specs,
-    the worker and the stats (a token policy's eviction chunk too). An E below the budget lets
+    """The canonical prefill chunk E of a head mask (`KVPolicyConfig.canonical_chunk`): one
+    value for the scheduler, the specs, the worker and the stats. An E below the budget lets
     a chunk run in one step beside decodes, which is what lets a chunk's end drop positions."""
-    cfg = served_policy(vllm_config).config
-    if not cfg.uses_head_mask:
-        return 0
-    if cfg.eviction_chunk:
-        return int(cfg.eviction_chunk)
-    if not vllm_config.cache_config.enable_prefix_caching:
-        return 0
-    return int(vllm_config.scheduler_config.max_num_batched_tokens)
+    cache = getattr(vllm_config, "cache_config", None)  # (unit tests: partial stand-ins)
+    budget = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", 0)
+    return served_policy(vllm_config).config.canonical_chunk(
+        bool(getattr(cache, "enable_prefix_caching", False)), budget)
+
+
+def companion_name(layer_name: str) -> str:
+    """The cache-only layer that holds attention layer `layer_name`'s streaming heads."""
+    return layer_name + COMPANION_SUFFIX
+
+
+def is_companion(name: str) -> bool:
+    return name.endswith(COMPANION_SUFFIX)
 
 
 def prefix_retention(vllm_config) -> int | None:

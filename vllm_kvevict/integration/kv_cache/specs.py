@@ -28,10 +28,11 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from vllm_kvevict.integration.kv_cache.head_pages import HEAD_SUFFIX, head_page_specs
+from vllm_kvevict.integration.kv_cache.head_pages import head_page_specs, slot_layer
 from vllm_kvevict.integration.kv_cache.head_split import LayerHeads
-from vllm_kvevict.integration.kv_cache.sink_window import (COMPANION_SUFFIX, PromptFullSpec,
-                                                           SinkWindowSpec, prefix_retention)
+from vllm_kvevict.integration.kv_cache.sink_window import (PromptFullSpec, SinkWindowSpec,
+                                                           companion_name, is_companion,
+                                                           prefix_retention)
 from vllm_kvevict.ledger import LayerGroups, worst_case_by_length
 
 logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
@@ -114,7 +115,7 @@ def layer_groups(kv_cache_config, num_layers: int) -> LayerGroups:
     heads' group only, a layer without full heads (sharing its companion's cache) in none."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     streaming = {g for g, group in enumerate(groups)
-                 if any(n.endswith(COMPANION_SUFFIX) for n in group.layer_names)
+                 if any(map(is_companion, group.layer_names))
                  or isinstance(_first_spec(group), SinkWindowSpec)}  # (flex: head slots)
     of_layer = [-1 if streaming else 0] * num_layers
     seen = [False] * num_layers
@@ -131,20 +132,28 @@ def layer_groups(kv_cache_config, num_layers: int) -> LayerGroups:
     return LayerGroups(tuple(of_layer), total=len(groups) if streaming else 0)
 
 
-# -- the worker's specs (kvevict_worker.KVEvictWorker) ------------------------------------------
+# -- the worker's specs (each kind's planner, worker/state.py) ------------------------------
 
-def declare_specs(runner, stock_specs, state) -> dict:
-    """vLLM's specs (`stock_specs()`) with a policy: a head mask's streaming heads in their
-    companions' groups, its full heads in each layer's paged spec; token eviction: tiers."""
+def _attention_layers(runner) -> tuple[dict, dict[str, int]]:
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention import Attention
     layers = get_layers_from_vllm_config(runner.vllm_config, Attention)
-    index = {name: extract_layer_index(name) for name in layers}
-    if state.in_pool and state.flex:
+    return layers, {name: extract_layer_index(name) for name in layers}
+
+
+def declare_head_mask_specs(runner, stock_specs, state) -> dict:
+    """A head mask's specs (`HeadMaskPlanner`): its streaming heads in their companions'
+    groups and its full heads in each layer's paged spec (flex path: a cache layer per head)."""
+    layers, index = _attention_layers(runner)
+    if state.flex:
         return declare_head_page_specs(runner, stock_specs, state, layers, index)
-    if state.in_pool:
-        return _declare_pool_specs(runner, stock_specs, state, layers, index)
-    specs = stock_specs()  # (token eviction alone: every head is full)
+    return _declare_pool_specs(runner, stock_specs, state, layers, index)
+
+
+def declare_token_specs(runner, stock_specs, state) -> dict:
+    """Token eviction alone (`TokenPlanner`): every head is full, the layers in their tiers."""
+    _, index = _attention_layers(runner)
+    specs = stock_specs()
     num_layers, cfg, bound = state.served.shape.num_layers, state.config, None
     tiers = cfg.num_tiers(num_layers)
     if cfg.decode_budget is not None:  # the policy's worst case is bounded: tell vLLM
@@ -189,7 +198,7 @@ def _declare_pool_specs(runner, stock_specs, state, layers, index) -> dict:
         heads = state.heads[index[name]]
         if not heads.companion_heads:  # (tensor parallel: on every rank if on any)
             continue
-        companion = name + COMPANION_SUFFIX
+        companion = companion_name(name)
         if not heads.paged_heads:
             layer.kv_sharing_target_layer_name = companion
         companions[name] = companion
@@ -230,7 +239,7 @@ def declare_head_page_specs(runner, stock_specs, state, layers, index) -> dict:
     specs = head_page_specs({name: state.heads[index[name]] for name in layers},
                             retyped(one, PromptFullSpec), streaming_spec)
     for slot, spec in specs.items():
-        base = slot.split(HEAD_SUFFIX)[0]
+        base = slot_layer(slot)
         if slot != base:  # (vLLM's registration of cache-only layers, as for companions)
             context[slot] = StreamingCacheLayer(slot, spec, layers[base].get_attn_backend(),
                                                 state.heads[index[base]].queries_per_kv)

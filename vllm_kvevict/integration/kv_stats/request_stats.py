@@ -152,9 +152,9 @@ class RequestStatsTracker:
     def on_schedule(self, scheduler_output, kv_cache_manager) -> None:
         now = time.time()
         managers = kv_cache_manager.coordinator.single_type_managers if kv_cache_manager else ()
-        if self._reuse_of is None and managers and self.cfg.reuses_across_questions:
+        if self._reuse_of is None and managers:  # (False: a rule that reuses nothing)
             self._reuse_of = getattr(getattr(managers[0], "kvevict_reserve", None), "reuse_of",
-                                     None)
+                                     None) or False
         ended: list[str] = []
         new_blocks: dict[str, Any] = {}  # blocks allocated this step, per request and group
         for new in scheduler_output.scheduled_new_reqs:

@@ -17,11 +17,9 @@ import copy
 from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_kvevict.integration.attention import flex_attention
-from vllm_kvevict.integration.kv_cache.prefix_cache import prefix_specs
-from vllm_kvevict.integration.kv_cache.specs import declare_specs
 from vllm_kvevict.integration.plugins import support
 from vllm_kvevict.integration.plugins.composition import import_class, install_over, resolve
-from vllm_kvevict.integration.worker import head_order, question_rows, runners, seeded_sampling
+from vllm_kvevict.integration.worker import head_order, runners, seeded_sampling
 from vllm_kvevict.integration.worker.state import init_state
 
 
@@ -39,25 +37,25 @@ class KVEvictWorker(Worker):
         super().init_device()
         self.kv_state = init_state(self.vllm_config)
         if self.kv_state is not None:
-            self.kv_state.runner = self.model_runner
+            self.kv_state.planner.runner = self.model_runner
 
     def load_model(self, *args, **kwargs) -> None:
         """A head mask under tensor parallel: vLLM's loader reads the weights with each layer's
-        KV heads in the balanced order the state chose (`head_order.py`). Token eviction:
-        patched eviction's question rows on the runner (V1) or its model state (V2, built with
-        the model), `question_rows.py`."""
+        KV heads in the balanced order the state chose (`head_order.py`). Then the served
+        kind's planner installs what it needs on the loaded model (token eviction: patched
+        eviction's question rows, `question_rows.py`)."""
         with head_order.loading(self.vllm_config, self.kv_state):
             super().load_model(*args, **kwargs)
-        if self.kv_state is not None and self.kv_state.token is not None:
-            question_rows.install(self.model_runner, self.kv_state)
+        if self.kv_state is not None:
+            self.kv_state.planner.after_load(self.model_runner)
 
     def get_kv_cache_spec(self):
-        """Our specs (`kv_cache_specs.declare_specs`): a head mask's streaming heads in their
-        companions' groups, token eviction's tiers (with prefix caching: `prefix_specs`)."""
+        """The served kind's specs (its planner's `declare_specs`): a head mask's streaming
+        heads in their companions' groups, token eviction's tiers (with prefix caching:
+        `prefix_specs`)."""
         if self.kv_state is None:
             return super().get_kv_cache_spec()
-        specs = declare_specs(self.model_runner, super().get_kv_cache_spec, self.kv_state)
-        return prefix_specs(specs, self.kv_state, self.vllm_config)
+        return self.kv_state.planner.declare_specs(self.model_runner, super().get_kv_cache_spec)
 
     def initialize_from_config(self, kv_cache_config) -> None:
         """vLLM adds a layer that shares another's cache to that layer's group but gives it no
@@ -75,15 +73,15 @@ class KVEvictWorker(Worker):
         """Finished and preempted requests release their state before the step, token
         evictions are booked after it; seeded requests' CPU generators are made rewindable
         before the step samples (`seeded_sampling.py`)."""
-        state = self.kv_state
-        if state is not None:
-            state.begin_step(self.model_runner, scheduler_output)
+        planner = self.kv_state.planner if self.kv_state is not None else None
+        if planner is not None:
+            planner.begin_step(self.model_runner, scheduler_output)
         try:
             output = super().execute_model(scheduler_output)
             seeded_sampling.prepare(self.model_runner)  # any policy: stock vLLM's CPU worker too
         finally:
-            if state is not None:
-                state.finish_step()
+            if planner is not None:
+                planner.finish_step()
         return output
 
 

@@ -40,12 +40,12 @@ class QuestionRowsRunner:
     kv_state = None
 
     def _model_forward(self, input_ids=None, positions=None, *args, **kwargs):
-        rows = None if input_ids is None else with_questions(self.kv_state.plan, input_ids,
-                                                             positions)
+        plan = self.kv_state.planner.plan
+        rows = None if input_ids is None else with_questions(plan, input_ids, positions)
         if rows is None:
             return super()._model_forward(input_ids, positions, *args, **kwargs)
         out = super()._model_forward(*rows, *args, **kwargs)
-        return out[: self.kv_state.plan.question_offset] if isinstance(out, torch.Tensor) else out
+        return out[: plan.question_offset] if isinstance(out, torch.Tensor) else out
 
 
 def question_rows_model_state(cls: type) -> type:
@@ -57,7 +57,7 @@ def question_rows_model_state(cls: type) -> type:
 
     def prepare_inputs(self, input_batch, req_states):
         out = cls.prepare_inputs(self, input_batch, req_states)
-        plan = self.kv_state.plan
+        plan = self.kv_state.planner.plan
         if plan is None or not plan.valid or not plan.num_questions:
             return out
         if "positions" in out or input_batch.input_ids is None:

@@ -5,15 +5,17 @@ the state, hands it down and keeps it in step with vLLM."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from vllm_kvevict.config import KVPolicyConfig
 from vllm_kvevict.integration.kv_cache.head_split import LayerHeads, layer_heads
 from vllm_kvevict.integration.kv_cache.sink_window import canonical_chunk
-from vllm_kvevict.integration.kv_cache.specs import layer_groups
-from vllm_kvevict.integration.worker import head_order, runners
+from vllm_kvevict.integration.kv_cache.prefix_cache import prefix_specs
+from vllm_kvevict.integration.kv_cache.specs import (declare_head_mask_specs,
+                                                     declare_token_specs, layer_groups)
+from vllm_kvevict.integration.worker import head_order, question_rows, runners
 from vllm_kvevict.integration.worker.step_plan import StepPlan, build_step_plan
 from vllm_kvevict.integration.worker.token_plan import TokenEvictionWorker, TokenStepPlan
 from vllm_kvevict.policies import KVPolicy
@@ -24,10 +26,12 @@ logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler a
 
 @dataclass
 class WorkerState:
+    """What this worker serves (handed down to the specs, the attention paths and the loader):
+    the policy, this rank's cache layout, and the served kind's step planner."""
+
     served: ServedPolicy
     heads: list[LayerHeads]
     head_dim: int
-    dtype: torch.dtype
     block_size: int
     chunk: int = 0  # the canonical prefill chunk (sink_window.canonical_chunk; 0: the step)
     flex: bool = False  # --kv-attention-backend flex (integration/attention/flex_attention.py)
@@ -36,18 +40,7 @@ class WorkerState:
     # order, the weights permuted to it at load (`head_order.py`); None: vLLM's order
     head_order: torch.Tensor | None = None
     base_load_format: str = "auto"  # the user's load format, under head_order's loader
-    step: int = 0
-    runner: object = None
-    token: TokenEvictionWorker | None = None
-    _plan_key: tuple | None = None
-    plan: StepPlan | TokenStepPlan | None = None
-    _finished_key: tuple | None = None
-    _plan_anchor: object = None
-    planner: object = None  # `PLANNERS[kind]`: the step planner of the served kind
-    in_step: bool = False  # inside KVEvictWorker.execute_model (not a profile or dummy run)
-    # request id -> its sampling params' extra_args (per-request overrides), from the
-    # scheduler's output: neither of vLLM's runners needs to be asked for it
-    extra_args: dict = field(default_factory=dict)
+    planner: StepPlanner | None = None  # `PLANNERS[kind]`: the served kind's, built once
 
     @property
     def config(self) -> KVPolicyConfig:
@@ -57,15 +50,48 @@ class WorkerState:
     def policy(self) -> KVPolicy:
         return self.served.policy
 
-    @property
-    def in_pool(self) -> bool:
-        """Streaming heads, in vLLM's pool (companion KV-cache groups, `sink_window.py`)."""
-        return self.config.uses_head_mask
 
-    # -- requests ------------------------------------------------------------------------
+class StepPlanner:
+    """One served kind's part of the worker: the KV-cache specs it declares, what it installs
+    on the loaded model, and each step's plan (built once per step, shared by every layer),
+    with the step bookkeeping every kind shares (`KVEvictWorker.execute_model` calls
+    `begin_step` / `finish_step` around vLLM's step)."""
+
+    def __init__(self, state: WorkerState, vllm_config, rank: int, world: int) -> None:
+        self.state = state
+        self.runner = None
+        self.step = 0
+        self.in_step = False  # inside KVEvictWorker.execute_model (not a profile or dummy run)
+        # request id -> its sampling params' extra_args (per-request overrides), from the
+        # scheduler's output: neither of vLLM's runners needs to be asked for it
+        self.extra_args: dict = {}
+        self.plan: StepPlan | TokenStepPlan | None = None  # the current step's
+        self._plan_key: tuple | None = None
+        self._finished_key: tuple | None = None
+        self._plan_anchor = None
+
+    # -- the kind's parts (overridden) ---------------------------------------------------
+    def declare_specs(self, runner, stock_specs) -> dict:
+        raise NotImplementedError
+
+    def after_load(self, runner) -> None:
+        pass
+
+    def build(self, req_ids, computed, q_lens, valid):
+        raise NotImplementedError
+
+    def _begin(self, runner, scheduler_output) -> None:
+        pass
+
+    def release(self, req_ids) -> None:
+        pass
+
+    def book(self, plan) -> None:
+        pass
+
+    # -- per step --------------------------------------------------------------------------
     def begin_step(self, runner, scheduler_output) -> None:
-        """Before vLLM's step (`KVEvictWorker.execute_model`): finished and preempted requests
-        release their state."""
+        """Before vLLM's step: finished and preempted requests release their state."""
         self.runner = runner
         self.step += 1
         self.in_step = True
@@ -73,12 +99,11 @@ class WorkerState:
             self.extra_args[new.req_id] = getattr(new.sampling_params, "extra_args", None)
         for req_id in scheduler_output.finished_req_ids:
             self.extra_args.pop(req_id, None)
-        self.planner.begin_step(runner, scheduler_output)
-        self.planner.release(scheduler_output.finished_req_ids)
-        self.planner.release(getattr(scheduler_output, "preempted_req_ids", None))
+        self._begin(runner, scheduler_output)
+        self.release(scheduler_output.finished_req_ids)
+        self.release(getattr(scheduler_output, "preempted_req_ids", None))
 
-    # -- per step ------------------------------------------------------------------------
-    def step_plan(self, common) -> StepPlan:
+    def step_plan(self, common):
         """The plan of the step whose common attention metadata is `common` (built once: every
         KV-cache group's builder gets a shallow copy of one common metadata, sharing its
         query_start_loc tensor, which identifies the step; the key keeps it alive)."""
@@ -94,7 +119,7 @@ class WorkerState:
         req_ids = runners.row_requests(self.runner, common, num_reqs, self.in_step)
         valid = req_ids is not None
         req_ids = req_ids or []
-        plan = self.planner.plan(req_ids[:num_reqs], computed, q_lens, valid)
+        plan = self.build(req_ids[:num_reqs], computed, q_lens, valid)
         self._plan_key, self.plan = key, plan
         return plan
 
@@ -110,45 +135,62 @@ class WorkerState:
                 or self._plan_key[0] != self.step):
             return
         self._finished_key = self._plan_key
-        self.planner.finish_step(plan)
+        self.book(plan)
 
 
-class HeadMaskPlanner:
-    """Streaming heads (streaming, duo, prulong): each step's read-back plan from the pool;
-    nothing kept per request."""
+class HeadMaskPlanner(StepPlanner):
+    """Streaming heads (streaming, duo, prulong), in vLLM's pool: each step's read-back plan
+    from it; nothing kept per request."""
 
-    def __init__(self, state: WorkerState) -> None:
-        self.state = state
+    def __init__(self, state: WorkerState, vllm_config, rank: int, world: int) -> None:
+        super().__init__(state, vllm_config, rank, world)
+        if not state.flex and rank == 0:
+            dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+            cfg = state.config
+            for line in (in_place_hint(cfg.sink, cfg.window, state.block_size),
+                         full_block_hint(state.block_size, cfg, world, dtype)):
+                if line:
+                    logger.info("vllm-kvevict: %s", line)
 
-    def begin_step(self, runner, scheduler_output) -> None:
-        pass
+    def declare_specs(self, runner, stock_specs) -> dict:
+        return declare_head_mask_specs(runner, stock_specs, self.state)
 
-    def release(self, req_ids) -> None:
-        pass
+    def build(self, req_ids, computed, q_lens, valid) -> StepPlan:
+        prompt_lens = self.prompt_lens(req_ids[:len(q_lens)]) if valid else None
+        return self.plan_rows(computed, q_lens, prompt_lens, valid)
 
-    def plan(self, req_ids, computed, q_lens, valid, questions=()) -> StepPlan:
+    def plan_rows(self, computed, q_lens, prompt_lens, valid, questions=()) -> StepPlan:
         state, cfg = self.state, self.state.config
-        prompt_lens = state.prompt_lens(req_ids[:len(q_lens)]) if valid else None
         plan = build_step_plan(computed, q_lens, cfg.sink, cfg.window, state.block_size,
                                prompt_lens, questions, chunk=state.chunk or None)
         plan.valid = valid
         return plan
 
-    def finish_step(self, plan) -> None:
-        pass
 
-
-class TokenPlanner:
+class TokenPlanner(StepPlanner):
     """Token eviction (snapkv, pyramidkv): each step's physical slots and chunks to compress
     from the per-request ledgers (`TokenEvictionWorker`), their evictions booked after it."""
 
-    def __init__(self, state: WorkerState) -> None:
-        self.state, self.token = state, state.token
+    def __init__(self, state: WorkerState, vllm_config, rank: int, world: int) -> None:
+        super().__init__(state, vllm_config, rank, world)
+        served = state.served
+        self.token = TokenEvictionWorker(served.policy, state.block_size,
+                                         for_request=served.for_request)
+        self.token.combine_scores = replica_scores(rank, world, served.shape.num_kv_heads)
+        # (on only where settle_config kept it: naive token eviction, prefix_cache.py)
+        self.token.reuses_prefixes = bool(vllm_config.cache_config.enable_prefix_caching)
         self.blocks = None  # runners.V1Blocks / V2Blocks, this runner's
         self._rows: list = []  # the plan's request id per row
         self._groups_of = None
 
-    def begin_step(self, runner, scheduler_output) -> None:
+    def declare_specs(self, runner, stock_specs) -> dict:
+        return prefix_specs(declare_token_specs(runner, stock_specs, self.state), self.state,
+                            runner.vllm_config)
+
+    def after_load(self, runner) -> None:
+        question_rows.install(runner, self.state)
+
+    def _begin(self, runner, scheduler_output) -> None:
         if self.blocks is None or self.blocks.runner is not runner:
             self.blocks = runners.request_blocks(runner)
         self.blocks.update(scheduler_output)
@@ -156,7 +198,7 @@ class TokenPlanner:
     def release(self, req_ids) -> None:
         self.token.release(req_ids)
 
-    def plan(self, req_ids, computed, q_lens, valid) -> TokenStepPlan:
+    def build(self, req_ids, computed, q_lens, valid) -> TokenStepPlan:
         self._ensure_groups()
         if not valid:  # profiling / warm-up: nothing to keep, nothing to evict
             n = len(q_lens)
@@ -164,10 +206,10 @@ class TokenPlanner:
             prompt_lens = [0] * n
             block_ids = [[[0]] * self.token.groups.num_groups] * n
         else:
-            prompt_lens = self.state.prompt_lens(req_ids)
+            prompt_lens = self.prompt_lens(req_ids)
             block_ids = [self.blocks.block_ids(r) for r in req_ids]
         self._rows = req_ids
-        extra_args = self.state.extra_args
+        extra_args = self.extra_args
         plan = self.token.plan(req_ids, computed, q_lens, prompt_lens, block_ids,
                                prompt_ids=lambda row: self.blocks.prompt_ids(req_ids[row]),
                                extra_args=lambda row: extra_args.get(req_ids[row]))
@@ -179,7 +221,7 @@ class TokenPlanner:
     def _ensure_groups(self) -> None:
         """The token ledger's layer -> KV-cache group map, from the runner's KV cache config
         (known once vLLM has initialised the KV cache; the same map the scheduler uses)."""
-        config = getattr(self.state.runner, "kv_cache_config", None)
+        config = getattr(self.runner, "kv_cache_config", None)
         if config is None or self._groups_of is config:
             return
         groups = layer_groups(config, self.state.policy.num_layers)
@@ -191,7 +233,7 @@ class TokenPlanner:
                         groups.num_groups)
         self._groups_of = config
 
-    def finish_step(self, plan) -> None:
+    def book(self, plan) -> None:
         self.token.finish_step(plan, self.blocks.block_ids, self.blocks.row_counts(self._rows))
 
 
@@ -199,14 +241,18 @@ class HybridPlanner(TokenPlanner):
     """A head mask whose full heads evict tokens, composed: the token plan for its full heads,
     the head-mask plan (with patched scoring's question rows) for its streaming heads."""
 
-    def __init__(self, state: WorkerState) -> None:
-        super().__init__(state)
-        self.streaming = HeadMaskPlanner(state)
+    def __init__(self, state: WorkerState, vllm_config, rank: int, world: int) -> None:
+        super().__init__(state, vllm_config, rank, world)
+        self.streaming = HeadMaskPlanner(state, vllm_config, rank, world)
 
-    def plan(self, req_ids, computed, q_lens, valid) -> TokenStepPlan:
-        plan = super().plan(req_ids, computed, q_lens, valid)
-        plan.streaming = self.streaming.plan(
-            req_ids, computed, q_lens, valid,
+    def declare_specs(self, runner, stock_specs) -> dict:
+        return prefix_specs(declare_head_mask_specs(runner, stock_specs, self.state),
+                            self.state, runner.vllm_config)
+
+    def build(self, req_ids, computed, q_lens, valid) -> TokenStepPlan:
+        plan = super().build(req_ids, computed, q_lens, valid)
+        plan.streaming = self.streaming.plan_rows(
+            computed, q_lens, self.prompt_lens(req_ids[:len(q_lens)]) if valid else None, valid,
             [(j.row, len(j.question), j.question_start) for j in plan.jobs if j.question])
         return plan
 
@@ -238,7 +284,7 @@ def init_state(vllm_config) -> WorkerState | None:
     if _state is not None:
         return _state
     served = served_policy(vllm_config)
-    if served.config.policy == "full":
+    if served.kind == "full":
         return None
     block_size = vllm_config.cache_config.block_size
     rank, world = tensor_parallel_rank(vllm_config)
@@ -249,26 +295,13 @@ def init_state(vllm_config) -> WorkerState | None:
         logger.info("vllm-kvevict: %s", line)
     if order is not None:
         streaming = streaming.gather(1, order)
-    _state = WorkerState(
+    state = WorkerState(
         served=served, heads=layer_heads(streaming, served.shape.queries_per_kv, rank, world),
-        head_order=order,
-        head_dim=served.shape.head_dim, dtype=vllm_config.model_config.dtype,
-        block_size=block_size,
+        head_order=order, head_dim=served.shape.head_dim, block_size=block_size,
         chunk=canonical_chunk(vllm_config), flex=served.config.attention_backend == "flex",
-        token=TokenEvictionWorker(served.policy, block_size, for_request=served.for_request)
-        if served.policy.evicts_tokens else None)
-    if _state.token is not None:
-        _state.token.combine_scores = replica_scores(rank, world, served.shape.num_kv_heads)
-        # (on only where settle_config kept it: naive token eviction, prefix_cache.py)
-        _state.token.reuses_prefixes = bool(vllm_config.cache_config.enable_prefix_caching)
-    _state.planner = PLANNERS[served.kind](_state)
-    hint = in_place_hint(served.config.sink, served.config.window, block_size)
-    _state.in_place = hint is None
-    if _state.in_pool and not _state.flex and rank == 0:
-        dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
-        for line in (hint, full_block_hint(block_size, served.config, world, dtype)):
-            if line:
-                logger.info("vllm-kvevict: %s", line)
+        in_place=in_place_hint(served.config.sink, served.config.window, block_size) is None)
+    state.planner = PLANNERS[served.kind](state, vllm_config, rank, world)
+    _state = state
     return _state
 
 
