@@ -18,20 +18,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
-from test_layout import own_imports  # noqa: E402  (one reading of imports: the test's)
+from test_layout import kind_branch_lines, own_imports  # noqa: E402  (the test's readings)
 GLUE = "vllm_kvevict/integration/"
-
-# Where the glue asks the policy's kind (issue 69's five forms): KVPolicyConfig predicates,
-# KVPolicy properties, the worker state's token part or pool storage, the ledger's type, and
-# layer-name suffixes.
-KIND_PREDICATES = re.compile(
-    r"\.(uses_head_mask|evicts_tokens|is_hybrid|patched|caches_token_prefixes|caches_prefixes|"
-    r"reuses_across_questions|token_eviction|has_streaming_heads|in_pool)\b"
-    r"|\.token is (not )?None"
-    r"|isinstance\([^)]*TokenEvictionLedger\)"
-    r"|(COMPANION_SUFFIX|HEAD_SUFFIX)\b(?! =)"
-    r"|\.policy [!=]= \"full\"")
-
 
 def read_tree(rev: str | None) -> dict[str, str]:
     """path -> text of every .py and .md file (the working tree when `rev` is None)."""
@@ -150,23 +138,11 @@ def torch_config_at_import(tree: dict[str, str]) -> list[str]:
 
 
 def kind_branches(tree: dict[str, str]) -> tuple[int, int]:
-    """(lines, files) of the glue that ask the policy's kind (`KIND_PREDICATES`), outside
-    comments and docstrings."""
-    lines, files = 0, 0
-    for path, text in tree.items():
-        if not (path.startswith(GLUE) and path.endswith(".py")):
-            continue
-        docstrings = set()
-        for node in ast.walk(ast.parse(text)):
-            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) \
-                    and isinstance(node.value.value, str):
-                docstrings |= set(range(node.lineno, node.end_lineno + 1))
-        hits = [n for n, line in enumerate(text.splitlines(), 1)
-                if n not in docstrings and KIND_PREDICATES.search(line.split("#")[0])
-                and not line.lstrip().startswith(("def ", "@"))]
-        lines += len(hits)
-        files += bool(hits)
-    return lines, files
+    """(lines, files) of the glue that ask the policy's kind (tests/test_layout.py's
+    `KIND_PREDICATES`, outside comments and docstrings)."""
+    hits = [len(kind_branch_lines(text)) for path, text in tree.items()
+            if path.startswith(GLUE) and path.endswith(".py")]
+    return sum(hits), sum(map(bool, hits))
 
 
 def kind_reads(tree: dict[str, str]) -> tuple[int, int]:

@@ -5,6 +5,7 @@ to read."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -411,6 +412,52 @@ def test_imports_inside_functions_only_at_the_entry_points_with_a_reason():
 # worker's step planner).
 KIND_FACTORIES = {"attention/backend.py", "attention/flex_attention.py",
                   "core/kv_cache_manager.py", "worker/state.py"}
+
+
+# Where the glue asks the policy's kind (issue 69's five forms): KVPolicyConfig predicates,
+# KVPolicy properties, the worker state's token part or pool storage, the ledger's type, and
+# layer-name suffixes (scripts/structure_stats.py counts the same lines).
+KIND_PREDICATES = re.compile(
+    r"\.(uses_head_mask|evicts_tokens|is_hybrid|patched|caches_token_prefixes|caches_prefixes|"
+    r"reuses_across_questions|token_eviction|has_streaming_heads|in_pool)\b"
+    r"|\.token is (not )?None"
+    r"|isinstance\([^)]*TokenEvictionLedger\)"
+    r"|(COMPANION_SUFFIX|HEAD_SUFFIX)\b(?! =)"
+    r"|\.policy [!=]= \"full\"")
+
+# The glue's lines that still ask, per file (at most 12 in all): the token ledger's modes
+# (patched questions, reuse across questions), start-up's "is a policy on at all" gate, and
+# the two layer-name schemes' own functions. Everything else reads what a factory chose.
+KIND_BRANCHES = {"core/token_ledger.py": 2, "entrypoints/validation.py": 1,
+                 "kv_cache/head_pages.py": 3, "kv_cache/sink_window.py": 2}
+
+
+def kind_branch_lines(text: str) -> list[int]:
+    """The lines of `text` (a module) that ask the kind, outside comments and docstrings."""
+    docstrings = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) \
+                and isinstance(node.value.value, str):
+            docstrings |= set(range(node.lineno, node.end_lineno + 1))
+    return [n for n, line in enumerate(text.splitlines(), 1)
+            if n not in docstrings and KIND_PREDICATES.search(line.split("#")[0])
+            and not line.lstrip().startswith(("def ", "@"))]
+
+
+def test_the_glue_asks_the_kind_only_where_listed():
+    glue = REPO / "vllm_kvevict" / "integration"
+    found = {}
+    for path in files("vllm_kvevict/integration"):
+        lines = kind_branch_lines(path.read_text())
+        if lines:
+            found[str(path.relative_to(glue))] = len(lines)
+    assert found == KIND_BRANCHES, found
+    assert sum(KIND_BRANCHES.values()) <= 12
+
+
+def test_kind_branch_lines_are_found():
+    text = "x = 1\nif cfg.evicts_tokens:\n    pass\n# state.in_pool\nname + COMPANION_SUFFIX\n"
+    assert kind_branch_lines(text) == [2, 5]
 
 
 def test_the_served_kind_names_each_policy():

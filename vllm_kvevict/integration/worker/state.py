@@ -1,6 +1,7 @@
-"""Worker side: the policy's per-process state (the served policy, per-layer head splits, the
-token-eviction ledgers, the current step's plan); our worker class, `kvevict_worker.py`, builds
-the state, hands it down and keeps it in step with vLLM."""
+"""Worker side: the policy's per-process state (the served policy, this rank's cache layout)
+and the served kind's step planner, chosen once (`PLANNERS[kind]`): the KV-cache specs the kind
+declares, what it installs on the loaded model, each step's plan. Our worker class,
+`kvevict_worker.py`, builds the state, hands it down and calls the planner around each step."""
 
 from __future__ import annotations
 
