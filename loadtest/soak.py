@@ -368,19 +368,23 @@ def report(results_dir: Path) -> str:
     """docs/results/soak/table.md: one row per mechanism's JSON record."""
     head = ("| mechanism | requests | completed (engine requests) | cancelled | bad -> 4xx | "
             "5xx | without kv_stats | recorded (finish reasons) | preemptions | pool after | "
-            "probe same | healthy | s |\n|" + "---|" * 13)
+            "probe same | healthy | s | same as reference (cached) | commit |\n|" + "---|" * 15)
     rows = []
     for path in sorted(results_dir.glob("*.json")):
         r = json.loads(path.read_text())
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(r["finish_reasons_delta"].items()))
         blocks = "0 in every group" if not any(r["blocks_used_after"] or ()) else \
             str(r["blocks_used_after"])
+        samples = r.get("reference_samples")
+        same = "-" if samples is None else \
+            f"{samples - len(r['reference_mismatches'])}/{samples} ({r['reference_cached']})"
         rows.append(f"| {r.get('mechanism', path.stem)} | {r['requests']} | {r['completed']} "
                     f"({r['engine_requests_completed']}) | {r['cancelled']} | {r['bad']} -> "
                     f"{r['bad_answered_4xx']} | {len(r['server_errors'])} | "
                     f"{len(r['without_kv_stats'])} | {r['recorded_delta']} ({reasons}) | "
                     f"{r['preemptions']:g} | usage {r['pool_usage_after']:g}, {blocks} | "
-                    f"{r['probe_same']} | {r['healthy_after']} | {r['duration_s']:g} |")
+                    f"{r['probe_same']} | {r['healthy_after']} | {r['duration_s']:g} | "
+                    f"{same} | {r.get('commit', '-')} |")
     return head + "\n" + "\n".join(rows) + "\n"
 
 

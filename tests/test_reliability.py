@@ -18,6 +18,7 @@ The seeded-sampling crash has its exact test per policy column in test_compat.py
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
 import json
 import os
 import random
@@ -26,12 +27,15 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 import pytest
 
 from conftest import SERVED_NAME, start_server
 from loadtest.soak import metric_sum, metrics, run_soak, wait_idle
+from test_policies_vllm import reference, source_prompts
+from vllm_kvevict.launch import policy_flags
 
 pytestmark = pytest.mark.server
 
@@ -148,6 +152,34 @@ def test_client_disconnect_during_prefill_frees_its_blocks(head_mask_server):
     assert aborted() == aborted_before + 1  # and in Prometheus
 
 
+@pytest.mark.slow  # CI's budget
+def test_a_cancelled_prefill_leaves_exact_boundaries_in_the_token_prefix_cache(
+        bundled_model_dir, tokenizer, hf_model):
+    """Token eviction's prefix cache (naive snapkv, 512-token chunks): a streamed 4,000-token
+    prompt cancelled during its prefill frees its blocks in every group, and the boundaries it
+    registered before the cancel are exact: the same prompt sent again hits one of them and
+    answers the reference's tokens at its served boundaries."""
+    case = SOAKS["token-prefix"]
+    server = start_server(bundled_model_dir, server_flags(case), env=STATS_ENV)
+    prompt = source_prompts(tokenizer, (4000,))[0]
+    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": 16, "stream": True,
+            "ignore_eos": True}
+    with httpx.Client(timeout=60, trust_env=False) as client:
+        with client.stream("POST", server.base_url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            deadline = time.monotonic() + 60
+            while metric_sum(metrics(server.base_url), "vllm:kv_cache_usage_perc") == 0:
+                assert time.monotonic() < deadline, "the request never held a block"
+                time.sleep(0.05)
+            time.sleep(4.0)  # (a few 512-token chunks of eight, then the client goes away)
+    usage, blocks = wait_idle(server.base_url, 60)
+    assert not usage and not any(blocks), (usage, blocks)
+    again = greedy_sample(server.base_url, prompt, case.new_tokens, 0.0)
+    stats = again["kv_stats"]
+    assert stats["cached_tokens"] and stats["cached_tokens"] % 512 == 0, stats
+    assert reference_mismatches(case, [again], bundled_model_dir, hf_model) == []
+
+
 # -- cache_salt --------------------------------------------------------------------------------
 
 def test_cache_salt_isolates_every_kv_cache_group(head_mask_server):
@@ -173,59 +205,128 @@ def test_cache_salt_isolates_every_kv_cache_group(head_mask_server):
 
 # -- soak --------------------------------------------------------------------------------------
 
-SOAKS = {  # mechanism -> (server flags, vllm_xargs the override requests use, long prompt)
-    "head-mask": (HEAD_MASK, [{"kv_teacher_forced": 4}], 1500),
+class SoakCase(NamedTuple):
+    policy: dict  # the kv_policy (the reference's too)
+    server: list  # the rest of the server's flags
+    xargs: list  # vllm_xargs the override requests choose from
+    long_tokens: int  # the soak's long prompts
+    sample_lengths: tuple  # greedy requests compared with the reference, under the soak
+    new_tokens: int = 16
+
+
+SOAKS = {
+    "head-mask": SoakCase({"policy": "prulong", "sparsity": 0.7}, HEAD_MASK[4:],
+                          [{"kv_teacher_forced": 4}], 1500, (700, 1300, 1900)),
     # token eviction under vLLM's own admission in a pool that forces preemption (and exact
     # recompute of the preempted): 64 MiB hold 1,400 tokens of full attention's KV
-    "token-eviction": (["--kv-policy", "snapkv", "--kv-sparsity", "0.7", "--kv-eviction",
-                        "patched", "--kv-admission", "vllm", "--max-num-batched-tokens", "512",
-                        "--max-num-seqs", "16", "--kv-cache-memory-bytes", str(64 << 20),
-                        # (vLLM's start-up check wants full attention's worst case in the pool)
-                        "--max-model-len", "1024"],
-                       [{"kv_sparsity": 0.3}, {"kv_sparsity": 0.9, "kv_obs_window": 16},
-                        {"kv_teacher_forced": 4}], 900),
-    "hybrid": (["--kv-policy", "prulong", "--kv-sparsity", "0.5", "--kv-token-policy", "snapkv",
-                "--kv-token-sparsity", "0.5", "--max-num-batched-tokens", "512",
-                "--max-num-seqs", "16", "--kv-cache-memory-bytes", SMALL_POOL],
-               [{"kv_teacher_forced": 4}], 1500),
+    "token-eviction": SoakCase(
+        {"policy": "snapkv", "sparsity": 0.7, "eviction": "patched", "admission": "vllm"},
+        ["--max-num-batched-tokens", "512", "--max-num-seqs", "16",
+         "--kv-cache-memory-bytes", str(64 << 20),
+         # (vLLM's start-up check wants full attention's worst case in the pool)
+         "--max-model-len", "1024"],
+        [{"kv_sparsity": 0.3}, {"kv_sparsity": 0.9, "kv_obs_window": 16},
+         {"kv_teacher_forced": 4}], 900, (500, 700, 900)),
+    "hybrid": SoakCase({"policy": "prulong", "sparsity": 0.5, "token_policy": "snapkv",
+                        "token_sparsity": 0.5},
+                       ["--max-num-batched-tokens", "512", "--max-num-seqs", "16",
+                        "--kv-cache-memory-bytes", SMALL_POOL],
+                       [{"kv_teacher_forced": 4}], 1500, (700, 1300, 1900)),
+    # token eviction's prefix cache (naive chunks): the shared prefixes and each sample sent
+    # twice hit it at chunk boundaries
+    "token-prefix": SoakCase({"policy": "snapkv", "sparsity": 0.7, "eviction": "naive"},
+                             ["--enable-prefix-caching", "--max-num-batched-tokens", "512",
+                              "--max-num-seqs", "16", "--kv-cache-memory-bytes", SMALL_POOL],
+                             [{"kv_teacher_forced": 4}], 1500, (700, 1300, 1900)),
+    # decode-time eviction: every 16 generated tokens each layer back to 256 tokens
+    "decode-eviction": SoakCase({"policy": "snapkv", "sparsity": 0.7, "eviction": "naive",
+                                 "decode_budget": 256, "decode_interval": 16},
+                                ["--max-num-batched-tokens", "512", "--max-num-seqs", "16",
+                                 "--kv-cache-memory-bytes", SMALL_POOL],
+                                [{"kv_sparsity": 0.3}, {"kv_decode_budget": 128}], 1500,
+                                (700, 1300, 1900), 40),
 }
 CI_SOAK_REQUESTS, SLOW_SOAK_REQUESTS = 40, 1000
 RESULTS = REPO / "docs" / "results" / "soak"
 
 
+def server_flags(case: SoakCase) -> list:
+    return [*policy_flags(case.policy), *case.server]
+
+
 def soak(mechanism, bundled_model_dir, request, num_requests: int, seed: int):
-    """The mechanism's server (the shared head-mask one, or its own), then the soak on it."""
+    """The mechanism's server (the shared head-mask one, or its own), then the soak on it, with
+    greedy requests of real text sent among its traffic (each twice: the second may hit the
+    prefix cache); returns (the soak's result, the samples' responses)."""
+    case = SOAKS[mechanism]
     if mechanism == "head-mask":
         server = request.getfixturevalue("head_mask_server")
     else:
-        server = start_server(bundled_model_dir, SOAKS[mechanism][0], env=STATS_ENV)
-    _, xargs, long_tokens = SOAKS[mechanism]
-    return run_soak(server.base_url, num_requests, 24, seed=seed, xargs=xargs,
-                    long_tokens=long_tokens, progress=False)
+        server = start_server(bundled_model_dir, server_flags(case), env=STATS_ENV)
+    prompts = source_prompts(request.getfixturevalue("tokenizer"), case.sample_lengths)
+    with cf.ThreadPoolExecutor(2 * len(prompts)) as pool:
+        samples = [pool.submit(greedy_sample, server.base_url, prompt, case.new_tokens, 3.0 * i)
+                   for i, prompt in enumerate(prompts + prompts)]
+        result = run_soak(server.base_url, num_requests, 24, seed=seed, xargs=case.xargs,
+                          long_tokens=case.long_tokens, progress=False)
+        return result, [f.result() for f in samples]
 
 
-# (CI soaks token eviction, ~200 s on a CI machine; the head-mask and hybrid soaks are in the
+def greedy_sample(base_url: str, prompt: list[int], new_tokens: int, delay_s: float) -> dict:
+    time.sleep(delay_s)  # (spread through the soak's first seconds)
+    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": new_tokens,
+            "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    r = httpx.post(base_url + "/v1/completions", json=body, timeout=1800, trust_env=False)
+    assert r.status_code == 200, r.text
+    return {"prompt": prompt, **r.json()}
+
+
+def reference_mismatches(case: SoakCase, samples: list[dict], bundled_model_dir,
+                         hf_model) -> list[str]:
+    """Each sample's served tokens against the reference's at its served chunk boundaries."""
+    out = []
+    for sample in samples:
+        stats = sample["kv_stats"]
+        ref = reference(hf_model, bundled_model_dir, case.policy, sample["prompt"],
+                        stats["chunk_boundaries"], case.new_tokens)
+        if sample["choices"][0]["token_ids"] != ref.token_ids:
+            out.append(f"{len(sample['prompt'])} tokens (cached {stats.get('cached_tokens')}, "
+                       f"boundaries {stats['chunk_boundaries']}): served != reference")
+    return out
+
+
+# (CI soaks token eviction, ~200 s on a CI machine; the other mechanisms' soaks are in the
 # slow tier: CI's budget)
 @pytest.mark.parametrize("mechanism", [m if m == "token-eviction" else
                                        pytest.param(m, marks=pytest.mark.slow) for m in SOAKS])
-def test_soak(mechanism, bundled_model_dir, request):
-    result = soak(mechanism, bundled_model_dir, request, CI_SOAK_REQUESTS, seed=1)
+def test_soak(mechanism, bundled_model_dir, request, hf_model):
+    result, samples = soak(mechanism, bundled_model_dir, request, CI_SOAK_REQUESTS, seed=1)
     assert result.failures == [], result.failures
     assert result.cancelled > 0 and result.bad > 0 and result.completed > 0
+    assert reference_mismatches(SOAKS[mechanism], samples, bundled_model_dir, hf_model) == []
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mechanism", list(SOAKS))
-def test_long_soak(mechanism, bundled_model_dir, request):
+def test_long_soak(mechanism, bundled_model_dir, request, hf_model):
     """1,000 requests per mechanism; the figures go to docs/results/soak/ (KVEVICT_WRITE_SOAK=1)."""
     from dataclasses import asdict
 
-    result = soak(mechanism, bundled_model_dir, request, SLOW_SOAK_REQUESTS, seed=2)
+    result, samples = soak(mechanism, bundled_model_dir, request, SLOW_SOAK_REQUESTS, seed=2)
+    mismatches = reference_mismatches(SOAKS[mechanism], samples, bundled_model_dir, hf_model)
     if os.environ.get("KVEVICT_WRITE_SOAK") == "1":
         RESULTS.mkdir(parents=True, exist_ok=True)
-        record = {"mechanism": mechanism, "flags": SOAKS[mechanism][0], **asdict(result)}
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                                capture_output=True, text=True).stdout.strip()
+        record = {"mechanism": mechanism, "commit": commit,
+                  "flags": server_flags(SOAKS[mechanism]), **asdict(result),
+                  "reference_samples": len(samples),
+                  "reference_cached": sum(bool(s["kv_stats"].get("cached_tokens"))
+                                          for s in samples),
+                  "reference_mismatches": mismatches}
         (RESULTS / f"{mechanism}.json").write_text(json.dumps(record, indent=1) + "\n")
     assert result.failures == [], result.failures
+    assert mismatches == []
     if mechanism == "token-eviction":
         assert result.preemptions and result.preemptions > 0  # the pool forced some
 
@@ -262,14 +363,21 @@ def engine_holds(base_url: str, n: int, timeout_s: float = 300.0) -> None:
         time.sleep(0.2)
 
 
+# The fault tests' servers: the head mask's (prefix caching on: its sink + window groups keep
+# cached blocks) and token eviction's prefix cache (naive chunks registered at boundaries).
+FAULT_SERVERS = {"head-mask": HEAD_MASK, "token-prefix": server_flags(SOAKS["token-prefix"])}
+
+
 @pytest.mark.slow  # CI's budget (116 s on CI)
-def test_sigterm_under_load_drains_and_exits_zero(bundled_model_dir):
+@pytest.mark.parametrize("mechanism", list(FAULT_SERVERS))
+def test_sigterm_under_load_drains_and_exits_zero(mechanism, bundled_model_dir):
     """SIGTERM with 8 requests in the engine: they finish with their kv_stats (vLLM's drain);
     2 more sent during the drain are refused by vLLM's engine (finish_reason abort, never
     scheduled, so no kv_stats): their responses must not wait for stats that cannot come
     (they did, and the server never exited, on a machine slow enough to SIGTERM before every
     request had reached the engine); then the server exits 0."""
-    server = start_server(bundled_model_dir, [*HEAD_MASK, "--shutdown-timeout", "120"])
+    server = start_server(bundled_model_dir, [*FAULT_SERVERS[mechanism], "--shutdown-timeout",
+                                              "120"])
 
     async def scenario():
         started = asyncio.Event()
@@ -299,15 +407,18 @@ def test_sigterm_under_load_drains_and_exits_zero(bundled_model_dir):
             assert status is None and "ConnectError" in body, body
 
 
-@pytest.mark.parametrize("process", [pytest.param("Worker", marks=pytest.mark.slow), "EngineCore"])
-def test_killed_engine_process_ends_the_server_with_an_error_status(process, bundled_model_dir):
+@pytest.mark.parametrize("process,mechanism", [
+    pytest.param("Worker", "head-mask", marks=pytest.mark.slow), ("EngineCore", "head-mask"),
+    pytest.param("EngineCore", "token-prefix", marks=pytest.mark.slow)])
+def test_killed_engine_process_ends_the_server_with_an_error_status(process, mechanism,
+                                                                    bundled_model_dir):
     """vLLM notices the death and shuts down (no hang), but exits 0 as after a requested
     stop; server/lifecycle.py makes it one log line and status 70."""
     import psutil
 
     from server.lifecycle import EXIT_ENGINE_DIED
 
-    server = start_server(bundled_model_dir, HEAD_MASK)
+    server = start_server(bundled_model_dir, FAULT_SERVERS[mechanism])
 
     async def scenario():
         started = asyncio.Event()
