@@ -73,6 +73,7 @@ class SoakResult:
     by_kind: dict[str, int] = field(default_factory=dict)
     completed: int = 0  # 2xx with a whole body
     engine_requests_completed: int = 0  # n per completed response
+    side_requests: int = 0  # requests the caller sent beside the soak (each recorded once)
     without_kv_stats: list[str] = field(default_factory=list)  # kind:response id
     cancelled: int = 0
     bad: int = 0
@@ -304,13 +305,16 @@ def wait_idle(base_url: str, timeout_s: float = 120.0) -> tuple[float | None, li
 
 def run_soak(base_url: str, num_requests: int, concurrency: int, seed: int = 0,
              xargs: list[dict] | None = None, long_tokens: int = 1500,
-             progress: bool = True) -> SoakResult:
-    """The soak and its checks; `result.failures` lists every check that did not hold."""
+             progress: bool = True, side_requests: int = 0) -> SoakResult:
+    """The soak and its checks; `result.failures` lists every check that did not hold.
+    `side_requests`: whole requests the caller sends to the server meanwhile (counted among
+    the recorded ones)."""
     before_probe = probe(base_url)
     before = aggregates(base_url)["aggregates"]
     m0 = metrics(base_url)
     soak = Soak(base_url, seed=seed, xargs=xargs, long_tokens=long_tokens)
     result = asyncio.run(soak.run(num_requests, concurrency, progress))
+    result.side_requests = side_requests
     # every completed response's engine requests, and at most one per cancel, get recorded
     # (a cancel's stats come with the engine step that handles the abort)
     deadline = time.monotonic() + 120
@@ -318,7 +322,7 @@ def run_soak(base_url: str, num_requests: int, concurrency: int, seed: int = 0,
         after = aggregates(base_url)
         agg = after["aggregates"]
         result.recorded_delta = agg["requests"] - before["requests"]
-        if (result.recorded_delta >= result.engine_requests_completed + 0
+        if (result.recorded_delta >= result.engine_requests_completed + side_requests
                 and after.get("stats_owed", 0) == 0) or time.monotonic() > deadline:
             break
         time.sleep(1.0)
@@ -348,7 +352,8 @@ def check(r: SoakResult) -> list[str]:
     if r.without_kv_stats:
         out.append(f"{len(r.without_kv_stats)} of {r.completed} completed responses without "
                    f"kv_stats: {r.without_kv_stats[:5]}")
-    low, high = r.engine_requests_completed, r.engine_requests_completed + r.cancelled
+    low = r.engine_requests_completed + r.side_requests
+    high = low + r.cancelled
     if r.recorded_delta is None or not low <= r.recorded_delta <= high:
         out.append(f"recorded {r.recorded_delta} requests, expected {low}..{high}")
     if sum(r.finish_reasons_delta.values()) != (r.recorded_delta or 0):

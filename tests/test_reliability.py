@@ -268,7 +268,8 @@ def soak(mechanism, bundled_model_dir, request, num_requests: int, seed: int):
         samples = [pool.submit(greedy_sample, server.base_url, prompt, case.new_tokens, 3.0 * i)
                    for i, prompt in enumerate(prompts + prompts)]
         result = run_soak(server.base_url, num_requests, 24, seed=seed, xargs=case.xargs,
-                          long_tokens=case.long_tokens, progress=False)
+                          long_tokens=case.long_tokens, progress=False,
+                          side_requests=len(samples))
         return result, [f.result() for f in samples]
 
 
