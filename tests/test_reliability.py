@@ -218,12 +218,13 @@ SOAKS = {
     "head-mask": SoakCase({"policy": "prulong", "sparsity": 0.7}, HEAD_MASK[4:],
                           [{"kv_teacher_forced": 4}], 1500, (700, 1300, 1900)),
     # token eviction under vLLM's own admission in a pool that forces preemption (and exact
-    # recompute of the preempted): 48 MiB hold 8 blocks, 1,024 tokens of full attention's KV
-    # (64 MiB forced 2 preemptions in 1,000 requests on 2026-11-27, none on 2026-12-04)
+    # recompute of the preempted): 52 MiB hold 9 blocks of 128 tokens, the null block and
+    # one request of 1,024 tokens of full attention's KV, vLLM's start-up minimum (64 MiB
+    # forced 2 preemptions in 1,000 requests on 2026-11-27, none on 2026-12-04)
     "token-eviction": SoakCase(
         {"policy": "snapkv", "sparsity": 0.7, "eviction": "patched", "admission": "vllm"},
         ["--max-num-batched-tokens", "512", "--max-num-seqs", "16",
-         "--kv-cache-memory-bytes", str(48 << 20),
+         "--kv-cache-memory-bytes", str(52 << 20),
          # (vLLM's start-up check wants full attention's worst case in the pool)
          "--max-model-len", "1024"],
         [{"kv_sparsity": 0.3}, {"kv_sparsity": 0.9, "kv_obs_window": 16},
@@ -285,12 +286,17 @@ def greedy_sample(base_url: str, prompt: list[int], new_tokens: int, delay_s: fl
 
 def reference_mismatches(case: SoakCase, samples: list[dict], bundled_model_dir,
                          hf_model) -> list[str]:
-    """Each sample's served tokens against the reference's at its served chunk boundaries."""
+    """Each sample's served tokens against the reference's at its served chunks: a token
+    policy's eviction chunks E (`--kv-eviction-chunk`, pinned to the step budget under prefix
+    caching: every multiple of E, those a prefix hit skipped too), else the chunk boundaries
+    kv_stats gives (vLLM's steps; a head mask's canonical chunks)."""
     out = []
     for sample in samples:
-        stats = sample["kv_stats"]
-        ref = reference(hf_model, bundled_model_dir, case.policy, sample["prompt"],
-                        stats["chunk_boundaries"], case.new_tokens)
+        stats, n = sample["kv_stats"], len(sample["prompt"])
+        chunk = stats["params"].get("eviction_chunk")
+        ends = list(range(chunk, n, chunk)) + [n] if chunk else stats["chunk_boundaries"]
+        ref = reference(hf_model, bundled_model_dir, case.policy, sample["prompt"], ends,
+                        case.new_tokens)
         if sample["choices"][0]["token_ids"] != ref.token_ids:
             out.append(f"{len(sample['prompt'])} tokens (cached {stats.get('cached_tokens')}, "
                        f"boundaries {stats['chunk_boundaries']}): served != reference")
