@@ -217,14 +217,14 @@ class SoakCase(NamedTuple):
 SOAKS = {
     "head-mask": SoakCase({"policy": "prulong", "sparsity": 0.7}, HEAD_MASK[4:],
                           [{"kv_teacher_forced": 4}], 1500, (700, 1300, 1900)),
-    # token eviction under vLLM's own admission in a pool that forces preemption (and exact
-    # recompute of the preempted): 52 MiB hold 9 blocks of 128 tokens, the null block and
-    # one request of 1,024 tokens of full attention's KV, vLLM's start-up minimum (64 MiB
-    # forced 2 preemptions in 1,000 requests on 2026-11-27, none on 2026-12-04)
+    # token eviction under vLLM's own admission in a small pool: 64 MiB hold 1,400 tokens of
+    # full attention's KV (it forced 2 preemptions in 1,000 requests on 2026-11-27, none on
+    # 2026-12-04, nor did 52 MiB, vLLM's start-up minimum: the ledger admits by compressed
+    # peaks; forced preemption and exact recompute: tests/test_admission.py)
     "token-eviction": SoakCase(
         {"policy": "snapkv", "sparsity": 0.7, "eviction": "patched", "admission": "vllm"},
         ["--max-num-batched-tokens", "512", "--max-num-seqs", "16",
-         "--kv-cache-memory-bytes", str(52 << 20),
+         "--kv-cache-memory-bytes", str(64 << 20),
          # (vLLM's start-up check wants full attention's worst case in the pool)
          "--max-model-len", "1024"],
         [{"kv_sparsity": 0.3}, {"kv_sparsity": 0.9, "kv_obs_window": 16},
@@ -335,8 +335,6 @@ def test_long_soak(mechanism, bundled_model_dir, request, hf_model):
         (RESULTS / f"{mechanism}.json").write_text(json.dumps(record, indent=1) + "\n")
     assert result.failures == [], result.failures
     assert mismatches == []
-    if mechanism == "token-eviction":
-        assert result.preemptions and result.preemptions > 0  # the pool forced some
 
 
 # -- shutdown and engine death ----------------------------------------------------------------
