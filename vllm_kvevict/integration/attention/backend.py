@@ -26,7 +26,7 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
                                                  CPUAttentionMetadataBuilder)
 
 from vllm_kvevict.integration.attention import cpu_token
-from vllm_kvevict.integration.attention.fp8 import is_fp8
+from vllm_kvevict.integration.attention.fp8 import is_fp8, layer_scales
 from vllm_kvevict.integration.attention.paged_layout import (POOL_LAYOUTS, decode_in_place,
                                                              decode_window, lay_out_from_pool)
 from vllm_kvevict.integration.plugins.versions import CPU_OPS
@@ -163,7 +163,7 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
             # one decode query per row: attention on the window read back, no scratch cache
             k, v = decode_window(self, layer, plan, keys, values)
             return decode_attention(query[:, stream_q], k, v, self.scale)
-        scales = (layer._k_scale_float, layer._v_scale_float)
+        scales = layer_scales(layer)
         laid_k, laid_v = lay_out_from_pool(self, layer, plan, keys, values)
         # fp8: the laid-out values are already the codes' grid values (step_plan.py)
         dtype, write_scale = ((torch.uint8, (1.0, 1.0)) if is_fp8(self.kv_cache_dtype)
@@ -194,6 +194,7 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
         layer's)."""
         key_cache, value_cache = kv_cache if isinstance(kv_cache, tuple) else \
             self._split(kv_cache)
+        k_scale, v_scale = layer_scales(layer)
         ops.cpu_attention_with_kv_cache(
             query=query, key_cache=key_cache, value_cache=value_cache, output=out,
             query_start_loc=query_start_loc, seq_lens=seq_lens, scale=self.scale, causal=True,
@@ -201,7 +202,7 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
             sliding_window=self.sliding_window if sliding_window is None else sliding_window,
             block_table=block_table, softcap=self.logits_soft_cap,
             scheduler_metadata=scheduler_metadata, s_aux=None, dynamic_causal=None,
-            k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
+            k_scale=k_scale, v_scale=v_scale,
             kv_cache_dtype=self.kv_cache_dtype)
 
     def _scratch_cache(self, num_heads: int, num_blocks: int, block_size: int,

@@ -15,6 +15,7 @@ import importlib
 
 import torch
 
+from vllm_kvevict.integration.attention.fp8 import layer_scales
 from vllm_kvevict.integration.attention.paged_layout import paged_layout
 from vllm_kvevict.integration.plugins.versions import CPU_OPS
 from vllm_kvevict.integration.worker.decode_eviction import compress_decode
@@ -89,7 +90,7 @@ def _compress(impl, layer, l, plan, kv_cache, compress) -> None:
 
     kept = compress(read)
     if kept is not None:
+        k_scale, v_scale = layer_scales(layer)
         ops.cpu_attn_reshape_and_cache(*kept[:2], key_cache, value_cache, kept[2],
-                                       layer.isa, k_scale=layer._k_scale_float,
-                                       v_scale=layer._v_scale_float,
+                                       layer.isa, k_scale=k_scale, v_scale=v_scale,
                                        kv_cache_dtype=impl.kv_cache_dtype)

@@ -26,6 +26,12 @@ def is_fp8(kv_cache_dtype: str | None) -> bool:
     return (kv_cache_dtype or "auto") in FORMATS
 
 
+def layer_scales(layer) -> tuple[float, float]:
+    """The layer's K and V scales, as vLLM's CPU kernels read them (1.0 without fp8): the one
+    place the plugin reads vLLM's private names for them."""
+    return layer._k_scale_float, layer._v_scale_float
+
+
 @functools.lru_cache(maxsize=None)
 def _grid(fmt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(the format's finite non-negative values ascending, their uint8 codes)."""

@@ -21,7 +21,7 @@ import torch
 from vllm.forward_context import get_forward_context
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from vllm_kvevict.integration.attention.fp8 import grid_values, is_fp8
+from vllm_kvevict.integration.attention.fp8 import grid_values, is_fp8, layer_scales
 from vllm_kvevict.integration.kv_cache.sink_window import companion_name
 from vllm_kvevict.integration.plugins.versions import CPU_OPS
 from vllm_kvevict.integration.worker.step_plan import lay_out_visible, window_rows
@@ -151,9 +151,10 @@ def store_step(impl, layer, keys, values):
     n, slots = meta.num_actual_tokens, meta.slot_mapping
     if keys.shape[0] != n:  # (rows past the step's tokens: patched questions, never stored)
         keys, values = keys[:n], values[:n]
+    k_scale, v_scale = layer_scales(layer)
     ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache,
                                    slots if slots.shape[0] == n else slots[:n], layer.isa,
-                                   k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
+                                   k_scale=k_scale, v_scale=v_scale,
                                    kv_cache_dtype=impl.kv_cache_dtype)
     return meta, key_cache, value_cache
 
@@ -189,7 +190,7 @@ def lay_out_from_pool(impl, layer, plan, keys, values):
                         len(plan.prefix_pos))
     return tuple(lay_out_visible(plan, p, x[plan.chunk_src], scale, fp8)
                  for p, x, scale in zip(past, (keys, values),
-                                        (layer._k_scale_float, layer._v_scale_float)))
+                                        layer_scales(layer)))
 
 
 def decode_window(impl, layer, plan, keys, values):

@@ -48,7 +48,8 @@ from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from vllm_kvevict.integration.kv_cache.sink_window import SinkWindowManager, SinkWindowSpec
+from vllm_kvevict.integration.kv_cache.sink_window import (SinkWindowManager, SinkWindowSpec,
+                                                           register_specs)
 from vllm_kvevict.integration.kv_cache.specs import TierAttentionSpec, retyped, tier_of_layer
 from vllm_kvevict.ledger import LayerGroups, group_evictions
 
@@ -292,10 +293,5 @@ class TokenPrefixSinkManager(SinkWindowManager):
 
 def register_manager() -> None:
     """Our specs -> our managers in vLLM's KV-cache spec registry (idempotent)."""
-    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
-
-    KVCacheSpecRegistry._ensure_registered()
-    KVCacheSpecRegistry.register(TokenPrefixSpec, TokenPrefixManager,
-                                 uniform_type_base_spec=FullAttentionSpec)
-    KVCacheSpecRegistry.register(TokenPrefixSinkSpec, TokenPrefixSinkManager,
-                                 uniform_type_base_spec=SinkWindowSpec)
+    register_specs((TokenPrefixSpec, TokenPrefixManager, FullAttentionSpec),
+                   (TokenPrefixSinkSpec, TokenPrefixSinkManager, SinkWindowSpec))

@@ -292,13 +292,18 @@ class PromptFullManager(FullAttentionManager):
         super().cache_blocks(request, cached_tokens(request, num_tokens), *args, **kwargs)
 
 
-def register_manager() -> None:
-    """Our spec -> our manager in vLLM's KV-cache spec registry (every process that builds
-    managers or groups; idempotent)."""
+def register_specs(*rows) -> None:
+    """(spec, manager, base spec) rows into vLLM's KV-cache spec registry, after vLLM's own:
+    it registers its built-ins only while the registry is empty (idempotent)."""
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
     KVCacheSpecRegistry._ensure_registered()
-    KVCacheSpecRegistry.register(SinkWindowSpec, SinkWindowManager,
-                                 uniform_type_base_spec=SinkWindowSpec)
-    KVCacheSpecRegistry.register(PromptFullSpec, PromptFullManager,
-                                 uniform_type_base_spec=FullAttentionSpec)
+    for spec, manager, base in rows:
+        KVCacheSpecRegistry.register(spec, manager, uniform_type_base_spec=base)
+
+
+def register_manager() -> None:
+    """Our spec -> our manager in vLLM's KV-cache spec registry (every process that builds
+    managers or groups; idempotent)."""
+    register_specs((SinkWindowSpec, SinkWindowManager, SinkWindowSpec),
+                   (PromptFullSpec, PromptFullManager, FullAttentionSpec))

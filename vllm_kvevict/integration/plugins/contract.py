@@ -99,9 +99,9 @@ RELIED_ON = (
     # and rank r holds its contiguous slice of the KV heads
     MERGE_WORKER_SPECS,
     "vllm.distributed.get_tensor_model_parallel_rank",
-    # streaming heads in the pool (sink_window.py): a spec + manager through vLLM's registry,
-    # a cache-only companion layer per attention layer, the block-outer layout
-    "vllm.v1.kv_cache_spec_registry.KVCacheSpecRegistry.register",
+    # streaming heads in the pool (sink_window.py): a spec + manager through vLLM's registry
+    # (the register row above), a cache-only companion layer per attention layer, the
+    # block-outer layout
     "vllm.v1.core.single_type_kv_cache_manager.SlidingWindowManager.remove_skipped_blocks",
     "vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager._remove_blocks_in_range",
     # (its block-zeroing switch, as vLLM's own managers read it; the pool's `null_block`, an
@@ -146,13 +146,9 @@ TOUCHED = (
     ("attention/backend.py", "common",
      "the step's common metadata on vLLM's metadata object, for the per-step plan (streaming"
      " heads, token eviction)"),
-    ("attention/backend.py", "_k_scale_float",
-     "the layer's fp8 K scale, as vLLM's CPU kernel reads it"),
-    ("attention/backend.py", "_v_scale_float", "the layer's fp8 V scale"),
-    ("attention/cpu_token.py", "_k_scale_float", "as attention/backend.py"),
-    ("attention/cpu_token.py", "_v_scale_float", ""),
-    ("attention/paged_layout.py", "_k_scale_float", "fp8 K read back from the cache"),
-    ("attention/paged_layout.py", "_v_scale_float", "V"),
+    ("attention/fp8.py", "_k_scale_float",
+     "the layer's K scale, as vLLM's CPU kernels read it (`fp8.layer_scales`, every reader's)"),
+    ("attention/fp8.py", "_v_scale_float", "its V scale"),
     ("entrypoints/validation.py", "backend",
      "FLEX_ATTENTION off the CPU platform: ours under its name"),
     ("entrypoints/validation.py", "async_scheduling",
@@ -195,13 +191,10 @@ TOUCHED = (
      "class hook)"),
     ("kv_cache/specs.py", "kv_sharing_target_layer_name",
      "a layer without full heads shares its companion's cache"),
-    ("plugins/registration.py", "_registry", "KVConnectorFactory's: register our connector once"),
     ("worker/seeded_sampling.py", "generator", "a seeded request's generator made rewindable"),
     ("kv_cache/prefix_cache.py", "_insert_block_hash", "the block pool's: one more key on a block"),
-    ("kv_cache/prefix_cache.py", "_ensure_registered",
-     "vLLM's built-in specs registered before ours"),
     ("kv_cache/sink_window.py", "_ensure_registered",
-     "vLLM's built-in specs registered before ours"),
+     "vLLM's built-in specs registered before ours (`register_specs`, every spec's)"),
     ("kv_cache/sink_window.py", "_partial_hit_reqs",
      "SlidingWindowManager's partial prefix hits, as its own get_num_blocks_to_allocate "
      "reads them"),

@@ -51,10 +51,12 @@ def register() -> None:
 
     # By name, so a MultiConnector (ours beside a user's) can rebuild our stats in the API
     # server's stat loggers (MultiConnector.build_kv_connector_stats looks children up by name).
-    if "KVEvictStatsConnector" not in KVConnectorFactory._registry:
+    try:
         KVConnectorFactory.register_connector(
             "KVEvictStatsConnector", "vllm_kvevict.integration.kv_stats.stats_connector",
             "KVEvictStatsConnector")
+    except ValueError:  # (vLLM's answer to a second registration: once per process)
+        pass
     # (in here: these import vLLM's managers; this module stays import-light)
     from vllm_kvevict.integration.kv_cache import prefix_cache
     from vllm_kvevict.integration.kv_cache.sink_window import register_manager
