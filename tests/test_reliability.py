@@ -212,6 +212,8 @@ class SoakCase(NamedTuple):
     long_tokens: int  # the soak's long prompts
     sample_lengths: tuple  # greedy requests compared with the reference, under the soak
     new_tokens: int = 16
+    env: dict = {}  # the server's environment beyond STATS_ENV
+    preempts: bool = False  # the long soak must see vLLM preempt (stock admission)
 
 
 SOAKS = {
@@ -247,6 +249,26 @@ SOAKS = {
                                  "--kv-cache-memory-bytes", SMALL_POOL],
                                 [{"kv_sparsity": 0.3}, {"kv_decode_budget": 128}], 1500,
                                 (700, 1300, 1900), 40),
+    # preemption forced: a head mask under stock admission in 64 MiB (tests/test_admission.py's
+    # pool), so vLLM preempts running requests and each recomputes at its first run's chunks
+    "preemption": SoakCase({"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64},
+                           ["--kv-admission", "vllm", "--max-num-batched-tokens", "512",
+                            "--max-num-seqs", "16", "--kv-cache-memory-bytes", str(64 << 20),
+                            "--max-model-len", "2048"],
+                           [{"kv_teacher_forced": 4}], 1500, (700, 1300, 1900),
+                           preempts=True),
+    # the FlexAttention path (`--kv-attention-backend flex`)
+    "flex": SoakCase({"policy": "prulong", "sparsity": 0.7, "attention_backend": "flex"},
+                     ["--max-num-batched-tokens", "512", "--max-num-seqs", "16",
+                      "--kv-cache-memory-bytes", SMALL_POOL],
+                     [{"kv_teacher_forced": 4}], 1500, (700, 1300, 1900)),
+    # data parallel 2 (one engine core per core), prefix caching on
+    "data-parallel": SoakCase({"policy": "prulong", "sparsity": 0.7},
+                              ["--data-parallel-size", "2", "--api-server-count", "1",
+                               "--enable-prefix-caching", "--max-num-batched-tokens", "512",
+                               "--max-num-seqs", "16", "--kv-cache-memory-bytes", SMALL_POOL],
+                              [{"kv_teacher_forced": 4}], 1500, (700, 1300, 1900),
+                              env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}),
 }
 CI_SOAK_REQUESTS, SLOW_SOAK_REQUESTS = 40, 1000
 RESULTS = REPO / "docs" / "results" / "soak"
@@ -264,7 +286,8 @@ def soak(mechanism, bundled_model_dir, request, num_requests: int, seed: int):
     if mechanism == "head-mask":
         server = request.getfixturevalue("head_mask_server")
     else:
-        server = start_server(bundled_model_dir, server_flags(case), env=STATS_ENV)
+        server = start_server(bundled_model_dir, server_flags(case),
+                              env={**STATS_ENV, **case.env})
     prompts = source_prompts(request.getfixturevalue("tokenizer"), case.sample_lengths)
     with cf.ThreadPoolExecutor(2 * len(prompts)) as pool:
         samples = [pool.submit(greedy_sample, server.base_url, prompt, case.new_tokens, 3.0 * i)
@@ -335,6 +358,8 @@ def test_long_soak(mechanism, bundled_model_dir, request, hf_model):
         (RESULTS / f"{mechanism}.json").write_text(json.dumps(record, indent=1) + "\n")
     assert result.failures == [], result.failures
     assert mismatches == []
+    if SOAKS[mechanism].preempts:
+        assert result.preemptions, result.preemptions
 
 
 # -- shutdown and engine death ----------------------------------------------------------------
