@@ -9,7 +9,7 @@ response bodies, and its pure helpers (unit-tested).
 - streamed responses: vLLM does not carry kv_transfer_params in streams. With
   `stream_options.include_usage` the final usage chunk (`choices: []`) gets `kv_stats` (and
   `kv_stats_per_request` for n > 1 or several prompts); without it one more chunk of that shape
-  goes just before `data: [DONE]`.
+  goes just before `data: [DONE]` (none where vLLM streamed no chunk at all).
 - a request ended by a stop string reaches the engine as an abort, and its stats arrive with a
   later engine step: the response waits for them (`settled`: until they are recorded, however
   loaded the engine is).
@@ -132,10 +132,12 @@ class SSERewriter:
             return event
         data = text[len(b"data:"):].strip()
         if data == b"[DONE]":
-            if self.injected:
+            # (no chunk before it: vLLM streamed nothing, as for a request refused while
+            # draining; a chunk of ours would name no response)
+            if self.injected or self.first is None:
                 return event
             self.injected = True
-            rid = (self.first or {}).get("id")
+            rid = self.first.get("id")
             return stats_chunk(self.first, rid, self.lookup(rid) if rid else []) + event
         if self.first is None or (b'"usage"' in data and b'"choices":[]' in data):
             try:

@@ -282,6 +282,13 @@ def test_sse_rewriter_inserts_stats_chunk_before_done():
     assert parts[3] == b"data: [DONE]" and seen == ["cmpl-9"]
 
 
+def test_sse_rewriter_adds_nothing_to_a_stream_vllm_sent_no_chunk():
+    """A request vLLM refuses while it drains (SIGTERM) streams `data: [DONE]` alone: no chunk
+    of ours follows it (one had `id`, `object` and `model` null)."""
+    rewriter = responses.SSERewriter(lambda rid: [{"footprint": 0.5}])
+    assert rewriter.feed(b"data: [DONE]\n\n", final=True) == b"data: [DONE]\n\n"
+
+
 def test_sse_rewriter_puts_every_requests_stats_in_the_usage_chunk():
     """With stream_options.include_usage, kv_stats ride in vLLM's final usage chunk (where
     OpenAI clients read usage), all of them for n > 1; no extra chunk follows."""

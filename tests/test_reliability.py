@@ -364,13 +364,17 @@ def test_long_soak(mechanism, bundled_model_dir, request, hf_model):
 
 # -- shutdown and engine death ----------------------------------------------------------------
 
-async def in_flight(base_url: str, n: int, started: asyncio.Event) -> list:
+async def in_flight(base_url: str, n: int, started: asyncio.Event, stream: bool = False) -> list:
+    """n completions at once: (status, body) each; a stream's body is its chunks folded into
+    one: the finish reason of its choice and the kv_stats of its last chunk."""
     async def one(client, i):
         body = {"model": SERVED_NAME, "prompt": [100 + i] * 600, "max_tokens": 48,
-                "ignore_eos": True, "temperature": 0}
+                "ignore_eos": True, "temperature": 0, "stream": stream}
         try:
-            r = await client.post(base_url + "/v1/completions", json=body, timeout=300)
-            return r.status_code, r.json()
+            if not stream:
+                r = await client.post(base_url + "/v1/completions", json=body, timeout=300)
+                return r.status_code, r.json()
+            return await streamed(client, base_url + "/v1/completions", body)
         except httpx.HTTPError as exc:
             return None, repr(exc)
 
@@ -379,6 +383,27 @@ async def in_flight(base_url: str, n: int, started: asyncio.Event) -> list:
         await asyncio.sleep(2.0)
         started.set()
         return await asyncio.gather(*tasks)
+
+
+async def streamed(client, url: str, body: dict) -> tuple[int, dict]:
+    folded = {"choices": [{"finish_reason": None}], "kv_stats": None, "done": False,
+              "chunks": 0, "error": None}
+    async with client.stream("POST", url, json=body, timeout=300) as r:
+        if r.status_code != 200:
+            return r.status_code, {"error": (await r.aread()).decode()}
+        async for line in r.aiter_lines():
+            data = line[5:].strip() if line.startswith("data:") else None
+            if data == "[DONE]":
+                folded["done"] = True
+            elif data:
+                chunk = json.loads(data)
+                folded["chunks"] += 1
+                folded["error"] = chunk.get("error", folded["error"])
+                for choice in chunk.get("choices") or ():
+                    if choice.get("finish_reason"):
+                        folded["choices"][0]["finish_reason"] = choice["finish_reason"]
+                folded["kv_stats"] = chunk.get("kv_stats", folded["kv_stats"])
+        return r.status_code, folded
 
 
 def engine_holds(base_url: str, n: int, timeout_s: float = 300.0) -> None:
@@ -400,23 +425,30 @@ FAULT_SERVERS = {"head-mask": HEAD_MASK, "token-prefix": server_flags(SOAKS["tok
 
 
 @pytest.mark.slow  # CI's budget (116 s on CI)
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streams"])
 @pytest.mark.parametrize("mechanism", list(FAULT_SERVERS))
-def test_sigterm_under_load_drains_and_exits_zero(mechanism, bundled_model_dir):
-    """SIGTERM with 8 requests in the engine: they finish with their kv_stats (vLLM's drain);
-    2 more sent during the drain are refused by vLLM's engine (finish_reason abort, never
-    scheduled, so no kv_stats): their responses must not wait for stats that cannot come
-    (they did, and the server never exited, on a machine slow enough to SIGTERM before every
-    request had reached the engine); then the server exits 0."""
+def test_sigterm_under_load_drains_and_exits_zero(mechanism, stream, bundled_model_dir):
+    """SIGTERM with 8 requests in the engine (whole responses, or streams): they finish with
+    their kv_stats (vLLM's drain; a stream's in its last chunk, then [DONE]); 2 more sent
+    during the drain are refused by vLLM's engine (finish_reason abort, never scheduled, so no
+    kv_stats): their responses must not wait for stats that cannot come (they did, and the
+    server never exited, on a machine slow enough to SIGTERM before every request had reached
+    the engine); then the server exits 0 and none of its processes (engine core, workers)
+    outlives it."""
+    import psutil
+
     server = start_server(bundled_model_dir, [*FAULT_SERVERS[mechanism], "--shutdown-timeout",
                                               "120"])
+    children = psutil.Process(server.pid).children(recursive=True)
+    assert children  # (vLLM's engine core at least)
 
     async def scenario():
         started = asyncio.Event()
-        work = asyncio.create_task(in_flight(server.base_url, 8, started))
+        work = asyncio.create_task(in_flight(server.base_url, 8, started, stream))
         await started.wait()
         await asyncio.to_thread(engine_holds, server.base_url, 8)
         os.kill(server.pid, signal.SIGTERM)  # the API server process, as `kill` would
-        late = asyncio.create_task(in_flight(server.base_url, 2, asyncio.Event()))
+        late = asyncio.create_task(in_flight(server.base_url, 2, asyncio.Event(), stream))
         return await work, await late
 
     results, late = asyncio.run(asyncio.wait_for(scenario(), 600))
@@ -426,12 +458,18 @@ def test_sigterm_under_load_drains_and_exits_zero(mechanism, bundled_model_dir):
         server.stop()
         pytest.fail(f"no exit 120 s after the last response; late: {late}\n{server.log_tail()}")
     assert code == 0, server.log_tail()
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, [(p.pid, p.name()) for p in alive]
     assert all(status == 200 for status, _ in results), results
     assert all(body["kv_stats"] is not None and body["choices"][0]["finish_reason"] == "length"
                for _, body in results)
-    # late: refused by vLLM while draining (or not accepted once the drain had ended)
+    assert not stream or all(body["done"] and body["error"] is None for _, body in results), results
+    # late: refused by vLLM while draining (or not accepted once the drain had ended); a
+    # refused stream is vLLM's `data: [DONE]` alone (its serving skips an output without tokens)
     for status, body in late:
-        if status == 200:
+        if status == 200 and stream:
+            assert body["done"] and body["chunks"] == 0 and body["kv_stats"] is None, body
+        elif status == 200:
             assert body["choices"][0]["finish_reason"] == "abort", body
             assert body["kv_stats"] is None, body
         else:
