@@ -267,10 +267,14 @@ class FlexHeadMaskImpl(KVEvictFlexImpl):
         for slots in self.head_slots(layer):
             meta, impl = slots.metadata(context), self._narrowed(len(slots.kv_heads))
             q, k, v = query[:, slots.q_heads], key[:, slots.kv_heads], value[:, slots.kv_heads]
-            out = torch.zeros_like(q)  # (all rows are copied: padding ones too)
+            out = torch.empty_like(q)  # (only the rows written are copied out)
             if self._token_heads and not slots.streaming:
                 flex_token.forward(impl, layer, q, k, v, slots.cache(context), meta, out)
-                output[:, slots.q_heads] = out
+                plan = meta.plan
+                output[:plan.num_tokens, slots.q_heads] = out[:plan.num_tokens]
+                if plan.num_questions:
+                    rows = slice(plan.question_offset, plan.question_offset + plan.num_questions)
+                    output[rows, slots.q_heads] = out[rows]
                 continue
             n = meta.num_actual_tokens
             meta.block_mask = self._mask(meta, slots.streaming, cfg.sink, cfg.window)

@@ -45,12 +45,16 @@ def forward(impl, layer, query, key, value, kv_cache, attn_metadata, output):
     rows_q = plan.with_questions(query)
     meta = copy.copy(attn_metadata)  # (the questions' rows count as tokens here)
     meta.num_actual_tokens, meta.block_mask = rows_q.shape[0], masks[key_]
-    out = torch.empty_like(rows_q)
+    # vLLM writes the rows in place where they are one run of the output's token axis
+    rows_out = plan.with_questions(output)
+    direct = rows_out.data_ptr() == output.data_ptr() and rows_out.is_contiguous()
+    out = rows_out if direct else torch.empty_like(rows_q)
     FlexAttentionImpl.forward(impl, layer, rows_q, key, value, kv_cache, meta, out)
-    output[:n] = out[:n]
-    if plan.num_questions:
-        off = plan.question_offset
-        output[off:off + plan.num_questions] = out[n:]
+    if not direct:
+        output[:n] = out[:n]
+        if plan.num_questions:
+            off = plan.question_offset
+            output[off:off + plan.num_questions] = out[n:]
     if plan.valid and (plan.jobs or plan.decode):
         _compress(impl, l, plan, query, key, value, kv_cache)
     return output

@@ -84,6 +84,8 @@ class TokenStepPlan:
         if not self.num_questions:
             return x[:n]
         off = self.question_offset
+        if off == n:  # (right after the batch's tokens, as without padding: a view)
+            return x[:n + self.num_questions]
         return torch.cat([x[:n], x[off:off + self.num_questions]])
 
     def table(self, layer: int) -> torch.Tensor:
