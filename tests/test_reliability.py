@@ -343,12 +343,13 @@ def test_long_soak(mechanism, bundled_model_dir, request, hf_model):
     """1,000 requests per mechanism; the figures go to docs/results/soak/ (KVEVICT_WRITE_SOAK=1)."""
     from dataclasses import asdict
 
+    # (the code the server loads: taken before it starts)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                            capture_output=True, text=True).stdout.strip()
     result, samples = soak(mechanism, bundled_model_dir, request, SLOW_SOAK_REQUESTS, seed=2)
     mismatches = reference_mismatches(SOAKS[mechanism], samples, bundled_model_dir, hf_model)
     if os.environ.get("KVEVICT_WRITE_SOAK") == "1":
         RESULTS.mkdir(parents=True, exist_ok=True)
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                                capture_output=True, text=True).stdout.strip()
         record = {"mechanism": mechanism, "commit": commit,
                   "flags": server_flags(SOAKS[mechanism]), **asdict(result),
                   "reference_samples": len(samples),
