@@ -228,11 +228,12 @@ ROWS = [
                "test_tp2_prefix_caching_with_naive_token_eviction",
                "(s)tests/test_data_parallel.py::"
                "test_dp2_prefix_caching_with_naive_token_eviction",
-               "(s)tests/test_token_prefix_cache.py::test_prefix_hits_with_a_lora_adapter")
+               "tests/test_token_prefix_cache.py::test_prefix_hits_with_a_lora_adapter")
               if c == "snapkv naive" else ())),
             "a hit at a chunk boundary (`--kv-eviction-chunk`, by default the step budget) "
             "reuses the compacted blocks; tensor and data parallel (each replica its own "
-            "cache) and LoRA adapters (vLLM's block hashes name the adapter) too; no "
+            "cache) and LoRA adapters (vLLM's block hashes name the adapter and the "
+            "cache_salt) too; no "
             "speculative decoding yet")
            for c in TOKEN_CACHING},
         **{c: Cell("exact", ("tests/test_features.py::"

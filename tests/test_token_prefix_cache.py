@@ -308,13 +308,14 @@ def test_prefix_hits_match_the_reference(case, bundled_model_dir, tokenizer, hf_
 
 
 @pytest.mark.server
-@pytest.mark.slow  # CI's budget: the served path is CI's tiers3 case's, the adapter vLLM's
 def test_prefix_hits_with_a_lora_adapter(bundled_model_dir, tokenizer, hf_model, lora_adapter,
                                          lora_model):
     """Naive snapkv with `--enable-prefix-caching --enable-lora`: vLLM's block hashes, and so
-    the boundary keys, name the adapter. A prompt with the adapter cold, then again (a hit at
-    512), then without it (cold: the adapter's rows are not the base model's), then again (a
-    hit): each equals the reference of its model (the adapter merged, or not)."""
+    the boundary keys, name the adapter and the salt. A prompt with the adapter cold, then
+    again (a hit at 512), then without it (cold: the adapter's rows are not the base model's),
+    then again (a hit), then with the adapter under a `cache_salt` (cold: another tenant's
+    adapter rows), then again (a hit): each equals the reference of its model (the adapter
+    merged, or not)."""
     from conftest import LORA_NAME, LORA_RANK, SERVED_NAME, start_server
     from test_policies_vllm import NEW_TOKENS, flags, reference, source_prompts
 
@@ -327,11 +328,14 @@ def test_prefix_hits_with_a_lora_adapter(bundled_model_dir, tokenizer, hf_model,
     refs = {name: reference(model, bundled_model_dir, policy, prompt, CHUNK).token_ids
             for name, model in ((LORA_NAME, lora_model), (SERVED_NAME, hf_model))}
     assert refs[LORA_NAME] != refs[SERVED_NAME]  # (the adapter changes the answer)
-    for name, cached in ((LORA_NAME, 0), (LORA_NAME, 512), (SERVED_NAME, 0), (SERVED_NAME, 512)):
+    for name, cached, salt in ((LORA_NAME, 0, None), (LORA_NAME, 512, None),
+                               (SERVED_NAME, 0, None), (SERVED_NAME, 512, None),
+                               (LORA_NAME, 0, "tenant-b"), (LORA_NAME, 512, "tenant-b")):
+        extra = {"return_token_ids": True, **({"cache_salt": salt} if salt else {})}
         r = client.completions.create(model=name, prompt=prompt, max_tokens=NEW_TOKENS,
-                                      temperature=0, extra_body={"return_token_ids": True})
-        assert r.model_extra["kv_stats"]["cached_tokens"] == cached, (name, cached)
-        assert r.choices[0].model_extra["token_ids"] == refs[name], (name, cached)
+                                      temperature=0, extra_body=extra)
+        assert r.model_extra["kv_stats"]["cached_tokens"] == cached, (name, cached, salt)
+        assert r.choices[0].model_extra["token_ids"] == refs[name], (name, cached, salt)
 
 
 @pytest.mark.server
