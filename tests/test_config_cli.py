@@ -196,3 +196,23 @@ def test_eviction_chunk_needs_a_step_budget_that_holds_the_observation_window():
     with pytest.raises(KVPolicyError, match=r"max-num-batched-tokens >= --kv-obs-window "
                                             r"\(64\), got 32"):
         validate_against_model(config(32, policy="snapkv", eviction_chunk=1024))
+
+
+@pytest.mark.parametrize("argv, count", [
+    (["--kv-policy", "prulong", "--data-parallel-size", "2"], 1),
+    (["--data-parallel-size", "2"], None),  # (no policy: vLLM's default, its DP size later)
+    (["--kv-policy", "prulong", "--data-parallel-size", "2", "--api-server-count", "2"], 2),
+    (["--api-server-count", "3", "--kv-policy", "prulong"], 3),
+    (["--kv-policy", "prulong", "--headless"], None),
+])
+def test_kv_policy_means_one_api_server_unless_asked(argv, count, monkeypatch):
+    """On vLLM's own serve parser: `--kv-policy` sets the API-server count to 1 where the user
+    gave none (vLLM would default it to --data-parallel-size, which a policy refuses), and
+    leaves an explicit count (before or after it) and headless mode to vLLM."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    monkeypatch.setattr(sys, "argv", ["vllm", "serve", *argv])  # (as `vllm serve` parses)
+    parser = make_arg_parser(FlexibleArgumentParser())
+    cli.add_kv_policy_args(parser)
+    assert parser.parse_args(argv).api_server_count == count

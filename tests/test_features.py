@@ -68,8 +68,9 @@ def test_parallel_layouts(name):
     assert api_servers_error(cfg, None) is None and api_servers_error(cfg, 1) is None
     assert api_servers_error(cfg, 2) == (
         f"--api-server-count 2 is not supported with --kv-policy {cfg.policy}: kv_stats "
-        "lookups, the live view and the vllm_kvevict_* series live in one API-server process "
-        "(vLLM defaults the count to --data-parallel-size); valid: 1")
+        "lookups, the live view and the vllm_kvevict_* series live in one API-server process; "
+        "valid: 1 (the default with --kv-policy; with the policy in --additional-config vLLM "
+        "defaults the count to --data-parallel-size)")
     assert parallel_error(cfg, {"data_parallel_size": 2}, 4) is None
     assert parallel_error(cfg, {"tensor_parallel_size": 2}, 4) is None
     assert parallel_error(cfg, {"tensor_parallel_size": 4}, 4) is None
@@ -142,8 +143,8 @@ def test_lora_refused_with_patched_eviction(name):
     (["--kv-policy", "snapkv", "--enable-prefix-caching"],
      "--enable-prefix-caching is not supported with --kv-policy snapkv --kv-eviction patched "
      "yet"),
-    # vLLM starts one API server per data-parallel replica unless told otherwise
-    (["--kv-policy", "prulong", "--data-parallel-size", "2"],
+    # several API servers asked for (without the count, --kv-policy makes it 1)
+    (["--kv-policy", "prulong", "--data-parallel-size", "2", "--api-server-count", "2"],
      "--api-server-count 2 is not supported with --kv-policy prulong: kv_stats lookups"),
     # decode-time eviction: what it is not tested with yet
     (["--kv-policy", "snapkv", "--kv-decode-budget", "64", "--kv-cache-dtype", "fp8"],

@@ -262,9 +262,10 @@ SOAKS = {
                      ["--max-num-batched-tokens", "512", "--max-num-seqs", "16",
                       "--kv-cache-memory-bytes", SMALL_POOL],
                      [{"kv_teacher_forced": 4}], 1500, (700, 1300, 1900)),
-    # data parallel 2 (one engine core per core), prefix caching on
+    # data parallel 2 (one engine core per core), prefix caching on: the plain command (the
+    # policy makes it one API server)
     "data-parallel": SoakCase({"policy": "prulong", "sparsity": 0.7},
-                              ["--data-parallel-size", "2", "--api-server-count", "1",
+                              ["--data-parallel-size", "2",
                                "--enable-prefix-caching", "--max-num-batched-tokens", "512",
                                "--max-num-seqs", "16", "--kv-cache-memory-bytes", SMALL_POOL],
                               [{"kv_teacher_forced": 4}], 1500, (700, 1300, 1900),

@@ -133,15 +133,17 @@ def serves_on_flex(policy_config, platform: str, chosen: str | None) -> bool:
 
 
 def api_servers_error(policy_config, count: int | None) -> str | None:
-    """`vllm serve --api-server-count` (vLLM defaults it to --data-parallel-size): the kv_stats
-    store, `/v1/kv_stats`, the live view and the vllm_kvevict_* gauges live in one API-server
-    process, so a policy is served behind one."""
+    """`vllm serve --api-server-count`: the kv_stats store, `/v1/kv_stats`, the live view and
+    the vllm_kvevict_* gauges live in one API-server process, so a policy is served behind one
+    (`--kv-policy` makes it the default: `entrypoints/cli.PolicyFlag`; vLLM's is
+    --data-parallel-size)."""
     if count is None or count <= 1:
         return None
     return (f"--api-server-count {count} is not supported with --kv-policy "
             f"{policy_config.policy}: kv_stats lookups, the live view and the vllm_kvevict_* "
-            "series live in one API-server process (vLLM defaults the count to "
-            "--data-parallel-size); valid: 1")
+            "series live in one API-server process; valid: 1 (the default with --kv-policy; "
+            "with the policy in --additional-config vLLM defaults the count to "
+            "--data-parallel-size)")
 
 
 def decode_eviction_error(policy_config, method: str | None, cache_dtype: str | None

@@ -10,12 +10,31 @@ The flags themselves are a plain table (`vllm_kvevict/flags.py`).
 from __future__ import annotations
 
 import argparse
+import logging
+import sys
 
 from vllm_kvevict.config import KVPolicyConfig, KVPolicyError
 from vllm_kvevict.features import api_servers_error
 from vllm_kvevict.flags import FLAGS, fail, flag_message
 from vllm_kvevict.integration.plugins import registration
 from vllm_kvevict.served import ADDITIONAL_CONFIG_KEY
+
+logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
+
+
+class PolicyFlag(argparse.Action):
+    """`--kv-policy`: also one API server where neither `--api-server-count` (before or
+    after it: argparse then overwrites this) nor `--headless` says otherwise. vLLM defaults
+    the count to --data-parallel-size, and the kv_stats store lives in one API-server process
+    (`features.api_servers_error`), so plain `--data-parallel-size N` serves. (`--headless`
+    after `--kv-policy` is found in the command line: argparse has not reached it yet; one in
+    a `--config` file is not.)"""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        if (getattr(namespace, "api_server_count", 0) is None
+                and not getattr(namespace, "headless", False) and "--headless" not in sys.argv):
+            namespace.api_server_count = 1
 
 
 def add_kv_policy_args(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +46,8 @@ def add_kv_policy_args(parser: argparse.ArgumentParser) -> None:
                         "\"sparsity\": 0.7}}'.")
     for flag, (field, typ, help_text) in FLAGS.items():
         group.add_argument(flag, dest="kv_" + field if field != "policy" else "kv_policy",
-                           type=typ, default=argparse.SUPPRESS, help=help_text)
+                           type=typ, default=argparse.SUPPRESS, help=help_text,
+                           **({"action": PolicyFlag} if field == "policy" else {}))
 
 
 def policy_from_args(args: argparse.Namespace, additional_config: dict | None) -> dict | None:
@@ -64,6 +84,11 @@ def fold_into_engine_args(engine_args, args: argparse.Namespace) -> None:
                                   getattr(args, "api_server_count", None))
         if error:
             fail(error)
+        if getattr(args, "api_server_count", None) == 1 and \
+                (getattr(args, "data_parallel_size", 1) or 1) > 1:
+            logger.info("vllm-kvevict: one API server for --data-parallel-size %d (the kv_stats "
+                        "store lives in one process; vLLM would start one per replica)",
+                        args.data_parallel_size)
     if policy is not None:
         additional = {**additional, ADDITIONAL_CONFIG_KEY: policy}
         engine_args.additional_config = additional

@@ -157,6 +157,9 @@ TOUCHED = (
      "PIECEWISE over vLLM's FULL_AND_PIECEWISE default for a policy off the CPU platform "
      "(features.py)"),
     ("entrypoints/cli.py", "_actions", "argparse's: add the --kv-* group once"),
+    ("entrypoints/cli.py", "api_server_count",
+     "vLLM's serve args: 1 where --kv-policy is given without a count (vLLM's default, "
+     "--data-parallel-size, is refused)"),
     ("entrypoints/cli.py", "additional_config",
      "the --kv-* flags folded into EngineArgs' JSON form"),
     ("worker/head_order.py", "load_format",
