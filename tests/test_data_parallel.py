@@ -1,9 +1,10 @@
-"""Data parallel: `vllm serve --data-parallel-size 2 --api-server-count 1`, one engine core per
+"""Data parallel: `vllm serve --data-parallel-size 2` (one API server: `--kv-policy` sets the
+count vLLM would default to the DP size), one engine core per
 replica (vLLM's CPU data parallel on this 2-core machine, one core each), each with its own
 policy state. Served greedy tokens equal the reference's (at the chunk boundaries each replica
 reports); each response's kv_stats come from the replica that served it (`data_parallel_rank`);
 the live view's timeline and the vllm_kvevict_* pool gauges are per engine (`engines`, label
-`engine`). vLLM's default of one API server per replica is refused with a policy
+`engine`). More than one API server asked for is refused with a policy
 (tests/test_features.py::test_vllm_serve_refuses[dp-api-servers])."""
 
 from __future__ import annotations
@@ -57,10 +58,10 @@ def test_dp2_serves_the_reference_tokens_per_replica(column, backend, v2, tiny_q
     name = policy["policy"]
     if policy["policy"] in HEAD_MASK_POLICIES:
         policy["mask_path"] = str(random_mask(model_dir, model.config))
-    server = start_server(model_dir, [*flags(policy, CHUNK), "--data-parallel-size", "2",
-                                      "--api-server-count", "1"],
+    server = start_server(model_dir, [*flags(policy, CHUNK), "--data-parallel-size", "2"],
                           env={**DP_ENV, **(server_env() if v2 else {})})
     log = server.log_tail(10 ** 7)
+    assert "vllm-kvevict: one API server for --data-parallel-size 2" in log
     assert f"attention_backend={backend}" in log or backend == "cpu"
     assert runners_in(log) == ((2, 0) if v2 else (0, 2))  # each replica's runner
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")

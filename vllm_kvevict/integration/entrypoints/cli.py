@@ -84,11 +84,11 @@ def fold_into_engine_args(engine_args, args: argparse.Namespace) -> None:
                                   getattr(args, "api_server_count", None))
         if error:
             fail(error)
-        if getattr(args, "api_server_count", None) == 1 and \
-                (getattr(args, "data_parallel_size", 1) or 1) > 1:
+        # (vLLM's serve command has set a single API server's count back to None by now)
+        if (getattr(args, "data_parallel_size", 1) or 1) > 1 and \
+                not getattr(args, "headless", False):
             logger.info("vllm-kvevict: one API server for --data-parallel-size %d (the kv_stats "
-                        "store lives in one process; vLLM would start one per replica)",
-                        args.data_parallel_size)
+                        "store lives in one process)", args.data_parallel_size)
     if policy is not None:
         additional = {**additional, ADDITIONAL_CONFIG_KEY: policy}
         engine_args.additional_config = additional
