@@ -209,10 +209,15 @@ def test_kv_policy_means_one_api_server_unless_asked(argv, count, monkeypatch):
     """On vLLM's own serve parser: `--kv-policy` sets the API-server count to 1 where the user
     gave none (vLLM would default it to --data-parallel-size, which a policy refuses), and
     leaves an explicit count (before or after it) and headless mode to vLLM."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    import importlib
+
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    try:  # (0.32's module; 0.33 and 0.34 moved it)
+        serve_args = importlib.import_module("vllm.entrypoints.launchers.cli_args")
+    except ModuleNotFoundError:
+        serve_args = importlib.import_module("vllm.entrypoints.common.cli_args")
     monkeypatch.setattr(sys, "argv", ["vllm", "serve", *argv])  # (as `vllm serve` parses)
-    parser = make_arg_parser(FlexibleArgumentParser())
+    parser = serve_args.make_arg_parser(FlexibleArgumentParser())
     cli.add_kv_policy_args(parser)
     assert parser.parse_args(argv).api_server_count == count
