@@ -5,6 +5,7 @@ declares, what it installs on the loaded model, each step's plan. Our worker cla
 
 from __future__ import annotations
 
+import abc
 import logging
 from dataclasses import dataclass
 
@@ -52,7 +53,7 @@ class WorkerState:
         return self.served.policy
 
 
-class StepPlanner:
+class StepPlanner(abc.ABC):
     """One served kind's part of the worker: the KV-cache specs it declares, what it installs
     on the loaded model, and each step's plan (built once per step, shared by every layer),
     with the step bookkeeping every kind shares (`KVEvictWorker.execute_model` calls
@@ -72,14 +73,16 @@ class StepPlanner:
         self._plan_anchor = None
 
     # -- the kind's parts (overridden) ---------------------------------------------------
+    @abc.abstractmethod
     def declare_specs(self, runner, stock_specs) -> dict:
-        raise NotImplementedError
+        """The layers' KV-cache specs of the kind (vLLM's `stock_specs` as the start)."""
 
     def after_load(self, runner) -> None:
         pass
 
+    @abc.abstractmethod
     def build(self, req_ids, computed, q_lens, valid):
-        raise NotImplementedError
+        """The step's plan of the kind for these rows."""
 
     def _begin(self, runner, scheduler_output) -> None:
         pass
