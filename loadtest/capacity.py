@@ -19,6 +19,12 @@ The report (`--report-only`, also written after every point): `table-<input-len>
 (throughput and requests at once against the pool, a line per policy) and each policy's
 crossover: the largest pool at which it serves more output tokens per second than stock (by
 more than `NOISE`), i.e. up to which it pays (none: it never does in the measured range).
+
+`--data-parallel-size N` serves each point with N engine cores (one API server) sharing the
+same total pool, N-th each; points of several sizes in one directory are separate series
+("prulong:0.7 DP2"), each against stock at its own size, and the report adds DP N against
+DP 1 at each pool (`--omp-bind` pins the engines: "0-1" one engine on both cores, "0|1" one
+core each).
 """
 
 from __future__ import annotations
@@ -59,19 +65,30 @@ async def burst(base: str, prompts) -> tuple[list, dict, float]:
     return results, sampler.summary(), wall
 
 
+def engine_pool_bytes(pool_requests: float, tokens: int, per_token: int, dp: int) -> int:
+    """Each engine's `--kv-cache-memory-bytes`: its share of `pool_requests` full-attention
+    requests, plus vLLM's null block (every engine has one, holding no request)."""
+    return int(pool_requests * full_request_bytes(tokens, per_token) / dp) + STOCK_BLOCK * per_token
+
+
 def measure(policy: str, pool_requests: float, args, model: str, tok, per_token: int) -> dict:
     """One point: `policy`'s server with a pool of `pool_requests` full-attention requests."""
     tokens = args.input_len + args.output_len
-    # (plus vLLM's null block, which holds no request)
-    pool = int(pool_requests * full_request_bytes(tokens, per_token)) + STOCK_BLOCK * per_token
+    dp = args.data_parallel_size
+    pool = engine_pool_bytes(pool_requests, tokens, per_token, dp)
     port = args.port
+    # (one API server for stock too: the plugin serves with one)
+    parallel = ["--data-parallel-size", str(dp), "--api-server-count", "1"] if dp > 1 else []
     argv, env = server_launch(
         model, policy, kv_cache_bytes=pool, max_batched_tokens=args.chunk, port=port, eager=True,
         extra_args=["--dtype", "float32", "--served-model-name", MODEL_NAME,
                     "--max-model-len", str(-(-tokens // STOCK_BLOCK) * STOCK_BLOCK),
-                    "--max-num-seqs", str(args.requests)])
+                    "--max-num-seqs", str(args.requests), *parallel])
     env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = args.reserved_cpus
-    log = args.out_dir / "logs" / f"{policy.replace(':', '-')}_pool{pool_requests:g}.log"
+    if args.omp_bind:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = args.omp_bind
+    name = f"{policy.replace(':', '-')}_pool{pool_requests:g}" + (f"_dp{dp}" if dp > 1 else "")
+    log = args.out_dir / "logs" / f"{name}.log"
     base = f"http://127.0.0.1:{port}"
     rng = np.random.default_rng(args.seed)  # the same prompts for every point
     prompts = prompts_of(tok, rng, args.requests, args.input_len, args.output_len, "burst")
@@ -84,7 +101,7 @@ def measure(policy: str, pool_requests: float, args, model: str, tok, per_token:
     held = sum(s["kv_bytes_peak"] for s in stats) if len(stats) == len(ok) else None
     full = sum(s["full_kv_bytes_peak"] for s in stats) if len(stats) == len(ok) else None
     return {
-        "policy": policy, "pool_requests": pool_requests, "pool_bytes": pool,
+        "policy": policy, "pool_requests": pool_requests, "pool_bytes": pool * dp, "dp": dp,
         "input_len": args.input_len, "output_len": args.output_len, "requests": args.requests,
         "ok": len(ok), "failed": [f"{r.outcome}: {r.error}" for r in results if not r.ok],
         "ready_s": ready, "wall_s": wall,
@@ -107,41 +124,72 @@ def load(path: Path) -> list[dict]:
 NOISE = 0.05
 
 
-def crossover(rows: list[dict], policy: str) -> float | None:
-    """The largest measured pool at which `policy` serves more output tokens/s than stock by
-    more than NOISE."""
-    stock = {r["pool_requests"]: r["out_tok_s"] for r in rows if r["policy"] == "stock"}
-    wins = [r["pool_requests"] for r in rows if r["policy"] == policy and r["pool_requests"]
-            in stock and r["out_tok_s"] > (1 + NOISE) * stock[r["pool_requests"]]]
+def series(row: dict) -> str:
+    """A point's curve: its policy, and its data-parallel size where that is above 1."""
+    dp = row.get("dp", 1)
+    return row["policy"] if dp == 1 else f"{row['policy']} DP{dp}"
+
+
+def stock_of(rows: list[dict]) -> dict:
+    """Stock's point at each (pool, data-parallel size)."""
+    return {(r["pool_requests"], r.get("dp", 1)): r for r in rows if r["policy"] == "stock"}
+
+
+def crossover(rows: list[dict], curve: str) -> float | None:
+    """The largest measured pool at which `curve` (a `series`) serves more output tokens/s than
+    stock at the same data-parallel size by more than NOISE."""
+    stock = stock_of(rows)
+    wins = [r["pool_requests"] for r in rows if series(r) == curve
+            and (key := (r["pool_requests"], r.get("dp", 1))) in stock
+            and r["out_tok_s"] > (1 + NOISE) * stock[key]["out_tok_s"]]
     return max(wins) if wins else None
+
+
+def dp_lines(rows: list[dict]) -> list[str]:
+    """DP N against DP 1 for each policy and pool measured at both: output tokens/s, requests
+    at once and p99 end-to-end latency."""
+    one = {(r["policy"], r["pool_requests"]): r for r in rows if r.get("dp", 1) == 1}
+    pairs = [(one[(r["policy"], r["pool_requests"])], r) for r in rows
+             if r.get("dp", 1) > 1 and (r["policy"], r["pool_requests"]) in one]
+    if not pairs:
+        return []
+    lines = ["", "| policy | pool (full requests, in all) | DP | out tok/s DP 1 -> N | x | "
+             "at once (mean) DP 1 -> N | e2e p99 (s) DP 1 -> N |", "|---|---:|---:|---|---:|---|---|"]
+    for a, b in sorted(pairs, key=lambda p: (p[0]["policy"], p[0]["pool_requests"])):
+        p99 = lambda r: f"{(r['e2e_ms'].get('p99') or 0) / 1e3:.1f}"  # noqa: E731
+        lines.append(f"| {a['policy']} | {a['pool_requests']:g} | {b['dp']} | "
+                     f"{a['out_tok_s']:.1f} -> {b['out_tok_s']:.1f} | "
+                     f"{b['out_tok_s'] / a['out_tok_s']:.2f} | {a['running_mean']:.1f} -> "
+                     f"{b['running_mean']:.1f} | {p99(a)} -> {p99(b)} |")
+    return lines
 
 
 def report(rows: list[dict], out_dir: Path, input_len: int) -> str:
     if not rows:
         return "no points yet\n"
-    policies = list(dict.fromkeys(r["policy"] for r in rows))
-    stock = {r["pool_requests"]: r for r in rows if r["policy"] == "stock"}
+    policies = list(dict.fromkeys(series(r) for r in rows))
+    stock = stock_of(rows)
     lines = ["| policy | pool (full requests) | ok | at once, peak / mean | out tok/s | x stock "
              "| e2e p50 / p99 (s) | TTFT p50 / p99 (s) | preemptions | KV bytes vs full |",
              "|---|---:|---:|---|---:|---:|---|---|---:|---:|"]
-    for r in sorted(rows, key=lambda r: (policies.index(r["policy"]), r["pool_requests"])):
-        base = stock.get(r["pool_requests"])
+    for r in sorted(rows, key=lambda r: (policies.index(series(r)), r["pool_requests"])):
+        base = stock.get((r["pool_requests"], r.get("dp", 1)))
         ratio = f"{r['out_tok_s'] / base['out_tok_s']:.2f}" if base else "-"
         ms = lambda d: f"{d['p50'] / 1e3:.1f} / {d['p99'] / 1e3:.1f}" if d.get("p50") else "-"  # noqa: E731
         kv = f"{r['kv_bytes_vs_full']:.2f}" if r.get("kv_bytes_vs_full") else "-"
-        lines.append(f"| {r['policy']} | {r['pool_requests']:g} | {r['ok']}/{r['requests']} | "
+        lines.append(f"| {series(r)} | {r['pool_requests']:g} | {r['ok']}/{r['requests']} | "
                      f"{r['running_peak']:g} / {r['running_mean']:.1f} | {r['out_tok_s']:.1f} | "
                      f"{ratio} | {ms(r['e2e_ms'])} | {ms(r['ttft_ms'])} | {r['preemptions']} | "
                      f"{kv} |")
     lines += ["", "| policy | crossover: pays at pools up to (full requests) |", "|---|---|"]
     largest = max(r["pool_requests"] for r in rows)
     for p in policies:
-        if p != "stock":
+        if not p.startswith("stock"):
             c = crossover(rows, p)
             said = ("never, in the measured range" if c is None else f"{c:g}" + (
                 " (the largest measured: it pays at every pool)" if c == largest else ""))
             lines.append(f"| {p} | {said} |")
-    text = "\n".join(lines) + "\n"
+    text = "\n".join(lines + dp_lines(rows)) + "\n"
     (out_dir / f"table-{input_len}.md").write_text(text)
     plot(rows, policies, out_dir / f"capacity-{input_len}.png")
     return text
@@ -154,7 +202,7 @@ def plot(rows: list[dict], policies: list[str], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for p in policies:
-        pts = sorted((r for r in rows if r["policy"] == p), key=lambda r: r["pool_requests"])
+        pts = sorted((r for r in rows if series(r) == p), key=lambda r: r["pool_requests"])
         x = [r["pool_requests"] for r in pts]
         axes[0].plot(x, [r["out_tok_s"] for r in pts], marker="o", label=p)
         axes[1].plot(x, [r["running_mean"] for r in pts], marker="o", label=p)
@@ -187,6 +235,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--port", type=int, default=8140)
     ap.add_argument("--reserved-cpus", default="1")
+    ap.add_argument("--data-parallel-size", type=int, default=1,
+                    help="engine cores per point, sharing the same total pool")
+    ap.add_argument("--omp-bind", default=None,
+                    help="VLLM_CPU_OMP_THREADS_BIND for the server (default: vLLM's auto)")
     ap.add_argument("--out-dir", type=Path, default=Path("docs/results/capacity"))
     ap.add_argument("--report-only", action="store_true")
     args = ap.parse_args()
@@ -201,8 +253,9 @@ def main() -> None:
         model = str(ensure_bundled_model())
         tok = AutoTokenizer.from_pretrained(model)
         per_token = model_bytes(model)[1]
-        done = {(r["policy"], r["pool_requests"]) for r in load(path)}
-        todo = [(p, k) for k in args.pools for p in args.policies if (p, k) not in done]
+        dp = args.data_parallel_size
+        done = {(r["policy"], r["pool_requests"], r.get("dp", 1)) for r in load(path)}
+        todo = [(p, k) for k in args.pools for p in args.policies if (p, k, dp) not in done]
         for policy, k in tqdm(todo, desc="capacity points", unit="server"):
             row = measure(policy, k, args, model, tok, per_token)
             with path.open("a") as f:

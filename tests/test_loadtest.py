@@ -803,3 +803,28 @@ def test_capacity_report_names_each_policys_crossover(tmp_path):
     assert (tmp_path / "table-4000.md").read_text() == text
     assert (tmp_path / "capacity-4000.png").stat().st_size > 0
     assert capacity.full_request_bytes(4064, 10) == 4096 * 10
+
+
+def test_capacity_data_parallel_points_are_their_own_curve(tmp_path):
+    """DP 2 points: each engine gets half the pool (plus its own null block); they are a curve
+    of their own against stock at DP 2, and the report sets DP 2 beside DP 1 at each pool."""
+    from loadtest import capacity
+
+    def row(policy, pool, tok_s, dp):
+        lat = {"p50": 1000.0, "p99": 2000.0 * dp}
+        return {"policy": policy, "pool_requests": pool, "requests": 8, "ok": 8, "dp": dp,
+                "input_len": 4000, "output_len": 64, "out_tok_s": tok_s, "e2e_ms": lat,
+                "ttft_ms": lat, "running_peak": 4, "running_mean": 2.0 * dp,
+                "preemptions": 0, "kv_bytes_vs_full": None}
+    assert capacity.engine_pool_bytes(2, 4064, 10, 2) == 4096 * 10 + 128 * 10
+    assert capacity.engine_pool_bytes(2, 4064, 10, 1) == 2 * 4096 * 10 + 128 * 10
+    rows = [row("stock", 2, 10, 1), row("prulong:0.7", 2, 10.2, 1),
+            row("stock", 2, 12, 2), row("prulong:0.7", 2, 15, 2)]
+    assert capacity.series(rows[3]) == "prulong:0.7 DP2"
+    # at DP 1 within the noise band; at DP 2 a win against DP 2's stock (not DP 1's)
+    assert capacity.crossover(rows, "prulong:0.7") is None
+    assert capacity.crossover(rows, "prulong:0.7 DP2") == 2
+    text = capacity.report(rows, tmp_path, 4000)
+    assert "| prulong:0.7 DP2 | 2 | 8/8 | 4 / 4.0 | 15.0 | 1.25 |" in text
+    assert "| prulong:0.7 | 2 | 2 | 10.2 -> 15.0 | 1.47 | 2.0 -> 4.0 | 2.0 -> 4.0 |" in text
+    assert "| stock DP2 |" not in text.split("crossover")[1]
