@@ -20,10 +20,11 @@ The report (`--report-only`, also written after every point): `table-<input-len>
 crossover: the largest pool at which it serves more output tokens per second than stock (by
 more than `NOISE`), i.e. up to which it pays (none: it never does in the measured range).
 
-`--data-parallel-size N` serves each point with N engine cores (one API server) sharing the
-same total pool, N-th each; points of several sizes in one directory are separate series
-("prulong:0.7 DP2"), each against stock at its own size, and the report adds DP N against
-DP 1 at each pool (`--omp-bind` pins the engines: "0-1" one engine on both cores, "0|1" one
+`--data-parallel-size N` serves each point with N engine cores sharing the same total pool,
+N-th each, behind `--api-server-count` API servers (default 1, stock too); points of several
+layouts in one directory are separate series ("prulong:0.7 DP2", "prulong:0.7 DP2 2 API"),
+each against stock at its own layout, and the report adds each layout against DP 1 (several
+API servers: against one at the same DP size) at each pool (`--omp-bind` pins the engines: "0-1" one engine on both cores, "0|1" one
 core each).
 """
 
@@ -77,8 +78,9 @@ def measure(policy: str, pool_requests: float, args, model: str, tok, per_token:
     dp = args.data_parallel_size
     pool = engine_pool_bytes(pool_requests, tokens, per_token, dp)
     port = args.port
-    # (one API server for stock too: the plugin serves with one)
-    parallel = ["--data-parallel-size", str(dp), "--api-server-count", "1"] if dp > 1 else []
+    api = args.api_server_count
+    parallel = (["--data-parallel-size", str(dp)] if dp > 1 else []) + [
+        "--api-server-count", str(api)]
     argv, env = server_launch(
         model, policy, kv_cache_bytes=pool, max_batched_tokens=args.chunk, port=port, eager=True,
         extra_args=["--dtype", "float32", "--served-model-name", MODEL_NAME,
@@ -87,7 +89,8 @@ def measure(policy: str, pool_requests: float, args, model: str, tok, per_token:
     env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = args.reserved_cpus
     if args.omp_bind:
         env["VLLM_CPU_OMP_THREADS_BIND"] = args.omp_bind
-    name = f"{policy.replace(':', '-')}_pool{pool_requests:g}" + (f"_dp{dp}" if dp > 1 else "")
+    name = (f"{policy.replace(':', '-')}_pool{pool_requests:g}" + (f"_dp{dp}" if dp > 1 else "")
+            + (f"_api{api}" if api > 1 else ""))
     log = args.out_dir / "logs" / f"{name}.log"
     base = f"http://127.0.0.1:{port}"
     rng = np.random.default_rng(args.seed)  # the same prompts for every point
@@ -102,6 +105,7 @@ def measure(policy: str, pool_requests: float, args, model: str, tok, per_token:
     full = sum(s["full_kv_bytes_peak"] for s in stats) if len(stats) == len(ok) else None
     return {
         "policy": policy, "pool_requests": pool_requests, "pool_bytes": pool * dp, "dp": dp,
+        "api_servers": api,
         "input_len": args.input_len, "output_len": args.output_len, "requests": args.requests,
         "ok": len(ok), "failed": [f"{r.outcome}: {r.error}" for r in results if not r.ok],
         "ready_s": ready, "wall_s": wall,
@@ -124,40 +128,56 @@ def load(path: Path) -> list[dict]:
 NOISE = 0.05
 
 
+def layout(row: dict) -> tuple[int, int]:
+    """(data-parallel size, API servers) of a point (points from before either was recorded
+    ran one engine behind one API server)."""
+    return row.get("dp", 1), row.get("api_servers", 1)
+
+
 def series(row: dict) -> str:
-    """A point's curve: its policy, and its data-parallel size where that is above 1."""
-    dp = row.get("dp", 1)
-    return row["policy"] if dp == 1 else f"{row['policy']} DP{dp}"
+    """A point's curve: its policy, and its layout where that is not one engine, one API
+    server."""
+    dp, api = layout(row)
+    return row["policy"] + (f" DP{dp}" if dp > 1 else "") + (f" {api} API" if api > 1 else "")
 
 
 def stock_of(rows: list[dict]) -> dict:
-    """Stock's point at each (pool, data-parallel size)."""
-    return {(r["pool_requests"], r.get("dp", 1)): r for r in rows if r["policy"] == "stock"}
+    """Stock's point at each (pool, layout)."""
+    return {(r["pool_requests"], layout(r)): r for r in rows if r["policy"] == "stock"}
 
 
 def crossover(rows: list[dict], curve: str) -> float | None:
     """The largest measured pool at which `curve` (a `series`) serves more output tokens/s than
-    stock at the same data-parallel size by more than NOISE."""
+    stock at the same layout by more than NOISE."""
     stock = stock_of(rows)
     wins = [r["pool_requests"] for r in rows if series(r) == curve
-            and (key := (r["pool_requests"], r.get("dp", 1))) in stock
+            and (key := (r["pool_requests"], layout(r))) in stock
             and r["out_tok_s"] > (1 + NOISE) * stock[key]["out_tok_s"]]
     return max(wins) if wins else None
 
 
+def baseline(dp: int, api: int) -> tuple[int, int]:
+    """What a layout is set beside: several API servers beside one at the same DP size, DP N
+    beside DP 1."""
+    return (dp, 1) if api > 1 else (1, 1)
+
+
 def dp_lines(rows: list[dict]) -> list[str]:
-    """DP N against DP 1 for each policy and pool measured at both: output tokens/s, requests
-    at once and p99 end-to-end latency."""
-    one = {(r["policy"], r["pool_requests"]): r for r in rows if r.get("dp", 1) == 1}
-    pairs = [(one[(r["policy"], r["pool_requests"])], r) for r in rows
-             if r.get("dp", 1) > 1 and (r["policy"], r["pool_requests"]) in one]
+    """Each layout against its baseline for each policy and pool measured at both: output
+    tokens/s, requests at once and p99 end-to-end latency."""
+    at = {(r["policy"], r["pool_requests"], layout(r)): r for r in rows}
+    pairs = [(at[key], r) for r in rows if layout(r) != (1, 1)
+             and (key := (r["policy"], r["pool_requests"], baseline(*layout(r)))) in at]
     if not pairs:
         return []
-    lines = ["", "| policy | pool (full requests, in all) | DP | out tok/s DP 1 -> N | x | "
-             "at once (mean) DP 1 -> N | e2e p99 (s) DP 1 -> N |", "|---|---:|---:|---|---:|---|---|"]
-    for a, b in sorted(pairs, key=lambda p: (p[0]["policy"], p[0]["pool_requests"])):
+    lines = ["", "| policy | pool (full requests, in all) | layout (DP / API servers) | out "
+             "tok/s before -> after | x | at once (mean) | e2e p99 (s) |",
+             "|---|---:|---|---|---:|---|---|"]
+    for a, b in sorted(pairs, key=lambda p: (p[1]["policy"], p[1]["pool_requests"],
+                                             layout(p[1]))):
         p99 = lambda r: f"{(r['e2e_ms'].get('p99') or 0) / 1e3:.1f}"  # noqa: E731
-        lines.append(f"| {a['policy']} | {a['pool_requests']:g} | {b['dp']} | "
+        shown = lambda r: "{} / {}".format(*layout(r))  # noqa: E731
+        lines.append(f"| {a['policy']} | {a['pool_requests']:g} | {shown(a)} -> {shown(b)} | "
                      f"{a['out_tok_s']:.1f} -> {b['out_tok_s']:.1f} | "
                      f"{b['out_tok_s'] / a['out_tok_s']:.2f} | {a['running_mean']:.1f} -> "
                      f"{b['running_mean']:.1f} | {p99(a)} -> {p99(b)} |")
@@ -173,7 +193,7 @@ def report(rows: list[dict], out_dir: Path, input_len: int) -> str:
              "| e2e p50 / p99 (s) | TTFT p50 / p99 (s) | preemptions | KV bytes vs full |",
              "|---|---:|---:|---|---:|---:|---|---|---:|---:|"]
     for r in sorted(rows, key=lambda r: (policies.index(series(r)), r["pool_requests"])):
-        base = stock.get((r["pool_requests"], r.get("dp", 1)))
+        base = stock.get((r["pool_requests"], layout(r)))
         ratio = f"{r['out_tok_s'] / base['out_tok_s']:.2f}" if base else "-"
         ms = lambda d: f"{d['p50'] / 1e3:.1f} / {d['p99'] / 1e3:.1f}" if d.get("p50") else "-"  # noqa: E731
         kv = f"{r['kv_bytes_vs_full']:.2f}" if r.get("kv_bytes_vs_full") else "-"
@@ -237,6 +257,8 @@ def main() -> None:
     ap.add_argument("--reserved-cpus", default="1")
     ap.add_argument("--data-parallel-size", type=int, default=1,
                     help="engine cores per point, sharing the same total pool")
+    ap.add_argument("--api-server-count", type=int, default=1,
+                    help="vLLM's API servers per point (stock too)")
     ap.add_argument("--omp-bind", default=None,
                     help="VLLM_CPU_OMP_THREADS_BIND for the server (default: vLLM's auto)")
     ap.add_argument("--out-dir", type=Path, default=Path("docs/results/capacity"))
@@ -253,9 +275,9 @@ def main() -> None:
         model = str(ensure_bundled_model())
         tok = AutoTokenizer.from_pretrained(model)
         per_token = model_bytes(model)[1]
-        dp = args.data_parallel_size
-        done = {(r["policy"], r["pool_requests"], r.get("dp", 1)) for r in load(path)}
-        todo = [(p, k) for k in args.pools for p in args.policies if (p, k, dp) not in done]
+        here = (args.data_parallel_size, args.api_server_count)
+        done = {(r["policy"], r["pool_requests"], layout(r)) for r in load(path)}
+        todo = [(p, k) for k in args.pools for p in args.policies if (p, k, here) not in done]
         for policy, k in tqdm(todo, desc="capacity points", unit="server"):
             row = measure(policy, k, args, model, tok, per_token)
             with path.open("a") as f:

@@ -11,6 +11,7 @@ Documented in server/README.md.
 
 from __future__ import annotations
 
+import os
 import time
 
 from starlette.requests import Request
@@ -28,6 +29,7 @@ def make_router():
     @router.get("/v1/kv_stats")
     async def kv_stats_summary(request: Request, limit: int = 20) -> JSONResponse:
         state = ServerStats.get()
+        state.sync()
         info = state.info()
         state.rss.sample()
         limit = max(0, min(limit, state.store.capacity))
@@ -36,6 +38,8 @@ def make_router():
             "disabled_reason": info["reason"] or None,
             "policy": info["policy"],
             "params": info["params"],
+            # which API server answered (several with --api-server-count: all answer the same)
+            "api_server_pid": os.getpid(),
             "server_rss_bytes": state.rss.current,
             "server_peak_rss_bytes": state.rss.peak,
             "aggregates": state.store.aggregates(),
@@ -50,6 +54,7 @@ def make_router():
     @router.get("/v1/kv_stats/timeline")
     async def kv_stats_timeline(since: float = 0.0) -> JSONResponse:
         state = ServerStats.get()
+        state.sync()
         info = state.info()
         return JSONResponse({"now": time.time(), "policy": info["policy"],
                              "params": info["params"], **state.timeline_view(since)})
@@ -62,7 +67,9 @@ def make_router():
 
     @router.get("/v1/kv_stats/{request_id}")
     async def kv_stats_one(request_id: str) -> JSONResponse:
-        stats = ServerStats.get().store.get(request_id)
+        state = ServerStats.get()
+        state.sync()
+        stats = state.store.get(request_id)
         if stats is None:
             return JSONResponse(status_code=404, content={"error": {
                 "message": f"no kv_stats for request {request_id!r} (unknown, unfinished, or "
@@ -76,11 +83,14 @@ def make_router():
 def install(app, context):
     """Add the endpoints and the middleware to vLLM's FastAPI app (before it starts); return the
     function that records a finished request's stats. `context` (vllm_kvevict's
-    `ServerContext`): policy, params, max_model_len, stats_enabled, stats_disabled_reason and
+    `ServerContext`): policy, params, max_model_len, stats_enabled, stats_disabled_reason,
+    shared_dir (several API servers: `server/shared.py`) and
     `check_vllm_xargs(xargs) -> error or None`."""
     from starlette.middleware import Middleware
 
     ServerStats.get().context = context
+    if getattr(context, "shared_dir", None):  # one of several API servers
+        ServerStats.get().use_shared(context.shared_dir)
     app.include_router(make_router())
     # Innermost (appended last): vLLM's authentication and CORS run before it.
     app.user_middleware.append(Middleware(KVStatsMiddleware))

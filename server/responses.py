@@ -34,11 +34,13 @@ GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 # later when idle, many seconds later on a loaded engine. The response waits for them, not for
 # a time; this bound only ends a wait for an engine that will never report (it is logged).
 STATS_WAIT_S = float(os.environ.get("VLLM_KVEVICT_STATS_WAIT_S", "600"))
+SHARED_POLL_S = 0.05
 
 
 async def settled(response_id: str | None) -> None:
     """Wait until no request of this response still owes its stats (stop strings)."""
     state = ServerStats.get()
+    state.sync()
     if not response_id or not state.owes_stats(response_id):
         return
     deadline = time.monotonic() + STATS_WAIT_S
@@ -54,10 +56,13 @@ async def settled(response_id: str | None) -> None:
             return
         try:
             # re-check (sooner once a shutdown is under way: the engine may stop meanwhile)
-            await asyncio.wait_for(state.next_recorded(),
-                                   min(remaining, 1.0 if WATCH.stop_requested else 5.0))
+            # (with several API servers another may record them: look at the log often)
+            await asyncio.wait_for(state.next_recorded(), min(
+                remaining, SHARED_POLL_S if state.shared is not None else
+                1.0 if WATCH.stop_requested else 5.0))
         except asyncio.TimeoutError:
             pass
+        state.sync()
 
 
 def lift_kv_stats(payload: dict[str, Any], found: list[dict[str, Any]]) -> dict[str, Any]:

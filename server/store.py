@@ -20,6 +20,8 @@ import time
 from collections import OrderedDict, deque
 from typing import Any
 
+from server.shared import SharedLog
+
 logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
 
 STATS_KEY = "kv_stats"  # the response field (and kv_transfer_params key) of our stats
@@ -292,6 +294,9 @@ class ServerStats:
         self.store = KVStatsStore()
         # one timeline per engine core (data parallel: one per replica, by its index)
         self.timelines: dict[int, Timeline] = {0: Timeline()}
+        # several API servers: the log they all append to and replay (`use_shared`)
+        self.shared: SharedLog | None = None
+        self._sync_lock = threading.Lock()
         self.rss = ProcessTreeRSS()
         # engine id -> (API id, finish reason, stop reason) of requests that finished in the
         # API server without kv_stats (stop strings): their stats come later, in the engine's
@@ -355,6 +360,39 @@ class ServerStats:
         else:  # recorded off the event loop's thread
             loop.call_soon_threadsafe(event.set)
 
+    def use_shared(self, directory: str) -> None:
+        """This process is one of several API servers (`server/shared.py`). Its memory is
+        the launcher's tree then: API servers and engine cores are the launcher's children."""
+        self.shared = SharedLog(directory)
+        self.rss = ProcessTreeRSS(os.getppid())
+
+    def keep(self, stats: dict[str, Any]) -> bool:
+        """A finished request's full record into this process's store and timeline; False if
+        it was there already."""
+        engine_id = stats["engine_request_id"]
+        if not self.store.record(stats, stats["request_id"]):
+            return False
+        self.pending.pop(engine_id, None)
+        rank = stats.get("data_parallel_rank")
+        self.timeline_of(rank if isinstance(rank, int) else 0).finished(
+            engine_id, stats.get("finish_reason"))
+        return True
+
+    def sync(self) -> None:
+        """Several API servers: replay what the others appended to the shared log."""
+        if self.shared is None:
+            return
+        with self._sync_lock:
+            replayed = False
+            for engine, event in self.shared.new_events():
+                if event["kind"] == "snapshot":
+                    self.timeline_of(engine).add(event["snapshot"], event["running"],
+                                                 event["waiting"], event["usage"])
+                else:
+                    replayed = self.keep(event["stats"]) or replayed
+        if replayed:
+            self.notify_recorded()
+
     def owes_stats(self, response_id: str) -> bool:
         """A request of this response ended in the API server and its stats are on the way."""
         return any(external == response_id or external.startswith((response_id + "-",
@@ -376,13 +414,19 @@ def _record(engine_id: str, external_id: str, stats: dict[str, Any]) -> dict[str
     state.rss.sample()
     full = {"request_id": external_id, **stats, "engine_request_id": engine_id,
             "index": sibling_index(engine_id), "server_peak_rss_bytes": state.rss.peak}
-    pending = state.pending.pop(engine_id, None)
-    if pending is not None:  # the API server ended it (stop string): its reason wins
-        full["finish_reason"], full["stop_reason"] = pending[1], pending[2]
-    if state.store.record(full, external_id):
+    pending = state.pending.get(engine_id)
+    if state.shared is not None:  # the API server that ended it may be another one
+        pending = state.shared.settle(engine_id) or pending
+    if pending is not None:  # an API server ended it (stop string): its reason wins
+        full["request_id"], full["finish_reason"], full["stop_reason"] = pending
+    if state.shared is None:
+        first = state.keep(full)
+    else:  # first writer wins; the replay puts it in this process's store
         rank = full.get("data_parallel_rank")
-        state.timeline_of(rank if isinstance(rank, int) else 0).finished(
-            engine_id, full.get("finish_reason"))
+        first = state.shared.append_finished(engine_id, rank if isinstance(rank, int) else 0,
+                                             full)
+        state.sync()
+    if first:
         try:
             state.metrics.observe(full)
         except Exception:  # metrics must never break a response
@@ -404,10 +448,12 @@ def record_engine_output(engine_id: str, external_id: str,
 def record_output_finished(engine_id: str, external_id: str, finish_reason: str,
                            stop_reason: Any) -> None:
     """A request ended in the API server with no kv_stats yet (a stop string)."""
-    pending = ServerStats.get().pending
-    pending[engine_id] = (external_id, finish_reason, stop_reason)
-    while len(pending) > 4096:
-        pending.popitem(last=False)
+    state = ServerStats.get()
+    state.pending[engine_id] = (external_id, finish_reason, stop_reason)
+    while len(state.pending) > 4096:
+        state.pending.popitem(last=False)
+    if state.shared is not None:  # its stats may reach another API server
+        state.shared.owe(engine_id, external_id, finish_reason, stop_reason)
 
 
 def record_engine_stats(payload: dict[str, Any], running: int, waiting: int,
@@ -418,7 +464,11 @@ def record_engine_stats(payload: dict[str, Any], running: int, waiting: int,
     state = ServerStats.get()
     snapshots = payload.get("snapshots") or ()
     for snapshot in snapshots:
-        state.timeline_of(engine).add(snapshot, running, waiting, usage)
+        if state.shared is None:
+            state.timeline_of(engine).add(snapshot, running, waiting, usage)
+        else:
+            state.shared.append_snapshot(engine, snapshot, running, waiting, usage)
+    state.sync()
     for stats in payload.get("finished") or ():
         engine_id = str(stats.get("engine_request_id"))
         if state.store.has(engine_id):  # its output carried them already

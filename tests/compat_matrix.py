@@ -357,17 +357,16 @@ ROWS = [
                     "gathering a replicated head's score from its replicas' query shares (the "
                     "hybrid refused: tests/test_features.py::test_parallel_layouts)")
             for c in COLUMNS}}),
-    Row("data parallel (`--data-parallel-size 2 --api-server-count 1`)",
+    Row("data parallel (`--data-parallel-size 2`, two API servers)",
         {**{c: Cell("exact", (("" if c in DP_CI else "(s)")
                               + "tests/test_data_parallel.py::"
                               f"test_dp2_serves_the_reference_tokens_per_replica[{DP_IDS[c]}]",
-                              "tests/test_features.py::test_vllm_serve_refuses[dp-api-servers]",
                               *((f"(s)tests/test_data_parallel.py::test_dp2_serves_the_reference_"
                                  f"tokens_per_replica[{DP_IDS[c]}-flex]",)
                                 if c in ("prulong 0.7", "snapkv patched") else ())),
                     "one engine core per replica, kv_stats naming it (on the flex path too); "
-                    "vLLM's default of one API server per replica is refused (the kv_stats store "
-                    "lives in one)")
+                    "vLLM's default of one API server per replica: lookups, aggregates and the "
+                    "live view the same from each, every request counted once in /metrics")
             for c in COLUMNS}}),
     Row("pipeline parallel (> 1)",
         {c: Cell("refused", (f"tests/test_features.py::test_parallel_layouts[{COLUMNS[c]}]",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -199,25 +200,39 @@ def test_eviction_chunk_needs_a_step_budget_that_holds_the_observation_window():
 
 
 @pytest.mark.parametrize("argv, count", [
-    (["--kv-policy", "prulong", "--data-parallel-size", "2"], 1),
-    (["--data-parallel-size", "2"], None),  # (no policy: vLLM's default, its DP size later)
-    (["--kv-policy", "prulong", "--data-parallel-size", "2", "--api-server-count", "2"], 2),
+    (["--kv-policy", "prulong", "--data-parallel-size", "2"], None),  # vLLM's: the DP size
+    (["--kv-policy", "prulong", "--data-parallel-size", "2", "--api-server-count", "1"], 1),
     (["--api-server-count", "3", "--kv-policy", "prulong"], 3),
-    (["--kv-policy", "prulong", "--headless"], None),
 ])
-def test_kv_policy_means_one_api_server_unless_asked(argv, count, monkeypatch):
-    """On vLLM's own serve parser: `--kv-policy` sets the API-server count to 1 where the user
-    gave none (vLLM would default it to --data-parallel-size, which a policy refuses), and
-    leaves an explicit count (before or after it) and headless mode to vLLM."""
+def test_kv_policy_leaves_the_api_server_count_to_vllm(argv, count):
+    """Several API servers serve a policy (`server/shared.py`): `--kv-policy` changes nothing
+    in vLLM's count (None here: vLLM's serve command defaults it to --data-parallel-size)."""
     import importlib
 
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    try:  # (0.32's module; 0.33 and 0.34 moved it)
-        serve_args = importlib.import_module("vllm.entrypoints.launchers.cli_args")
-    except ModuleNotFoundError:
-        serve_args = importlib.import_module("vllm.entrypoints.common.cli_args")
-    monkeypatch.setattr(sys, "argv", ["vllm", "serve", *argv])  # (as `vllm serve` parses)
+    from vllm_kvevict.integration.plugins.versions import vllm_release
+
+    serve_args = importlib.import_module(  # (the serve parser's module moved in 0.33)
+        "vllm.entrypoints.common.cli_args" if vllm_release() >= (0, 33)
+        else "vllm.entrypoints.launchers.cli_args")
     parser = serve_args.make_arg_parser(FlexibleArgumentParser())
     cli.add_kv_policy_args(parser)
     assert parser.parse_args(argv).api_server_count == count
+
+
+def test_launcher_makes_one_shared_log_directory_for_several_api_servers(monkeypatch):
+    """`vllm serve`'s launcher (from_cli_args) makes the directory once, before it starts the
+    API servers, which inherit it; one API server gets none."""
+    from vllm_kvevict.integration.entrypoints import api_server
+
+    monkeypatch.delenv(api_server.SHARED_DIR_ENV, raising=False)
+    for count in (None, 1):
+        api_server.share_between_api_servers(count)
+        assert api_server.SHARED_DIR_ENV not in os.environ
+    api_server.share_between_api_servers(2)
+    directory = os.environ[api_server.SHARED_DIR_ENV]
+    assert os.path.isdir(directory)
+    api_server.share_between_api_servers(2)  # an API server's own from_cli_args: the same
+    assert os.environ[api_server.SHARED_DIR_ENV] == directory
+    os.rmdir(directory)

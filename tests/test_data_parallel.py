@@ -1,11 +1,11 @@
-"""Data parallel: `vllm serve --data-parallel-size 2` (one API server: `--kv-policy` sets the
-count vLLM would default to the DP size), one engine core per
-replica (vLLM's CPU data parallel on this 2-core machine, one core each), each with its own
-policy state. Served greedy tokens equal the reference's (at the chunk boundaries each replica
-reports); each response's kv_stats come from the replica that served it (`data_parallel_rank`);
-the live view's timeline and the vllm_kvevict_* pool gauges are per engine (`engines`, label
-`engine`). More than one API server asked for is refused with a policy
-(tests/test_features.py::test_vllm_serve_refuses[dp-api-servers])."""
+"""Data parallel: `vllm serve --data-parallel-size 2` (two API servers, vLLM's default count),
+one engine core per replica (vLLM's CPU data parallel on this 2-core machine, one core each),
+each with its own policy state. Served greedy tokens equal the reference's (at the chunk
+boundaries each replica reports); each response's kv_stats come from the replica that served it
+(`data_parallel_rank`); the live view's timeline and the vllm_kvevict_* pool gauges are per
+engine (`engines`, label `engine`). Both API servers answer lookups, aggregates and the
+timeline the same, and count each request once in the vllm_kvevict_* series
+(`server/shared.py`)."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def test_dp2_serves_the_reference_tokens_per_replica(column, backend, v2, tiny_q
     server = start_server(model_dir, [*flags(policy, CHUNK), "--data-parallel-size", "2"],
                           env={**DP_ENV, **(server_env() if v2 else {})})
     log = server.log_tail(10 ** 7)
-    assert "vllm-kvevict: one API server for --data-parallel-size 2" in log
+    assert "Started 2 API server processes" in log  # vLLM's default count: the DP size
     assert f"attention_backend={backend}" in log or backend == "cpu"
     assert runners_in(log) == ((2, 0) if v2 else (0, 2))  # each replica's runner
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
@@ -90,6 +90,47 @@ def test_dp2_serves_the_reference_tokens_per_replica(column, backend, v2, tiny_q
     for engine in ("0", "1"):
         assert f'vllm_kvevict_pool_blocks{{engine="{engine}",policy="{policy["policy"]}"}}' \
             in metrics
+    # a stop string ends a request in its API server; its stats may reach the other one
+    probes, stopped = [], []
+    for prompt in prompts[:2]:
+        probes.append(client.completions.create(model=SERVED_NAME, prompt=prompt[:64],
+                                                max_tokens=8, temperature=0))
+        text = probes[-1].choices[0].text  # greedy: the same text again, up to the stop string
+        stopped.append(client.completions.create(
+            model=SERVED_NAME, prompt=prompt[:64], max_tokens=24, temperature=0,
+            stop=[text[len(text) // 2:][:3]]))
+        assert stopped[-1].model_extra["kv_stats"]["finish_reason"] == "stop", stopped[-1]
+    assert_api_servers_agree(server.base_url, [r.id for r in responses + probes + stopped],
+                             policy["policy"])
+
+
+def assert_api_servers_agree(base_url: str, response_ids: list[str], policy: str) -> None:
+    """Each new connection may reach either API server (vLLM shares one listening socket):
+    every one finds every request, and all report the same aggregates and timeline engines;
+    /metrics (vLLM's multiprocess collector) counts each request once."""
+    views: dict[int, tuple] = {}
+    for attempt in range(40):
+        with httpx.Client(base_url=base_url, timeout=30, trust_env=False) as http:
+            summary = http.get("/v1/kv_stats").json()
+            views[summary["api_server_pid"]] = (
+                summary["aggregates"]["requests"],
+                summary["aggregates"]["requests_per_finish_reason"],
+                sorted(http.get("/v1/kv_stats/timeline").json()["engines"]))
+            for rid in response_ids[attempt % 2::2]:
+                assert http.get(f"/v1/kv_stats/{rid}").status_code == 200, rid
+        if len(views) == 2 and attempt >= 3:
+            break
+    assert len(views) == 2, views  # both API servers answered
+    assert len(set(map(repr, views.values()))) == 1, views
+    requests, reasons, engines = next(iter(views.values()))
+    assert requests == len(response_ids) and reasons.get("stop") == 2, views
+    assert engines == ["0", "1"]
+    with httpx.Client(base_url=base_url, timeout=30, trust_env=False) as http:
+        metrics = http.get("/metrics").text
+    counted = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                  if line.startswith("vllm_kvevict_requests_total{")
+                  and f'policy="{policy}"' in line)
+    assert counted == len(response_ids), counted
 
 
 @pytest.mark.server

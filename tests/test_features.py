@@ -3,7 +3,6 @@ policy column of the compatibility matrix, and `vllm serve` stopping with the li
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +12,7 @@ import pytest
 from compat_matrix import COLUMNS
 from test_policies_vllm import CASES
 from vllm_kvevict.config import KVPolicyConfig
-from vllm_kvevict.features import (api_servers_error, connector_error, full_block_error,
-                                   kv_cache_dtype_error,
+from vllm_kvevict.features import (connector_error, full_block_error, kv_cache_dtype_error,
                                    lora_error, model_error, parallel_error,
                                    prefix_caching_error, prompt_embeds_error)
 
@@ -58,19 +56,13 @@ def test_kv_cache_dtypes(name):
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_parallel_layouts(name):
     """Tensor parallel is served when the ranks split the KV heads evenly; data parallel is
-    served (one engine core per replica) behind one API server; pipeline parallel is refused
+    served (one engine core per replica, behind any number of API servers); pipeline parallel is refused
     for every policy."""
     cfg = config(name)
     assert parallel_error(cfg, {"tensor_parallel_size": 1, "pipeline_parallel_size": 1}) is None
     assert parallel_error(cfg, {"pipeline_parallel_size": 2}, 4) == (
         f"--pipeline-parallel-size 2 is not supported with --kv-policy {cfg.policy} yet (not "
         "built; vLLM CPU 0.32's own pipeline parallel fails on its first request); valid: 1")
-    assert api_servers_error(cfg, None) is None and api_servers_error(cfg, 1) is None
-    assert api_servers_error(cfg, 2) == (
-        f"--api-server-count 2 is not supported with --kv-policy {cfg.policy}: kv_stats "
-        "lookups, the live view and the vllm_kvevict_* series live in one API-server process; "
-        "valid: 1 (the default with --kv-policy; with the policy in --additional-config vLLM "
-        "defaults the count to --data-parallel-size)")
     assert parallel_error(cfg, {"data_parallel_size": 2}, 4) is None
     assert parallel_error(cfg, {"tensor_parallel_size": 2}, 4) is None
     assert parallel_error(cfg, {"tensor_parallel_size": 4}, 4) is None
@@ -143,9 +135,6 @@ def test_lora_refused_with_patched_eviction(name):
     (["--kv-policy", "snapkv", "--enable-prefix-caching"],
      "--enable-prefix-caching is not supported with --kv-policy snapkv --kv-eviction patched "
      "yet"),
-    # several API servers asked for (without the count, --kv-policy makes it 1)
-    (["--kv-policy", "prulong", "--data-parallel-size", "2", "--api-server-count", "2"],
-     "--api-server-count 2 is not supported with --kv-policy prulong: kv_stats lookups"),
     # decode-time eviction: what it is not tested with yet
     (["--kv-policy", "snapkv", "--kv-decode-budget", "64", "--kv-cache-dtype", "fp8"],
      "--kv-cache-dtype fp8 is not supported with --kv-decode-budget; valid with "
@@ -153,7 +142,7 @@ def test_lora_refused_with_patched_eviction(name):
     (["--kv-policy", "snapkv", "--kv-decode-budget", "64", "--speculative-config",
       '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}'],
      "--speculative-config is not supported with --kv-decode-budget"),
-], ids=["fp8", "pp", "lora", "prefix-caching", "dp-api-servers", "decode-fp8", "decode-spec"])
+], ids=["fp8", "pp", "lora", "prefix-caching", "decode-fp8", "decode-spec"])
 def test_vllm_serve_refuses(bundled_model_dir, argv, line):
     vllm = Path(sys.executable).parent / "vllm"
     proc = subprocess.run([str(vllm), "serve", str(bundled_model_dir), "--dtype", "float32",

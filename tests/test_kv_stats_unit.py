@@ -536,6 +536,64 @@ def test_data_parallel_engines_keep_their_own_timeline():
         st.ServerStats._instance = None
 
 
+def test_several_api_servers_share_what_each_records(tmp_path):
+    """Two API servers on one log (`server/shared.py`): A ends a request by a stop string and
+    its stats reach B with an engine step; another request's output reaches A while its copy
+    reaches B. Both servers then hold every request once, A's stop reason, the same aggregates
+    and timeline; the Prometheus series count each request once, in the process that wrote it."""
+    from server import store as st
+
+    class Observed:
+        def __init__(self):
+            self.requests, self.pools = [], 0
+
+        def observe(self, stats):
+            self.requests.append(stats["engine_request_id"])
+
+        def observe_pool(self, *args):
+            self.pools += 1
+
+    def server():
+        state = st.ServerStats()
+        state.use_shared(str(tmp_path))
+        state._metrics = Observed()
+        return state
+
+    a, b = server(), server()
+
+    def on(state):
+        st.ServerStats._instance = state
+
+    try:
+        on(a)
+        st.record_output_finished("cmpl-1-0-aaaaaaaa", "cmpl-1-0", "stop", "\n")
+        st.record_engine_output("cmpl-3-0-cccccccc", "cmpl-3-0", {"kv_stats": {
+            "engine_request_id": "cmpl-3-0-cccccccc", "policy": "full",
+            "finish_reason": "length"}})
+        on(b)
+        snap = {"t": 5.0, "blocks_used": [3], "num_blocks": 40, "group_names": ["g"],
+                "bytes_per_block": [100], "block_size": 16, "requests": {}}
+        copies = [{"engine_request_id": e, "policy": "full", "finish_reason": "abort"}
+                  for e in ("cmpl-1-0-aaaaaaaa", "cmpl-2-0-bbbbbbbb", "cmpl-3-0-cccccccc")]
+        st.record_engine_stats({"snapshots": [snap], "finished": copies}, 2, 1, 0.1)
+        on(a)
+        assert a.owes_stats("cmpl-1")  # nothing read from the log yet
+        a.sync()
+        assert not a.owes_stats("cmpl-1")
+        for state in (a, b):
+            one = state.store.get("cmpl-1")
+            assert (one["finish_reason"], one["stop_reason"]) == ("stop", "\n")
+            assert state.store.get("cmpl-3")["finish_reason"] == "length"  # the output's
+            assert state.store.aggregates()["requests_per_finish_reason"] == {
+                "stop": 1, "abort": 1, "length": 1}
+            assert state.timeline.view(0.0)["samples"][0]["running"] == 2
+        assert a._metrics.requests == ["cmpl-3-0-cccccccc"]
+        assert b._metrics.requests == ["cmpl-1-0-aaaaaaaa", "cmpl-2-0-bbbbbbbb"]
+        assert (a._metrics.pools, b._metrics.pools) == (0, 1)  # gauges: the receiver's
+    finally:
+        st.ServerStats._instance = None
+
+
 # -- teacher-forced tail (vllm_xargs kv_teacher_forced) ------------------------------------------
 
 @pytest.mark.parametrize("policy", ["full", "streaming", "duo", "prulong", "snapkv", "pyramidkv"])

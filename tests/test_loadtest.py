@@ -826,5 +826,13 @@ def test_capacity_data_parallel_points_are_their_own_curve(tmp_path):
     assert capacity.crossover(rows, "prulong:0.7 DP2") == 2
     text = capacity.report(rows, tmp_path, 4000)
     assert "| prulong:0.7 DP2 | 2 | 8/8 | 4 / 4.0 | 15.0 | 1.25 |" in text
-    assert "| prulong:0.7 | 2 | 2 | 10.2 -> 15.0 | 1.47 | 2.0 -> 4.0 | 2.0 -> 4.0 |" in text
+    assert "| prulong:0.7 | 2 | 1 / 1 -> 2 / 1 | 10.2 -> 15.0 | 1.47 | 2.0 -> 4.0 | 2.0 -> 4.0 |" \
+        in text
     assert "| stock DP2 |" not in text.split("crossover")[1]
+    # two API servers at DP 2: a curve of its own, set beside one API server at DP 2
+    rows += [{**row("stock", 2, 11, 2), "api_servers": 2},
+             {**row("prulong:0.7", 2, 16, 2), "api_servers": 2}]
+    assert capacity.series(rows[-1]) == "prulong:0.7 DP2 2 API"
+    text = capacity.report(rows, tmp_path, 4000)
+    assert "| prulong:0.7 DP2 2 API | 2 | 8/8 | 4 / 4.0 | 16.0 | 1.45 |" in text
+    assert "| prulong:0.7 | 2 | 2 / 1 -> 2 / 2 | 15.0 -> 16.0 | 1.07 |" in text

@@ -262,8 +262,8 @@ SOAKS = {
                      ["--max-num-batched-tokens", "512", "--max-num-seqs", "16",
                       "--kv-cache-memory-bytes", SMALL_POOL],
                      [{"kv_teacher_forced": 4}], 1500, (700, 1300, 1900)),
-    # data parallel 2 (one engine core per core), prefix caching on: the plain command (the
-    # policy makes it one API server)
+    # data parallel 2 (one engine core per core), prefix caching on: the plain command (vLLM's
+    # default: one API server per replica, sharing one kv_stats log)
     "data-parallel": SoakCase({"policy": "prulong", "sparsity": 0.7},
                               ["--data-parallel-size", "2",
                                "--enable-prefix-caching", "--max-num-batched-tokens", "512",

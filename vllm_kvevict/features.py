@@ -69,8 +69,8 @@ def kv_cache_dtype_error(policy_config, cache_dtype: str | None) -> str | None:
 # eviction gathers a head's score from its replicas (`worker.replica_scores`); the hybrid is
 # refused there (a rank with a streaming replica would miss a full head's exchange). Data
 # parallel: one engine core per replica, each with its own policy state and stats (kv_stats
-# name the replica's rank); served with one API server (`cli.py` refuses more: the kv_stats
-# store and the live view live in one process). Pipeline parallel is not built (other layers
+# name the replica's rank), behind any number of API servers (they share one kv_stats log:
+# server/shared.py). Pipeline parallel is not built (other layers
 # per stage) and vLLM CPU 0.32's own fails on its first request
 # (tests/test_pipeline_parallel.py): refused, full included.
 PARALLEL_FLAGS = (("tensor_parallel_size", "--tensor-parallel-size"),
@@ -130,20 +130,6 @@ def serves_on_flex(policy_config, platform: str, chosen: str | None) -> bool:
     """Off the CPU platform a policy runs on our FlexAttention backend, registered under vLLM's
     FLEX_ATTENTION name, when the user chose no backend (`platform_error` refuses others)."""
     return policy_config.policy != "full" and platform != "cpu" and chosen is None
-
-
-def api_servers_error(policy_config, count: int | None) -> str | None:
-    """`vllm serve --api-server-count`: the kv_stats store, `/v1/kv_stats`, the live view and
-    the vllm_kvevict_* gauges live in one API-server process, so a policy is served behind one
-    (`--kv-policy` makes it the default: `entrypoints/cli.PolicyFlag`; vLLM's is
-    --data-parallel-size)."""
-    if count is None or count <= 1:
-        return None
-    return (f"--api-server-count {count} is not supported with --kv-policy "
-            f"{policy_config.policy}: kv_stats lookups, the live view and the vllm_kvevict_* "
-            "series live in one API-server process; valid: 1 (the default with --kv-policy; "
-            "with the policy in --additional-config vLLM defaults the count to "
-            "--data-parallel-size)")
 
 
 def decode_eviction_error(policy_config, method: str | None, cache_dtype: str | None

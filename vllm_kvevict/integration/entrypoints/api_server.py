@@ -10,7 +10,11 @@ connector) -> kv_transfer_params / scheduler stats -> here -> server/ -> the res
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, Protocol
@@ -23,6 +27,9 @@ from vllm_kvevict.stats import STATS_KEY
 logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
 
 ENTRY_POINT_GROUP = "vllm_kvevict.server"
+# several API servers: the directory of the log they share (server/shared.py), made by the
+# launcher and inherited by the API-server processes it starts
+SHARED_DIR_ENV = "VLLM_KVEVICT_SHARED_DIR"
 
 
 class Recorder(Protocol):
@@ -54,6 +61,7 @@ class ServerContext:
     stats_enabled: bool = False
     stats_disabled_reason: str = "server not initialised"
     stats_key: str = STATS_KEY
+    shared_dir: str | None = None  # one of several API servers: their shared log's directory
 
     def check_vllm_xargs(self, xargs: Any) -> str | None:
         """Why a request's `vllm_xargs` is refused (HTTP 400), or None."""
@@ -79,7 +87,18 @@ def server_context(model_config=None) -> ServerContext:
     return ServerContext(policy=served.config.policy, params=serving(served, _vllm_config),
                          max_model_len=getattr(model_config, "max_model_len", None),
                          obs_window_max=served.config.max_obs_window,
-                         stats_enabled=enabled, stats_disabled_reason=reason)
+                         stats_enabled=enabled, stats_disabled_reason=reason,
+                         shared_dir=os.environ.get(SHARED_DIR_ENV) or None)
+
+
+def share_between_api_servers(count: int | None) -> None:
+    """In `vllm serve`'s launcher, before it starts `count` API servers: the directory of
+    their shared kv_stats log (removed when the launcher exits)."""
+    if (count or 1) <= 1 or os.environ.get(SHARED_DIR_ENV):
+        return
+    directory = tempfile.mkdtemp(prefix="vllm-kvevict-")
+    os.environ[SHARED_DIR_ENV] = directory
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
 
 
 def build_app(stock_build_app, *args, **kwargs):

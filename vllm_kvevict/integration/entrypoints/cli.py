@@ -10,31 +10,12 @@ The flags themselves are a plain table (`vllm_kvevict/flags.py`).
 from __future__ import annotations
 
 import argparse
-import logging
-import sys
 
 from vllm_kvevict.config import KVPolicyConfig, KVPolicyError
-from vllm_kvevict.features import api_servers_error
 from vllm_kvevict.flags import FLAGS, fail, flag_message
+from vllm_kvevict.integration.entrypoints.api_server import share_between_api_servers
 from vllm_kvevict.integration.plugins import registration
 from vllm_kvevict.served import ADDITIONAL_CONFIG_KEY
-
-logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
-
-
-class PolicyFlag(argparse.Action):
-    """`--kv-policy`: also one API server where neither `--api-server-count` (before or
-    after it: argparse then overwrites this) nor `--headless` says otherwise. vLLM defaults
-    the count to --data-parallel-size, and the kv_stats store lives in one API-server process
-    (`features.api_servers_error`), so plain `--data-parallel-size N` serves. (`--headless`
-    after `--kv-policy` is found in the command line: argparse has not reached it yet; one in
-    a `--config` file is not.)"""
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        setattr(namespace, self.dest, values)
-        if (getattr(namespace, "api_server_count", 0) is None
-                and not getattr(namespace, "headless", False) and "--headless" not in sys.argv):
-            namespace.api_server_count = 1
 
 
 def add_kv_policy_args(parser: argparse.ArgumentParser) -> None:
@@ -46,8 +27,7 @@ def add_kv_policy_args(parser: argparse.ArgumentParser) -> None:
                         "\"sparsity\": 0.7}}'.")
     for flag, (field, typ, help_text) in FLAGS.items():
         group.add_argument(flag, dest="kv_" + field if field != "policy" else "kv_policy",
-                           type=typ, default=argparse.SUPPRESS, help=help_text,
-                           **({"action": PolicyFlag} if field == "policy" else {}))
+                           type=typ, default=argparse.SUPPRESS, help=help_text)
 
 
 def policy_from_args(args: argparse.Namespace, additional_config: dict | None) -> dict | None:
@@ -79,16 +59,8 @@ def fold_into_engine_args(engine_args, args: argparse.Namespace) -> None:
     if policy is not None and registration.inactive_reason is not None:
         fail(f"--kv-* flags need an active plugin, and it is inactive here: "
              f"{registration.inactive_reason}")
-    if policy is not None:
-        error = api_servers_error(KVPolicyConfig.from_dict(policy),
-                                  getattr(args, "api_server_count", None))
-        if error:
-            fail(error)
-        # (vLLM's serve command has set a single API server's count back to None by now)
-        if (getattr(args, "data_parallel_size", 1) or 1) > 1 and \
-                not getattr(args, "headless", False):
-            logger.info("vllm-kvevict: one API server for --data-parallel-size %d (the kv_stats "
-                        "store lives in one process)", args.data_parallel_size)
+    # several API servers (vLLM's default with --data-parallel-size) share one kv_stats log
+    share_between_api_servers(getattr(args, "api_server_count", None))
     if policy is not None:
         additional = {**additional, ADDITIONAL_CONFIG_KEY: policy}
         engine_args.additional_config = additional
