@@ -24,8 +24,8 @@ more than `NOISE`), i.e. up to which it pays (none: it never does in the measure
 N-th each, behind `--api-server-count` API servers (default 1, stock too); points of several
 layouts in one directory are separate series ("prulong:0.7 DP2", "prulong:0.7 DP2 2 API"),
 each against stock at its own layout, and the report adds each layout against DP 1 (several
-API servers: against one at the same DP size) at each pool (`--omp-bind` pins the engines: "0-1" one engine on both cores, "0|1" one
-core each).
+API servers: against one at the same DP size) at each pool (`--omp-bind` pins the engines:
+"0-1" one engine on both cores, "0|1" one core each).
 """
 
 from __future__ import annotations

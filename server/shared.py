@@ -27,6 +27,7 @@ from typing import Any, Iterator
 
 KEEP_EVENTS = 100_000  # events kept in the log; an API server replays within seconds
 PRUNE_EVERY = 1_000
+OWED_LIMIT = 4096
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS events (
@@ -88,8 +89,12 @@ class SharedLog:
 
     def owe(self, engine_id: str, external_id: str, finish_reason: str,
             stop_reason: Any) -> None:
-        self._db().execute("INSERT OR REPLACE INTO owed VALUES (?, ?, ?, ?)",
-                           (engine_id, external_id, finish_reason, json.dumps(stop_reason)))
+        db = self._db()
+        db.execute("INSERT OR REPLACE INTO owed VALUES (?, ?, ?, ?)",
+                   (engine_id, external_id, finish_reason, json.dumps(stop_reason)))
+        # (bounded as each API server's own list: stats an engine that died never sent)
+        db.execute("DELETE FROM owed WHERE rowid <= (SELECT MAX(rowid) FROM owed) - ?",
+                   (OWED_LIMIT,))
 
     def settle(self, engine_id: str) -> tuple[str, str, Any] | None:
         """The (API id, finish reason, stop reason) an API server left for this request."""

@@ -253,8 +253,11 @@ ROWS = [
                            + f"tests/test_fp8.py::test_fp8_serves_the_reference_tokens"
                            f"[{TP_IDS[c]}]",
                            *(("(s)tests/test_serve_full.py::test_full_policy_fp8_is_stock",)
-                             if c == "full" else ())),
-                 "against the reference quantizing its cache as vLLM's CPU kernels do; refused "
+                             if c == "full" else ()),
+                           *(("tests/test_fp8.py::test_fp8_serves_the_reference_tokens"
+                              "[kv4-prulong-0.7-fast-layout]",) if c == "prulong 0.7" else ())),
+                 "against the reference quantizing its cache as vLLM's CPU kernels do (prulong "
+                 "with no --block-size too: the fast layout); refused "
                  "with --kv-eviction-chunk (tests/test_features.py::test_vllm_serve_refuses"
                  "[fp8])")
          for c in COLUMNS if c not in (HYBRID, DECODE)},

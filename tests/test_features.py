@@ -264,8 +264,7 @@ def test_larger_full_blocks_refused_where_untested():
     assert "--pipeline-parallel-size" in full_block_error(cfg, 64, {"pipeline_parallel_size": 2},
                                                           False)
     assert "vLLM's V2 model runner" in full_block_error(cfg, 64, one, True)
-    assert full_block_error(cfg, 64, one, False, 0, "fp8_e5m2").startswith(
-        "--kv-full-block-size 128 is not tested with --kv-cache-dtype fp8_e5m2")
+    assert full_block_error(cfg, 64, one, False, 0, "fp8_e5m2") is None  # (tests/test_fp8.py)
     assert full_block_error(cfg, 64, {"data_parallel_size": 2}, False) is None
     assert full_block_error(cfg, 64, one, False, 1024) is None
     assert full_block_error(cfg, 64, one, False, 320) == (
@@ -304,6 +303,7 @@ def test_fast_layout_is_chosen_where_it_is_served(monkeypatch):
         assert chosen(prulong) == (False, None, None)
         return
     assert chosen(prulong) == (True, 64, 128)
+    assert chosen(prulong, kv_cache_dtype="fp8") == (True, 64, 128)  # (tests/test_fp8.py)
     assert chosen({"policy": "streaming"}) == (True, 64, None)
     for policy, engine in (
             (prulong, {"block_size": 128}), (prulong, {"block_size": 64}),
@@ -311,7 +311,6 @@ def test_fast_layout_is_chosen_where_it_is_served(monkeypatch):
             ({**prulong, "token_policy": "snapkv"}, {}),
             ({**prulong, "attention_backend": "flex"}, {}),
             (prulong, {"tensor_parallel_size": 2}), (prulong, {"pipeline_parallel_size": 2}),
-            (prulong, {"kv_cache_dtype": "fp8"}),
             ({"policy": "snapkv", "sparsity": 0.7}, {}), ({"policy": "full"}, {})):
         fast, block, full = chosen(policy, **engine)
         assert not fast and block == engine.get("block_size"), (policy, engine)

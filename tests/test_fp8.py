@@ -79,6 +79,10 @@ CASES = [pytest.param((column, "fp8"), id=test_id,
          for column, test_id in FP8_IDS.items()]
 CASES.append(pytest.param(("prulong 0.7", "fp8_e5m2"), id="kv4-prulong-0.7-e5m2",
                           marks=pytest.mark.slow))
+# the README's prulong (sink 64, window 256) with no --block-size: the fast layout (streaming
+# heads in 64-token blocks read in place, full heads in 128) over fp8 codes
+FAST = "prulong 0.7, fast layout"
+CASES.append(pytest.param((FAST, "fp8"), id="kv4-prulong-0.7-fast-layout"))
 
 
 @pytest.mark.server
@@ -91,7 +95,8 @@ def test_fp8_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_torch_
     model_dir = tiny_qwen3(4)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                  attn_implementation="eager").eval()
-    policy = dict(TP_POLICIES[column])
+    policy = (dict(TP_POLICIES[column]) if column != FAST
+              else {"policy": "prulong", "sparsity": 0.7})
     cfg = KVPolicyConfig.from_dict(policy)
     full_heads = None
     if cfg.policy in HEAD_MASK_POLICIES:
@@ -101,6 +106,8 @@ def test_fp8_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_torch_
     runner = ReferenceRunner(model, build_policy(cfg, 4, 4, full_heads=full_heads),
                              kv_cache_dtype=kv_cache_dtype)
     server = start_server(model_dir, [*flags(policy, CHUNK), "--kv-cache-dtype", kv_cache_dtype])
+    fast = "(the fast layout;" in server.log_tail(10 ** 6)
+    assert fast == (column == FAST)
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
     width = pool_width(server)
     fp8_differs = False
@@ -116,7 +123,7 @@ def test_fp8_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_torch_
         # token, in 128-token blocks
         tokens = len(prompt) + NEW_TOKENS - 1
         assert stats["full_kv_bytes_peak"] == 4 * 2 * 4 * 64 * 128 * -(-tokens // 128)
-        if cfg.uses_head_mask:
+        if cfg.uses_head_mask and not fast:
             # every group's block: the plan's width in head pages x K, V x 128 x 64 x 1 byte
             assert stats["kv_bytes_peak"] == stats["blocks_held_peak"] * width * 2 * 128 * 64
         unquantized = ReferenceRunner(model, runner.policy).generate(prompt, NEW_TOKENS, ends)

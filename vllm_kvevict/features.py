@@ -333,7 +333,7 @@ def full_block_error(policy_config, block_size: int, sizes: dict[str, int],
     blocks that are multiples of 32 (vLLM picks it per group and stores it on the layer, which
     reads both its groups), dividing the canonical prefill chunk `chunk` (prefix-cache hits
     land on its multiples; 0: none). Served and tested on one process with vLLM's V1 CPU
-    runner, an unquantized cache."""
+    runner, the model's dtype or fp8 in the cache (tests/test_fp8.py)."""
     full = policy_config.full_block_size
     if full is None or full == block_size or block_size <= 0:
         return None
@@ -345,9 +345,8 @@ def full_block_error(policy_config, block_size: int, sizes: dict[str, int],
         return (f"--kv-full-block-size {full} must divide the canonical prefill chunk ({chunk}: "
                 f"--kv-eviction-chunk, else --max-num-batched-tokens with prefix caching)")
     used = [flag for field, flag in PARALLEL_FLAGS[:2] if sizes.get(field, 1) > 1]
-    fp8 = f"--kv-cache-dtype {cache_dtype}" if cache_dtype not in ("auto", "") else None
-    if used or uses_v2 or fp8:
-        what = used[0] if used else fp8 or "vLLM's V2 model runner"
+    if used or uses_v2:
+        what = used[0] if used else "vLLM's V2 model runner"
         return (f"--kv-full-block-size {full} is not tested with {what}; serve without "
                 f"--kv-full-block-size (the full heads then use --block-size {block_size})")
     return None

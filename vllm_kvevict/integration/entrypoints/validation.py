@@ -115,8 +115,8 @@ def check_tiers_and_chunk(vllm_config, served) -> None:
 def choose_fast_layout(engine_args) -> bool:
     """CPU platform, before vLLM builds its config: a head mask's fast layout
     (`features.fast_layout`) where the user set no `--block-size` and no
-    `--kv-full-block-size`, on the CPU kernel, one tensor-parallel and pipeline rank, the V1
-    runner and an unquantized cache (`full_block_error`); True when chosen."""
+    `--kv-full-block-size`, on the CPU kernel, one tensor-parallel and pipeline rank and the
+    V1 runner (`full_block_error`); True when chosen."""
     raw = (getattr(engine_args, "additional_config", None) or {}).get(ADDITIONAL_CONFIG_KEY)
     if not isinstance(raw, dict) or engine_args.block_size is not None:
         return False
@@ -124,8 +124,7 @@ def choose_fast_layout(engine_args) -> bool:
     layout = fast_layout(cfg)
     if (layout is None or cfg.full_block_size is not None
             or (engine_args.tensor_parallel_size or 1) > 1
-            or (engine_args.pipeline_parallel_size or 1) > 1
-            or str(engine_args.kv_cache_dtype or "auto") != "auto" or v2_runner_expected()):
+            or (engine_args.pipeline_parallel_size or 1) > 1 or v2_runner_expected()):
         return False
     engine_args.block_size, full = layout
     if full:

@@ -149,10 +149,9 @@ class HeadMaskPlanner(StepPlanner):
     def __init__(self, state: WorkerState, vllm_config, rank: int, world: int) -> None:
         super().__init__(state, vllm_config, rank, world)
         if not state.flex and rank == 0:
-            dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
             cfg = state.config
             for line in (in_place_hint(cfg.sink, cfg.window, state.block_size),
-                         full_block_hint(state.block_size, cfg, world, dtype)):
+                         full_block_hint(state.block_size, cfg, world)):
                 if line:
                     logger.info("vllm-kvevict: %s", line)
 
@@ -344,13 +343,12 @@ def in_place_hint(sink: int, window: int, block_size: int) -> str | None:
                         if fits else ""))
 
 
-def full_block_hint(block_size: int, config, world: int = 1,
-                    cache_dtype: str = "auto") -> str | None:
+def full_block_hint(block_size: int, config, world: int = 1) -> str | None:
     """What to pass for a head mask's full heads to be read in 128-token blocks, when they are
     in smaller ones and the flag is served (`--kv-full-block-size`, `features.full_block_error`:
-    one tensor-parallel rank, an unquantized cache)."""
+    one tensor-parallel rank)."""
     if config.full_block_size or config.policy == "streaming" or config.token_policy \
-            or world > 1 or cache_dtype != "auto" \
+            or world > 1 \
             or block_size >= 128 or 128 % block_size or block_size % 32:
         return None
     return (f"full heads in {block_size}-token blocks: --kv-full-block-size 128 lets vLLM's CPU "
