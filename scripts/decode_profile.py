@@ -18,6 +18,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("batch", type=int); ap.add_argument("prompt_tokens", type=int); ap.add_argument("new_tokens", type=int)
 ap.add_argument("--policy", default="prulong:0.7"); ap.add_argument("--block-size", type=int, default=128)
 ap.add_argument("--prefix-caching", action="store_true")
+ap.add_argument("--kv-cache-dtype", default="auto", help="e.g. fp8 (vLLM's --kv-cache-dtype)")
 ap.add_argument("--full-block-size", type=int, help="a head mask's full heads in blocks of this many tokens (--kv-full-block-size)")
 ap.add_argument("--cprofile", metavar="FILE", help="also cProfile the decode steps' engine steps into FILE")
 ap.add_argument("--linear", action="store_true", help="also time vLLM's linear layers (the weights' products)")
@@ -90,7 +91,8 @@ from vllm_kvevict.model import ensure_bundled_model
 
 llm = LLM(model=str(ensure_bundled_model()), enforce_eager=True, dtype="float32", max_model_len=8192,
           kv_cache_memory_bytes=2 << 30, seed=0, max_num_batched_tokens=8192, skip_tokenizer_init=True,
-          enable_prefix_caching=args.prefix_caching, max_num_seqs=B, block_size=args.block_size, **extra)
+          enable_prefix_caching=args.prefix_caching, max_num_seqs=B, block_size=args.block_size,
+          kv_cache_dtype=args.kv_cache_dtype, **extra)
 import vllm.v1.worker.cpu_model_runner as cmr
 
 Runner = cmr.CPUModelRunner
@@ -109,7 +111,7 @@ for rep in range(args.repeat):
     T.clear(); C.clear(); E.update(step=0.0, schedule=0.0, update=0.0); steps.update(n=0, t=0.0)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=S, ignore_eos=True, detokenize=False), use_tqdm=False)
     n = steps["n"]
-    print(f"RESULT {args.policy} bs={args.block_size} pc={args.prefix_caching} B={B} N={N} decode steps {n}: execute_model {steps['t']/n*1000:.1f} ms/step")
+    print(f"RESULT {args.policy} bs={args.block_size} full_bs={args.full_block_size} {args.kv_cache_dtype} pc={args.prefix_caching} B={B} N={N} decode steps {n}: execute_model {steps['t']/n*1000:.1f} ms/step")
     print(f"RESULT   engine step {E['step']/n*1000:.1f} ms/step: schedule {E['schedule']/n*1000:.2f}, update_from_output {E['update']/n*1000:.2f}")
     for k, v in sorted(T.items(), key=lambda x: -x[1]):
         print(f"RESULT   {k:18s} {v/n*1000:7.2f} ms/step  ({C[k]//n} calls/step)")

@@ -80,9 +80,11 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
         super().__init__(*args, **kwargs)
         # built before the model (KVEvictWorker.init_device), which builds these per layer
         self.kv_state = init_state(get_current_vllm_config())
-        # vLLM's kernel with nothing but causal attention: the streaming heads' fast paths
-        self._plain = not is_fp8(self.kv_cache_dtype) and self.alibi_slopes is None \
-            and not self.logits_soft_cap and self.sliding_window in (None, -1)
+        # vLLM's kernel with nothing but causal attention: the streaming heads' in-place decode
+        # (the kernel reads fp8 codes as for stock); the read-back one reads unquantized values
+        self._plain = self.alibi_slopes is None and not self.logits_soft_cap \
+            and self.sliding_window in (None, -1)
+        self._read_back = self._plain and not is_fp8(self.kv_cache_dtype)
         self._views: dict[str, tuple] = {}  # `head_caches`: per use, (cache, heads, K/V views)
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
@@ -159,7 +161,7 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
                             keys, values, out)
             return out
         out = torch.zeros(query.shape[0], len(stream_q), self.head_size, dtype=query.dtype)
-        if plan.decode_pos is not None and plain:
+        if plan.decode_pos is not None and self._read_back:
             # one decode query per row: attention on the window read back, no scratch cache
             k, v = decode_window(self, layer, plan, keys, values)
             return decode_attention(query[:, stream_q], k, v, self.scale)
