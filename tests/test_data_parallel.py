@@ -106,13 +106,15 @@ def test_dp2_serves_the_reference_tokens_per_replica(column, backend, v2, tiny_q
 
 def assert_api_servers_agree(base_url: str, response_ids: list[str], policy: str) -> None:
     """Each new connection may reach either API server (vLLM shares one listening socket):
-    every one finds every request, and all report the same aggregates and timeline engines;
-    /metrics (vLLM's multiprocess collector) counts each request once."""
+    every one serves the engines' policy (its own config, built from the launcher's args),
+    finds every request, and all report the same aggregates and timeline engines; /metrics
+    (vLLM's multiprocess collector) counts each request once."""
     views: dict[int, tuple] = {}
     for attempt in range(40):
         with httpx.Client(base_url=base_url, timeout=30, trust_env=False) as http:
             summary = http.get("/v1/kv_stats").json()
             views[summary["api_server_pid"]] = (
+                summary["policy"], summary["params"],  # (each API server's own config)
                 summary["aggregates"]["requests"],
                 summary["aggregates"]["requests_per_finish_reason"],
                 sorted(http.get("/v1/kv_stats/timeline").json()["engines"]))
@@ -122,7 +124,8 @@ def assert_api_servers_agree(base_url: str, response_ids: list[str], policy: str
             break
     assert len(views) == 2, views  # both API servers answered
     assert len(set(map(repr, views.values()))) == 1, views
-    requests, reasons, engines = next(iter(views.values()))
+    served, _, requests, reasons, engines = next(iter(views.values()))
+    assert served == policy, views
     assert requests == len(response_ids) and reasons.get("stop") == 2, views
     assert engines == ["0", "1"]
     with httpx.Client(base_url=base_url, timeout=30, trust_env=False) as http:

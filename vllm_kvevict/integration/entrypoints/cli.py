@@ -10,6 +10,7 @@ The flags themselves are a plain table (`vllm_kvevict/flags.py`).
 from __future__ import annotations
 
 import argparse
+import copy
 
 from vllm_kvevict.config import KVPolicyConfig, KVPolicyError
 from vllm_kvevict.flags import FLAGS, fail, flag_message
@@ -62,8 +63,11 @@ def fold_into_engine_args(engine_args, args: argparse.Namespace) -> None:
     # several API servers (vLLM's default with --data-parallel-size) share one kv_stats log
     share_between_api_servers(getattr(args, "api_server_count", None))
     if policy is not None:
-        additional = {**additional, ADDITIONAL_CONFIG_KEY: policy}
-        engine_args.additional_config = additional
+        engine_args.additional_config = {**additional, ADDITIONAL_CONFIG_KEY: policy}
+        # and in the parsed args, as the JSON form: the API-server processes vLLM's launcher
+        # starts build their config from these args before our plugin has loaded there (a
+        # copy: the fast layout is chosen later, in each process, on its own engine args)
+        args.additional_config = {**additional, ADDITIONAL_CONFIG_KEY: copy.deepcopy(policy)}
 
 
 # -- EngineArgs hooks (registration.py) ---------------------------------------------------------
