@@ -226,13 +226,17 @@ def test_launcher_makes_one_shared_log_directory_for_several_api_servers(monkeyp
     API servers, which inherit it; one API server gets none."""
     from vllm_kvevict.integration.entrypoints import api_server
 
-    monkeypatch.delenv(api_server.SHARED_DIR_ENV, raising=False)
+    # (monkeypatch restores both variables: later servers of this worker must not inherit them)
+    monkeypatch.setenv(api_server.SHARED_DIR_ENV, "/nonexistent/stale")
+    monkeypatch.setenv(api_server.SHARED_BY_ENV, "1")  # an unrelated launcher's: ignored
+    assert api_server.shared_dir() is None
     for count in (None, 1):
         api_server.share_between_api_servers(count)
-        assert api_server.SHARED_DIR_ENV not in os.environ
+        assert os.environ[api_server.SHARED_BY_ENV] == "1"
     api_server.share_between_api_servers(2)
     directory = os.environ[api_server.SHARED_DIR_ENV]
-    assert os.path.isdir(directory)
-    api_server.share_between_api_servers(2)  # an API server's own from_cli_args: the same
+    assert os.path.isdir(directory) and os.environ[api_server.SHARED_BY_ENV] == str(os.getpid())
+    api_server.share_between_api_servers(2)  # the launcher's second from_cli_args: the same
     assert os.environ[api_server.SHARED_DIR_ENV] == directory
+    assert api_server.shared_dir() is None  # (this process is the launcher, not its child)
     os.rmdir(directory)

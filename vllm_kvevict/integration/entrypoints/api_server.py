@@ -30,6 +30,7 @@ ENTRY_POINT_GROUP = "vllm_kvevict.server"
 # several API servers: the directory of the log they share (server/shared.py), made by the
 # launcher and inherited by the API-server processes it starts
 SHARED_DIR_ENV = "VLLM_KVEVICT_SHARED_DIR"
+SHARED_BY_ENV = "VLLM_KVEVICT_SHARED_BY"  # the launcher's pid: an inherited stale one is ignored
 
 
 class Recorder(Protocol):
@@ -88,16 +89,26 @@ def server_context(model_config=None) -> ServerContext:
                          max_model_len=getattr(model_config, "max_model_len", None),
                          obs_window_max=served.config.max_obs_window,
                          stats_enabled=enabled, stats_disabled_reason=reason,
-                         shared_dir=os.environ.get(SHARED_DIR_ENV) or None)
+                         shared_dir=shared_dir())
+
+
+def shared_dir() -> str | None:
+    """The shared log's directory when this process is one of several API servers: made by
+    this process's launcher (its parent), not one inherited from an unrelated `vllm serve`."""
+    if os.environ.get(SHARED_BY_ENV) != str(os.getppid()):
+        return None
+    return os.environ.get(SHARED_DIR_ENV) or None
 
 
 def share_between_api_servers(count: int | None) -> None:
     """In `vllm serve`'s launcher, before it starts `count` API servers: the directory of
     their shared kv_stats log (removed when the launcher exits)."""
-    if (count or 1) <= 1 or os.environ.get(SHARED_DIR_ENV):
+    # (an API server's own from_cli_args: its launcher, the parent, made it already)
+    if (count or 1) <= 1 or os.environ.get(SHARED_BY_ENV) in (str(os.getpid()),
+                                                               str(os.getppid())):
         return
     directory = tempfile.mkdtemp(prefix="vllm-kvevict-")
-    os.environ[SHARED_DIR_ENV] = directory
+    os.environ[SHARED_DIR_ENV], os.environ[SHARED_BY_ENV] = directory, str(os.getpid())
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
 
 

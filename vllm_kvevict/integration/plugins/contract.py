@@ -157,9 +157,6 @@ TOUCHED = (
      "PIECEWISE over vLLM's FULL_AND_PIECEWISE default for a policy off the CPU platform "
      "(features.py)"),
     ("entrypoints/cli.py", "_actions", "argparse's: add the --kv-* group once"),
-    ("entrypoints/cli.py", "api_server_count",
-     "vLLM's serve args, in its launcher: several API servers share one kv_stats log "
-     "(server/shared.py)"),
     ("entrypoints/cli.py", "additional_config",
      "the --kv-* flags folded into EngineArgs' JSON form"),
     ("worker/head_order.py", "load_format",
