@@ -14,7 +14,7 @@ import types
 import pytest
 import torch
 
-from vllm_kvevict.gpu_check import cells, timing
+from vllm_kvevict.gpu_check import cells, layer, timing
 from vllm_kvevict.gpu_check.__main__ import main
 
 
@@ -33,7 +33,8 @@ def test_cpu_run_passes_every_cell_and_writes_json(cpu_run):
     assert all(c["passed"] for c in checked), [c for c in checked if not c["passed"]]
     assert {c["policy"] for c in checked} == set(cells.CASES)
     # token eviction kept the reference's positions; prefill and decode rows both compared
-    assert all(c["kept_mismatch"] == 0 and c["decode"] >= 0 for c in checked)
+    assert all(c["kept_mismatch"] == 0 and c["ties"] == 0 and c["decode"] >= 0
+               for c in checked)
     trainer = results["trainer"]
     assert trainer["passed"] and trainer["losses"][-1] < trainer["losses"][0]
     assert (out / "trainer-smoke-duo.json").is_file()
@@ -43,6 +44,19 @@ def test_cpu_run_passes_every_cell_and_writes_json(cpu_run):
     assert all(c["status"] == "ok" and c["ms"] > 0 and c["bytes"] > 0 for c in timed)
     assert results["timing"]["bandwidth_bytes_per_s"] > 0
     assert results["summary"]["failed"] == 0 and results["environment"]["torch"]
+
+
+def test_a_near_tie_at_the_cut_is_adopted_and_a_real_gap_is_not():
+    """The reference takes the checked path's choice only where both are top-k up to
+    TIE_RTOL of the head's largest score (another summation order on a GPU)."""
+    scores = torch.tensor([[4.0, 1.0, 1.0 + 1e-6, 0.5], [4.0, 1.0, 2.0, 0.5]])
+    window = torch.tensor([[4], [4]])
+    chosen = torch.cat([torch.tensor([[0, 2], [0, 2]]), window], 1)  # the exact top 2
+    other = torch.cat([torch.tensor([[0, 1], [0, 1]]), window], 1)   # token 1 for token 2
+    rows, ties = layer.adopt_ties(scores, chosen.clone(), other, selected=2)
+    assert ties == 1
+    assert rows[0].tolist() == [0, 1, 4] and rows[1].tolist() == [0, 2, 4]
+    assert layer.adopt_ties(scores, chosen.clone(), chosen, selected=2)[1] == 0
 
 
 def test_the_png_is_drawn_where_matplotlib_is(cpu_run, tmp_path):

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from vllm_kvevict.config import KVPolicyConfig
-from vllm_kvevict.gpu_check.layer import (PAGE, CheckedLayer, LayerSetup, Row, kernel,
-                                          kv_heads_to_q, reference_step)
+from vllm_kvevict.gpu_check.layer import (PAGE, CheckedLayer, LayerSetup, Row,
+                                          compile_counter, kernel, kv_heads_to_q,
+                                          reference_step)
 from vllm_kvevict.masks import (HeadGates, full_heads_at_sparsity, load_head_gates,
                                 resolve_full_heads)
 from vllm_kvevict.policies import KVPolicy, build_policy
@@ -161,14 +162,16 @@ def simulate_layer(ref_setup: LayerSetup, setup: LayerSetup, sizes: Sizes, shape
     gen = torch.Generator().manual_seed(seed)
     checked = new_checked(setup, sizes, shape, gen, device, dtype)
     refs = [LayerKV.empty(shape[1], shape[3], dtype, device) for _ in sizes.prompts]
-    worst = {"prefill": 0.0, "decode": 0.0, "kept_mismatch": 0}
+    worst = {"prefill": 0.0, "decode": 0.0, "kept_mismatch": 0, "ties": 0}
     evict_q = kv_heads_to_q(setup.evicting.nonzero().flatten(), shape[2])
     for step in schedule(sizes.prompts, sizes.chunk, sizes.decode):
         rows = [make_row(*s, sizes, setup.policy, shape, gen, device, dtype) for s in step]
         out, question = checked.step(run, rows)
         first, asked = 0, 0
         for r in rows:
-            ref = reference_step(ref_setup, refs[r.index], r)
+            ref, ties = reference_step(ref_setup, refs[r.index], r,
+                                       checked.last_choice.pop(r.index, None))
+            worst["ties"] += ties
             kind = "prefill" if r.prefill else "decode"
             diffs = [_error(out[:, first:first + r.count], ref[:, :r.count])]
             if r.question:
@@ -205,17 +208,19 @@ def run_case(name: str, sizes: Sizes, device: str, dtype: str, compiled: bool,
     started = time.perf_counter()
     policy, shape = build_case(name, sizes)
     run = kernel(device, compiled)
-    worst = {"prefill": 0.0, "decode": 0.0, "kept_mismatch": 0}
+    worst = {"prefill": 0.0, "decode": 0.0, "kept_mismatch": 0, "ties": 0}
     layers = checked_layers(shape[0], sizes.layers)
+    compiles = compile_counter() if compiled else None
     for layer in layers:
         ref, checked = layer_setups(policy, layer, shape, device, sizes, perturb)
         got = simulate_layer(ref, checked, sizes, shape, run, device, DTYPES[dtype], layer)
-        worst = {k: max(worst[k], got[k]) if k != "kept_mismatch" else worst[k] + got[k]
-                 for k in worst}
+        worst = {k: worst[k] + got[k] if k in ("kept_mismatch", "ties") else
+                 max(worst[k], got[k]) for k in worst}
     tol = TOLERANCE[dtype]
     ok = worst["prefill"] <= tol and worst["decode"] <= tol and worst["kept_mismatch"] == 0
     return {"policy": name, "dtype": dtype, "mode": "compiled" if compiled else "eager",
             "layers": layers, **worst, "tolerance": tol, "passed": ok,
+            "compiles": compiles() if compiles else None,
             "seconds": round(time.perf_counter() - started, 2)}
 
 

@@ -24,6 +24,7 @@ import torch
 import torch.nn.attention.flex_attention as flex_module
 from torch.nn.attention.flex_attention import flex_attention
 
+from vllm_kvevict.flex import FLEX_RECOMPILE_LIMIT
 from vllm_kvevict.flex.block_mask import head_mask_block_mask, paged_queries
 from vllm_kvevict.policies import KVPolicy
 from vllm_kvevict.reference.attention import LayerKV, attend, streaming_cut, visibility
@@ -36,8 +37,24 @@ Q_BLOCK = 16  # vLLM's FlexAttention query block with paged KV (torch >= 2.9)
 @functools.cache
 def compiled_flex_attention():
     """Compiled once per process, as vLLM compiles it (whole graph)."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    allow_check_compiles()
     return torch.compile(flex_attention, fullgraph=True)
+
+
+def allow_check_compiles() -> None:
+    """The check compiles every policy, dtype and timing shape in one process (a served worker
+    compiles one policy's, under FLEX_RECOMPILE_LIMIT): dynamo's limits would stop it midway."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                               16 * FLEX_RECOMPILE_LIMIT)
+    torch._dynamo.config.accumulated_recompile_limit = max(
+        torch._dynamo.config.accumulated_recompile_limit, 64 * FLEX_RECOMPILE_LIMIT)
+
+
+def compile_counter():
+    """Graphs compiled from now on (a cell's own: those earlier cells left are reused)."""
+    stats = torch._dynamo.utils.counters["stats"]
+    start = stats["unique_graphs"]
+    return lambda: stats["unique_graphs"] - start
 
 
 def kernel(device: str, compiled: bool):
@@ -106,6 +123,7 @@ class CheckedLayer:
     compact: list[torch.Tensor]              # K, V: the evicting heads' compacted cache
     physical: list[int]                      # per request: compacted length
     kept: list[torch.Tensor] = field(default_factory=list)  # per request: positions [He, n]
+    last_choice: dict = field(default_factory=dict)  # per request: its last chunk's `select`
 
     def write(self, cache, row: int, where: torch.Tensor, k, v) -> None:
         slots = self.table[row].long()[where // PAGE] * PAGE + where % PAGE
@@ -201,6 +219,7 @@ class CheckedLayer:
             k_kept.transpose(0, 1), v_kept.transpose(0, 1)
         self.physical[r.index] = before + idx.shape[1]
         self.kept[r.index] = torch.cat([self.kept[r.index], r.start + idx], 1)
+        self.last_choice[r.index] = idx
 
 
 def _to(batch, device):
@@ -208,10 +227,12 @@ def _to(batch, device):
                           for k, v in vars(batch).items()})
 
 
-def reference_step(setup: LayerSetup, cache: LayerKV, r: Row) -> torch.Tensor:
+def reference_step(setup: LayerSetup, cache: LayerKV, r: Row,
+                   checked_choice: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """The reference runner's update for one request's step (`ReferenceRunner.forward`):
-    outputs [Hq, count + question, d] at true positions; the cache keeps the past and what the
-    policy keeps of the chunk, streaming heads cut to sink + window."""
+    outputs [Hq, count + question, d] at true positions (the cache keeps the past and what the
+    policy keeps of the chunk, streaming heads cut to sink + window), and the heads where the
+    checked path's `checked_choice` of this chunk was taken as a tie (`adopt_ties`)."""
     cfg, device = setup.policy.config, r.q.device
     positions = torch.arange(r.start, r.start + r.count + r.question, device=device)
     past = cache.positions.shape[1]
@@ -220,16 +241,20 @@ def reference_step(setup: LayerSetup, cache: LayerKV, r: Row) -> torch.Tensor:
     out = attend(r.q, keys, values, seen, setup.scale)
     stored = past + r.count
     keep = torch.ones(setup.streaming.numel(), stored, dtype=torch.bool, device=device)
+    ties = 0
     if r.prefill and bool(setup.evicting.any()):
-        keep[:, past:] = _reference_chunk_kept(setup, r) | ~setup.evicting.view(-1, 1)
+        kept, ties = _reference_chunk_kept(setup, r, checked_choice)
+        keep[:, past:] = kept | ~setup.evicting.view(-1, 1)
     key_pos = key_pos[:, :stored]
     keep &= streaming_cut(key_pos, r.start + r.count, setup.streaming, cfg.sink, cfg.window)
     cache.store(keys[:, :stored], values[:, :stored], key_pos, keep)
-    return out
+    return out, ties
 
 
-def _reference_chunk_kept(setup: LayerSetup, r: Row) -> torch.Tensor:
-    """Bool [H, c]: `ReferenceRunner.chunk_tokens_kept` on this step's q and k."""
+def _reference_chunk_kept(setup: LayerSetup, r: Row,
+                          checked_choice: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """Bool [H, c]: `ReferenceRunner.chunk_tokens_kept` on this step's q and k (ties adopted
+    from the checked path's choice), and the number of heads adopted."""
     cfg, c = setup.policy.config, r.count
     budget = setup.policy.chunk_keep(setup.layer, c, r.final)
     if r.question:
@@ -240,5 +265,30 @@ def _reference_chunk_kept(setup: LayerSetup, r: Row) -> torch.Tensor:
     scores = observation_scores(obs, r.k[:, :c], offset, num_candidates=c - budget.window,
                                 pool_kernel=cfg.pool_kernel)
     chosen = select_kept(scores, budget.selected, c, budget.window)
+    ties = 0
+    if checked_choice is not None:
+        heads = setup.evicting.nonzero().flatten().to(chosen.device)
+        chosen[heads], ties = adopt_ties(scores[heads], chosen[heads],
+                                         checked_choice.to(chosen.device), budget.selected)
     keep = torch.zeros(setup.streaming.numel(), c, dtype=torch.bool, device=r.q.device)
-    return keep.scatter(1, chosen.to(r.q.device), True)
+    return keep.scatter(1, chosen.to(r.q.device), True), ties
+
+
+TIE_RTOL = 1e-5  # of a head's largest score: float32 scoring summed in another order
+
+
+def adopt_ties(scores: torch.Tensor, chosen: torch.Tensor, other: torch.Tensor,
+               selected: int) -> tuple[torch.Tensor, int]:
+    """`chosen` (the reference's top `selected` by `scores`, then the window) with each head's
+    row replaced by `other` where `other` is a top-`selected` too up to TIE_RTOL: its lowest
+    chosen score at most that far below the highest it left out. On a GPU the two paths score
+    in different kernels, and a near-tie at the cut can fall either way; a larger gap stays a
+    mismatch. Returns the rows and the number of heads replaced."""
+    mask = torch.zeros_like(scores, dtype=torch.bool).scatter(1, other[:, :selected], True)
+    differs = (chosen != other).any(dim=1)
+    if not bool(differs.any()):
+        return chosen, 0
+    low = scores.masked_fill(~mask, float("inf")).min(dim=1).values
+    high = scores.masked_fill(mask, float("-inf")).max(dim=1).values
+    tie = differs & (high - low <= TIE_RTOL * scores.abs().max(dim=1).values)
+    return torch.where(tie[:, None], other, chosen), int(tie.sum())

@@ -41,14 +41,17 @@ def _driver_version() -> str | None:
 
 def correctness_table(cells: list[dict]) -> str:
     lines = [f"{'policy':32s} {'dtype':9s} {'mode':8s} {'prefill':>9s} {'decode':>9s} "
-             f"{'kept≠':>5s} {'tol':>7s}  result   (error: max |checked - reference| / "
-             "(1 + |reference|))"]
+             f"{'kept≠':>5s} {'ties':>4s} {'graphs':>6s} {'tol':>7s}  result   (error: max "
+             "|checked - reference| / (1 + |reference|); ties: heads whose cut fell on a "
+             "near-tie; graphs: flex_attention graphs compiled in the cell)"]
     for c in cells:
         if "prefill" not in c:
             lines.append(f"{c['policy']:32s} {c['dtype']:9s} {c['mode']:8s} {c['status']}")
             continue
         lines.append(f"{c['policy']:32s} {c['dtype']:9s} {c['mode']:8s} {c['prefill']:9.2e} "
-                     f"{c['decode']:9.2e} {c['kept_mismatch']:5d} {c['tolerance']:7.1e}  "
+                     f"{c['decode']:9.2e} {c['kept_mismatch']:5d} {c.get('ties', 0):4d} "
+                     f"{'-' if c.get('compiles') is None else c['compiles']:>6} "
+                     f"{c['tolerance']:7.1e}  "
                      f"{'ok' if c['passed'] else 'FAIL'}")
     return "\n".join(lines)
 

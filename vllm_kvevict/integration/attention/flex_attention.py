@@ -27,6 +27,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backends.flex_attention import (FlexAttentionBackend, FlexAttentionImpl,
                                                        FlexAttentionMetadataBuilder)
 
+from vllm_kvevict.flex import FLEX_RECOMPILE_LIMIT
 from vllm_kvevict.flex.block_mask import PagedQueries, chunk_starts, head_mask_block_mask
 from vllm_kvevict.integration.attention import flex_token, inductor_cache
 from vllm_kvevict.integration.kv_cache.head_pages import HeadSlots, head_slots
@@ -36,7 +37,6 @@ from vllm_kvevict.integration.worker.state import get_state, init_state
 from vllm_kvevict.served import policy_config_of
 
 FLEX_BACKEND = "vllm_kvevict.integration.attention.flex_attention.KVEvictFlexBackend"
-FLEX_RECOMPILE_LIMIT = 64
 _runner = None  # this worker's model runner (`remember_runner`): prompt lengths
 
 
