@@ -37,6 +37,8 @@ class Grid:
     layers: int        # the model scope's layers
 
 
+PARTS = ("layer:decode", "layer:prefill", "model:decode", "model:prefill")
+INT32_ELEMENTS = 2**31  # flex_attention's Triton kernel indexes a cache with 32-bit offsets
 CUDA_GRID = Grid((8192, 32768, 131072), (1, 8, 32), 2048, 16384, 32)
 CPU_GRID = Grid((64, 128), (1, 2), 16, 32, 2)
 
@@ -197,14 +199,13 @@ def sdpa_call(step: Step, layers: int) -> callable:
         q, k, v, attn_mask=mask, enable_gqa=True) for k, v in kvs]
 
 
-def cell_groups(grid: Grid):
+def cell_groups(grid: Grid, parts: tuple[str, ...] = PARTS):
     """(scope, phase, context, batch) in the order they run: the layer's decode first."""
-    for scope in ("layer", "model"):
-        for phase in ("decode", "prefill"):
-            for context in grid.contexts:
-                for batch in grid.batches:
-                    if phase == "decode" or batch * grid.chunk <= grid.step_tokens:
-                        yield scope, phase, context, batch
+    for scope, phase in (p.split(":") for p in PARTS if p in parts):
+        for context in grid.contexts:
+            for batch in grid.batches:
+                if phase == "decode" or batch * grid.chunk <= grid.step_tokens:
+                    yield scope, phase, context, batch
 
 
 def fits(phase: str, context: int, batch: int, layers: int, grid: Grid, device: str,
@@ -226,6 +227,9 @@ def run_group(scope: str, phase: str, context: int, batch: int, grid: Grid, devi
     if not fits(phase, context, batch, layers, grid, device, torch.empty(0, dtype=dtype)
                 .element_size()):
         return [dict(base, kind=k, status="skipped: memory") for k in KINDS]
+    cache = batch * (context + grid.chunk + 2 * PAGE) * LLAMA_8B[1] * LLAMA_8B[3]
+    if cache >= INT32_ELEMENTS:  # the first H200 run: an illegal address, the context lost
+        return [dict(base, kind=k, status="skipped: cache over 2^31 elements") for k in KINDS]
     step = make_step(phase, context, batch, grid, layers, device, dtype)
     t0 = time.perf_counter()
     masks = step_masks(step, device)
@@ -295,17 +299,24 @@ def _relate(cells: list[dict]) -> None:
 
 
 def run_timing(grid: Grid, device: str, dtype, compiled: bool, deadline: float,
-               log=print) -> dict:
+               log=print, parts: tuple[str, ...] = PARTS) -> dict:
     """Bandwidth, then the cells in order until `deadline` (the rest: skipped, said so)."""
     bandwidth = measure_bandwidth(device)
     log(f"measured copy bandwidth: {bandwidth / 1e9:.1f} GB/s")
     run, cells = kernel(device, compiled), []
-    for group in cell_groups(grid):
+    for group in cell_groups(grid, parts):
         if time.monotonic() > deadline:
             cells += [dict(zip(("scope", "phase", "context", "batch"), group), kind=k,
                            status="skipped: budget") for k in KINDS]
             continue
-        cells += run_group(*group, grid, device, dtype, run, deadline, bandwidth)
+        try:
+            cells += run_group(*group, grid, device, dtype, run, deadline, bandwidth)
+        except Exception as exc:  # a lost device context: what ran so far is still written
+            status = f"error: {type(exc).__name__}: {exc}"[:200]
+            cells += [dict(zip(("scope", "phase", "context", "batch"), group), kind=k,
+                           status=status) for k in KINDS]
+            log(_line(cells[-len(KINDS):]))
+            break
         log(_line(cells[-len(KINDS):]))
     return {"bandwidth_bytes_per_s": bandwidth, "cells": cells}
 
