@@ -27,7 +27,7 @@ from typing import Any, Iterator
 
 KEEP_EVENTS = 100_000  # events kept in the log; an API server replays within seconds
 PRUNE_EVERY = 1_000
-OWED_LIMIT = 4096
+OWED_LIMIT = 4096  # requests whose end an API server saw before their stats (each list)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS events (

@@ -20,7 +20,7 @@ import time
 from collections import OrderedDict, deque
 from typing import Any
 
-from server.shared import SharedLog
+from server.shared import OWED_LIMIT, SharedLog
 
 logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
 
@@ -373,9 +373,7 @@ class ServerStats:
         if not self.store.record(stats, stats["request_id"]):
             return False
         self.pending.pop(engine_id, None)
-        rank = stats.get("data_parallel_rank")
-        self.timeline_of(rank if isinstance(rank, int) else 0).finished(
-            engine_id, stats.get("finish_reason"))
+        self.timeline_of(engine_index(stats)).finished(engine_id, stats.get("finish_reason"))
         return True
 
     def sync(self) -> None:
@@ -409,6 +407,12 @@ class ServerStats:
                 "enabled": c.stats_enabled, "reason": c.stats_disabled_reason}
 
 
+def engine_index(stats: dict[str, Any]) -> int:
+    """The data-parallel engine a finished request ran on (0 without data parallelism)."""
+    rank = stats.get("data_parallel_rank")
+    return rank if isinstance(rank, int) else 0
+
+
 def _record(engine_id: str, external_id: str, stats: dict[str, Any]) -> dict[str, Any]:
     state = ServerStats.get()
     state.rss.sample()
@@ -422,9 +426,7 @@ def _record(engine_id: str, external_id: str, stats: dict[str, Any]) -> dict[str
     if state.shared is None:
         first = state.keep(full)
     else:  # first writer wins; the replay puts it in this process's store
-        rank = full.get("data_parallel_rank")
-        first = state.shared.append_finished(engine_id, rank if isinstance(rank, int) else 0,
-                                             full)
+        first = state.shared.append_finished(engine_id, engine_index(full), full)
         state.sync()
     if first:
         try:
@@ -450,7 +452,7 @@ def record_output_finished(engine_id: str, external_id: str, finish_reason: str,
     """A request ended in the API server with no kv_stats yet (a stop string)."""
     state = ServerStats.get()
     state.pending[engine_id] = (external_id, finish_reason, stop_reason)
-    while len(state.pending) > 4096:
+    while len(state.pending) > OWED_LIMIT:
         state.pending.popitem(last=False)
     if state.shared is not None:  # its stats may reach another API server
         state.shared.owe(engine_id, external_id, finish_reason, stop_reason)
