@@ -125,30 +125,31 @@ def test_v2_runner_refuses_untested_features(bundled_model_dir):
         proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("policy, max_len", [
+@pytest.mark.parametrize("policy, max_len, pool_mib, new_tokens", [
     # token eviction: its blocks as the V2 runner's tables hold them (`runners.V2Blocks`)
-    pytest.param({"policy": "snapkv", "sparsity": 0.9, "eviction": "patched"}, 1024,
+    pytest.param({"policy": "snapkv", "sparsity": 0.9, "eviction": "patched"}, 640, 40, 100,
                  id="snapkv-patched"),
     # a head mask, prefix caching on: the recompute may hit the request's own prompt blocks
-    pytest.param({"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64}, 2048,
-                 id="prulong", marks=slow),
+    pytest.param({"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64}, 2048, 64,
+                 200, id="prulong", marks=slow),
 ])
 def test_v2_runner_preemption_replays_exactly(bundled_model_dir, tokenizer, hf_model, policy,
-                                              max_len):
-    """Stock admission (`--kv-admission vllm`) in a 64 MiB pool, too small for six requests'
-    decode growth: vLLM preempts, and the V2 runner gets a preempted request back as a new one
+                                              max_len, pool_mib, new_tokens):
+    """Stock admission (`--kv-admission vllm`) in a pool too small for six requests' decode
+    growth (each step runs in Triton's interpreter, so the CI case is small): vLLM preempts, and the V2 runner gets a preempted request back as a new one
     (its block table overwritten; contract-tested). A preempted request's tokens are still the
     reference's at the chunks it reports (its recompute replays its first run's)."""
     policy = {**policy, "admission": "vllm"}
     caching = not KVPolicyConfig.from_dict(policy).patched
     prompts = source_prompts(tokenizer, [500] * 6)
     result = result_of(run_v2(bundled_model_dir, policy, 256, prompts, caching,
-                              new_tokens=200, kv_cache_memory_bytes=64 << 20,
+                              new_tokens=new_tokens, kv_cache_memory_bytes=pool_mib << 20,
                               max_model_len=max_len))
     assert result["runner"] == "vllm.v1.worker.cpu.model_runner"
     preempted = [(p, ids, s) for p, ids, s in zip(prompts, result["token_ids"],
                                                   result["kv_stats"]) if s["preemptions"]]
     assert preempted, [s["preemptions"] for s in result["kv_stats"]]
-    prompt, got, stats = preempted[0]  # (a 200-token reference decode is slow: one)
-    ref = reference(hf_model, bundled_model_dir, policy, prompt, stats["chunk_boundaries"], 200)
+    prompt, got, stats = preempted[0]  # (a reference decode is slow: one)
+    ref = reference(hf_model, bundled_model_dir, policy, prompt, stats["chunk_boundaries"],
+                    new_tokens)
     assert got == list(ref.token_ids), stats["chunk_boundaries"]
