@@ -118,3 +118,21 @@ def test_compiled_flex_attention_on_cpu(tmp_path):
     assert rc == 0
     [got] = json.loads((tmp_path / "results.json").read_text())["correctness"]
     assert got["mode"] == "compiled" and got["passed"]
+
+
+def test_the_one_call_experiment_computes_what_the_two_served_calls_do():
+    """`prulong-0.7-one-call` (one flex_attention call, a per-query-head block mask) is timed
+    beside the served two calls; it must compute the same attention to be a fair comparison."""
+    # (past sink + window, so the streaming heads see less than the full ones)
+    step = timing.make_step("prefill", 1024, 2, timing.CPU_GRID, 1, "cpu", torch.float32)
+    masks = timing.step_masks(step, "cpu")
+    f, group, scale = 2, cells.LLAMA_8B[2], cells.LLAMA_8B[3] ** -0.5
+    mixed = timing.mixed_masks(step, "cpu", [f])[f]
+    run = layer.kernel("cpu", compiled=False)
+    (k, v), q = step.full[0], step.q
+    one = run(q, k, v, mixed, scale)
+    two = torch.cat([run(q[:f * group], k[:, :f], v[:, :f], masks["full"], scale),
+                     run(q[f * group:], k[:, f:], v[:, f:], masks["streaming"], scale)])
+    torch.testing.assert_close(one, two)
+    # and it is not the dense answer: the streaming heads' mask took effect
+    assert not torch.allclose(one, run(q, k, v, masks["full"], scale))

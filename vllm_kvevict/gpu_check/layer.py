@@ -57,16 +57,17 @@ def compile_counter():
     return lambda: stats["unique_graphs"] - start
 
 
-def kernel(device: str, compiled: bool):
+def kernel(device: str, compiled: bool, vllm_options: bool = True):
     """flex_attention as vLLM calls it: compiled whole-graph; on CUDA with the kernel blocks of
-    the mask's blocks (vLLM's `get_kernel_options` with direct build). Eager: torch's unfused
+    the mask's blocks (vLLM's `get_kernel_options` with direct build; `vllm_options=False`:
+    torch's own choice of kernel and blocks, a timing experiment). Eager: torch's unfused
     implementation (scores materialized), run op by op: without torch's debug switch it is
     traced anew for every input shape, seconds each on a CPU."""
     if not compiled:
         flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
     fn = compiled_flex_attention() if compiled else flex_attention
     options = ({"BLOCK_M": Q_BLOCK, "BLOCK_N": PAGE, "FORCE_USE_FLEX_ATTENTION": True}
-               if compiled and device.startswith("cuda") else None)
+               if compiled and device.startswith("cuda") and vllm_options else None)
 
     def run(q, cache_k, cache_v, mask, scale):
         """q [Hq, T, d], caches [slots, H, d] -> [Hq, T, d]."""

@@ -24,7 +24,10 @@ from vllm_kvevict.gpu_check.cells import LLAMA_8B, Sizes, build_case
 from vllm_kvevict.gpu_check.layer import PAGE, Q_BLOCK, _to, kernel
 from vllm_kvevict.policies import build_policy
 
-KINDS = ("sdpa", "flex-dense", "streaming", "prulong-0.7", "snapkv-0.7", "prulong-0.7+snapkv")
+KINDS = ("sdpa", "flex-dense", "streaming", "prulong-0.7", "snapkv-0.7", "prulong-0.7+snapkv",
+         # experiments after the first H200 run (docs/results/gpu/): where does decode lose?
+         "prulong-0.7-one-call",     # one call, a per-head mask (served: one call per kind)
+         "flex-dense-torch-kernel")  # flex-dense with torch's kernel choice, not vLLM's options
 KEEP = 0.3  # token eviction at sparsity 0.7: the compacted past holds 30% of the context
 
 
@@ -113,19 +116,34 @@ def step_bytes(step: Step, layers: int, kind: str, full_kv: list[int]) -> int:
     keys = 0
     for f in full_kv[:layers]:
         full_keys = {"sdpa": n, "flex-dense": n, "streaming": near, "prulong-0.7": n,
-                     "snapkv-0.7": compact, "prulong-0.7+snapkv": compact}[kind]
-        f = kv if kind in ("sdpa", "flex-dense", "snapkv-0.7") else \
+                     "snapkv-0.7": compact, "prulong-0.7+snapkv": compact,
+                     "prulong-0.7-one-call": n, "flex-dense-torch-kernel": n}[kind]
+        f = kv if kind in ("sdpa", "flex-dense", "snapkv-0.7", "flex-dense-torch-kernel") else \
             0 if kind == "streaming" else f
         keys += f * full_keys + (kv - f) * near
     return step.batch * (2 * keys * d * elem) + 2 * layers * step.q.numel() * elem
 
 
+def _logical(step: Step, device: str):
+    b, t, n = step.batch, step.tokens, step.context
+    prompts = [n + t] * b if step.phase == "prefill" else [n] * b
+    return _to(paged_queries([n] * b, [t] * b, step.table, PAGE, step.full[0][0].shape[0]
+                             // PAGE, prompts), device)
+
+
+def mixed_masks(step: Step, device: str, full_counts) -> dict:
+    """Per count f of full KV heads: one block mask for all query heads (the first f KV heads'
+    full, the rest streaming), for `prulong-0.7-one-call`."""
+    group = LLAMA_8B[2]
+    return {f: head_mask_block_mask(_logical(step, device), torch.arange(
+                LLAMA_8B[1] * group, device=device) >= f * group, DEFAULT_SINK, DEFAULT_WINDOW,
+                q_block=Q_BLOCK) for f in sorted(set(full_counts))}
+
+
 def step_masks(step: Step, device: str) -> dict:
     """The step's block masks (full heads, streaming heads, the compacted past), as served."""
     b, t, n = step.batch, step.tokens, step.context
-    prompts = [n + t] * b if step.phase == "prefill" else [n] * b
-    logical = _to(paged_queries([n] * b, [t] * b, step.table, PAGE, step.full[0][0].shape[0]
-                                // PAGE, prompts), device)
+    logical = _logical(step, device)
     compact = _to(paged_queries([int(KEEP * n)] * b, [t] * b, step.table_c, PAGE,
                                 step.compact[0][0].shape[0] // PAGE), device)
     flag = lambda s: torch.full((1,), s, device=device)  # noqa: E731
@@ -158,7 +176,7 @@ def compress(policy, step: Step, cache, heads: slice, layer: int) -> None:
 
 
 def kind_call(kind: str, step: Step, masks: dict, full_kv: list[int], layers: int, run,
-              policy) -> callable:
+              policy, run_torch=None) -> callable:
     """The step's attention over `layers` layers under `kind` (sdpa: see `sdpa_call`)."""
     group, scale = LLAMA_8B[2], LLAMA_8B[3] ** -0.5
     q = step.q
@@ -166,7 +184,11 @@ def kind_call(kind: str, step: Step, masks: dict, full_kv: list[int], layers: in
     def layer_call(l: int) -> None:
         f = full_kv[l]
         (k, v), (kc, vc) = step.full[l], step.compact[l]
-        if kind in ("flex-dense", "streaming"):
+        if kind == "flex-dense-torch-kernel":
+            run_torch(q, k, v, masks["full"], scale)
+        elif kind == "prulong-0.7-one-call":
+            run(q, k, v, masks["mixed"][f], scale)
+        elif kind in ("flex-dense", "streaming"):
             run(q, k, v, masks["full" if kind == "flex-dense" else "streaming"], scale)
         elif kind == "snapkv-0.7":
             run(q, kc, vc, masks["compact"], scale)
@@ -219,7 +241,7 @@ def fits(phase: str, context: int, batch: int, layers: int, grid: Grid, device: 
 
 
 def run_group(scope: str, phase: str, context: int, batch: int, grid: Grid, device: str,
-              dtype, run, deadline: float, bandwidth: float) -> list[dict]:
+              dtype, run, deadline: float, bandwidth: float, run_torch=None) -> list[dict]:
     """Every kind's cell of one (scope, phase, context, batch)."""
     layers = grid.layers if scope == "model" else 1
     base = {"scope": scope, "phase": phase, "context": context, "batch": batch,
@@ -238,6 +260,7 @@ def run_group(scope: str, phase: str, context: int, batch: int, grid: Grid, devi
     policy = build_policy(KVPolicyConfig(policy="snapkv", sparsity=0.7), LLAMA_8B[0],
                           LLAMA_8B[1])
     full_kv = _full_kv_per_layer(scope)
+    masks["mixed"] = mixed_masks(step, device, full_kv[:layers])
     out = []
     for kind in KINDS:
         if time.monotonic() > deadline:
@@ -245,7 +268,7 @@ def run_group(scope: str, phase: str, context: int, batch: int, grid: Grid, devi
             continue
         try:
             fn = sdpa_call(step, layers) if kind == "sdpa" else \
-                kind_call(kind, step, masks, full_kv, layers, run, policy)
+                kind_call(kind, step, masks, full_kv, layers, run, policy, run_torch)
             out.append(dict(base, kind=kind, mask_ms=mask_ms,
                             **_measure(fn, device, step_bytes(step, layers, kind, full_kv),
                                        bandwidth), status="ok"))
@@ -304,13 +327,15 @@ def run_timing(grid: Grid, device: str, dtype, compiled: bool, deadline: float,
     bandwidth = measure_bandwidth(device)
     log(f"measured copy bandwidth: {bandwidth / 1e9:.1f} GB/s")
     run, cells = kernel(device, compiled), []
+    run_torch = kernel(device, compiled, vllm_options=False)
     for group in cell_groups(grid, parts):
         if time.monotonic() > deadline:
             cells += [dict(zip(("scope", "phase", "context", "batch"), group), kind=k,
                            status="skipped: budget") for k in KINDS]
             continue
         try:
-            cells += run_group(*group, grid, device, dtype, run, deadline, bandwidth)
+            cells += run_group(*group, grid, device, dtype, run, deadline, bandwidth,
+                               run_torch)
         except Exception as exc:  # a lost device context: what ran so far is still written
             status = f"error: {type(exc).__name__}: {exc}"[:200]
             cells += [dict(zip(("scope", "phase", "context", "batch"), group), kind=k,
