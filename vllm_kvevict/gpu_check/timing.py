@@ -134,8 +134,8 @@ def _logical(step: Step, device: str):
 def mixed_masks(step: Step, device: str, full_counts) -> dict:
     """Per count f of full KV heads: one block mask for all query heads (the first f KV heads'
     full, the rest streaming), for `prulong-0.7-one-call`."""
-    group = LLAMA_8B[2]
-    return {f: head_mask_block_mask(_logical(step, device), torch.arange(
+    group, logical = LLAMA_8B[2], _logical(step, device)
+    return {f: head_mask_block_mask(logical, torch.arange(
                 LLAMA_8B[1] * group, device=device) >= f * group, DEFAULT_SINK, DEFAULT_WINDOW,
                 q_block=Q_BLOCK) for f in sorted(set(full_counts))}
 
