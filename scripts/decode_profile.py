@@ -23,6 +23,7 @@ ap.add_argument("--full-block-size", type=int, help="a head mask's full heads in
 ap.add_argument("--cprofile", metavar="FILE", help="also cProfile the decode steps' engine steps into FILE")
 ap.add_argument("--linear", action="store_true", help="also time vLLM's linear layers (the weights' products)")
 ap.add_argument("--repeat", type=int, default=1, help="generate this many times in one process, a report each")
+ap.add_argument("--per-group", action="store_true", help="vLLM's per-group scheduling path (no quiet steps, kv_cache_coordinator.py)")
 args = ap.parse_args()
 B, N, S = args.batch, args.prompt_tokens, args.new_tokens
 name, _, sparsity = args.policy.partition(":")
@@ -30,6 +31,9 @@ extra = {} if name == "stock" else {"additional_config": {"kv_policy": {"policy"
 if name == "stock":
     os.environ["VLLM_PLUGINS"] = "no-such-plugin"  # (set before vLLM loads its plugins)
 import vllm_kvevict.integration.attention.backend as be
+from vllm_kvevict.integration.core.kvevict_scheduler import KVEvictScheduler
+
+KVEvictScheduler.quiet_steps = not args.per_group
 
 T = collections.defaultdict(float); C = collections.Counter(); ON = [False]
 def wrap(owner, name, label):
@@ -111,7 +115,7 @@ for rep in range(args.repeat):
     T.clear(); C.clear(); E.update(step=0.0, schedule=0.0, update=0.0); steps.update(n=0, t=0.0)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=S, ignore_eos=True, detokenize=False), use_tqdm=False)
     n = steps["n"]
-    print(f"RESULT {args.policy} bs={args.block_size} full_bs={args.full_block_size} {args.kv_cache_dtype} pc={args.prefix_caching} B={B} N={N} decode steps {n}: execute_model {steps['t']/n*1000:.1f} ms/step")
+    print(f"RESULT {args.policy}{' per-group' if args.per_group else ''} bs={args.block_size} full_bs={args.full_block_size} {args.kv_cache_dtype} pc={args.prefix_caching} B={B} N={N} decode steps {n}: execute_model {steps['t']/n*1000:.1f} ms/step")
     print(f"RESULT   engine step {E['step']/n*1000:.1f} ms/step: schedule {E['schedule']/n*1000:.2f}, update_from_output {E['update']/n*1000:.2f}")
     for k, v in sorted(T.items(), key=lambda x: -x[1]):
         print(f"RESULT   {k:18s} {v/n*1000:7.2f} ms/step  ({C[k]//n} calls/step)")

@@ -679,3 +679,46 @@ def test_full_heads_in_larger_blocks_count_as_more_head_pages():
     cost = width * (len(full_groups) * 8192 // 128 + len(stream_groups) * (64 + 257 + 1024) // 64)
     ideal = 54 * 8192 // 128 + 63 * (64 + 257 + 1024) // 64
     assert cost <= 1.1 * ideal, (width, len(full_groups), len(stream_groups), cost, ideal)
+
+
+@pytest.mark.parametrize("kind", ["full", "sink"])
+def test_a_manager_that_holds_a_steps_slots_allocates_nothing(kind):
+    """The rule quiet steps answer for all KV-cache groups by (kv_cache_coordinator.py), on
+    vLLM's own managers of either kind: while a request's blocks hold the step's slots (and no
+    copy-on-write hit is pending) vLLM counts 0 blocks to allocate and allocates none, the
+    row and the pool unchanged; past them it allocates."""
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.single_type_kv_cache_manager import get_manager_for_kv_cache_spec
+
+    from vllm_kvevict.integration.kv_cache.sink_window import PromptFullSpec
+
+    if kind == "sink":
+        manager, pool, _ = _manager(64, 256, block=64, blocks=256)
+    else:
+        register_manager()
+        pool = BlockPool(256, enable_caching=False, hash_block_size=64)
+        spec = PromptFullSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.float32)
+        manager = get_manager_for_kv_cache_spec(spec, max_in_flight_tokens=256,
+                                                max_model_len=4096, block_pool=pool,
+                                                enable_caching=False, kv_cache_group_id=0,
+                                                scheduler_block_size=128)
+    computed, prompt, quiet_steps, busy_steps = 0, 700, 0, 0
+    for step in [256, 256, 188] + [1] * 300:
+        manager.remove_skipped_blocks("r", computed, num_prompt_tokens=prompt)
+        end = computed + step
+        blocks = manager.req_to_blocks.get("r")
+        quiet = (blocks is not None and len(blocks) * manager.block_size >= end
+                 and "r" not in manager._partial_hit_reqs)
+        row, free = list(blocks or ()), pool.get_num_free_blocks()
+        count = manager.get_num_blocks_to_allocate("r", end, [], computed, computed, end)
+        new = manager.allocate_new_blocks("r", end, end)
+        if quiet:
+            quiet_steps += 1
+            assert (count, new) == (0, []), (computed, step)
+            assert manager.req_to_blocks["r"] == row and pool.get_num_free_blocks() == free
+        else:
+            busy_steps += 1
+            assert len(manager.req_to_blocks["r"]) > len(row), (computed, step)
+        computed = end
+    assert quiet_steps > 250 and busy_steps >= 3
+    manager.free("r")

@@ -102,6 +102,7 @@ class RequestRecord:
     t_first_scheduled: float | None = None
     t_first_token: float | None = None
     _held: list[set[int] | None] = field(default_factory=list)
+    _head_bytes_now: int = 0
 
     def on_step(self, computed: int, scheduled: int, held_ids: Sequence[set[int]], now: float,
                 preemptions: int = 0, new_ids: Sequence[Sequence[int]] | None = None) -> bool:
@@ -135,6 +136,34 @@ class RequestRecord:
                 self.boundaries.append(end)
             ends_prefill = computed + scheduled >= self.prompt_len
 
+        if (len(self._held) == len(held_ids) and not any(new_ids or ())
+                and all(a is b for a, b in zip(self._held, held_ids))):
+            # the very sets of the last step (request_stats reuses a group's set while its
+            # blocks stay): nothing freed, the same blocks held
+            held_blocks, held_bytes, head_bytes = (self.blocks_held, self.bytes_now,
+                                                   self._head_bytes_now)
+        else:
+            held_blocks, held_bytes, head_bytes = self._account(held_ids, new_ids)
+        total = computed + scheduled
+        full_bytes = self.layout.full_bytes(total)
+
+        self.steps += 1
+        self.tokens += scheduled
+        self.blocks_held, self._head_bytes_now = held_blocks, head_bytes
+        self.bytes_now, self.full_bytes_now = held_bytes, full_bytes
+        self.blocks_held_peak = max(self.blocks_held_peak, held_blocks)
+        self.full_blocks = -(-total // self.layout.block_size)
+        self.bytes_peak = max(self.bytes_peak, held_bytes)
+        self.bytes_integral += held_bytes * scheduled
+        self.head_bytes_peak = max(self.head_bytes_peak, head_bytes)
+        self.head_bytes_integral += head_bytes * scheduled
+        self.full_bytes_peak = max(self.full_bytes_peak, full_bytes)
+        self.full_bytes_integral += full_bytes * scheduled
+        return ends_prefill
+
+    def _account(self, held_ids: Sequence[set[int]],
+                 new_ids: Sequence[Sequence[int]] | None) -> tuple[int, int, int]:
+        """(blocks, bytes, bytes in heads) held; counts the blocks freed since the last step."""
         if len(self._held) != len(held_ids):
             self._held = [None] * len(held_ids)
         held_bytes = held_blocks = head_bytes = 0
@@ -148,22 +177,7 @@ class RequestRecord:
             held_blocks += len(ids)
             held_bytes += len(ids) * self.layout.group_bytes_per_block[g]
             head_bytes += len(ids) * self.layout.head_bytes(g)
-        total = computed + scheduled
-        full_bytes = self.layout.full_bytes(total)
-
-        self.steps += 1
-        self.tokens += scheduled
-        self.blocks_held = held_blocks
-        self.bytes_now, self.full_bytes_now = held_bytes, full_bytes
-        self.blocks_held_peak = max(self.blocks_held_peak, held_blocks)
-        self.full_blocks = -(-total // self.layout.block_size)
-        self.bytes_peak = max(self.bytes_peak, held_bytes)
-        self.bytes_integral += held_bytes * scheduled
-        self.head_bytes_peak = max(self.head_bytes_peak, head_bytes)
-        self.head_bytes_integral += head_bytes * scheduled
-        self.full_bytes_peak = max(self.full_bytes_peak, full_bytes)
-        self.full_bytes_integral += full_bytes * scheduled
-        return ends_prefill
+        return held_blocks, held_bytes, head_bytes
 
     def on_first_token(self, now: float) -> None:
         if self.t_first_token is None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_kvevict.config import KVPolicyError
+from vllm_kvevict.integration.core import kv_cache_coordinator
 from vllm_kvevict.integration.core.kv_cache_manager import attach
 from vllm_kvevict.integration.kv_stats.stats_connector import on_step_output
 from vllm_kvevict.integration.plugins.composition import install_over, resolve
@@ -26,13 +27,19 @@ class KVEvictScheduler(Scheduler):
     # the admission rule (`admission.GrowthReserve`, or the token ledger, its subclass: one
     # interface); None: stock vLLM
     kv_reserve = None
+    # a head mask's quiet decode steps answered once for all KV-cache groups
+    # (kv_cache_coordinator.py; False: vLLM's per-group path, as tests compare)
+    quiet_steps = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.kv_reserve = attach(self)
+        coordinator = self.kv_cache_manager.coordinator
         # vLLM built one manager per KV-cache group: each gets the rule it counts slots by
-        for manager in self.kv_cache_manager.coordinator.single_type_managers:
+        for manager in coordinator.single_type_managers:
             manager.kvevict_reserve = self.kv_reserve
+        if self.quiet_steps:
+            kv_cache_coordinator.install(coordinator, self.kv_reserve)
 
     def schedule(self, *args, **kwargs):
         """Apply last step's evictions first; afterwards record prompt chunks (for exact

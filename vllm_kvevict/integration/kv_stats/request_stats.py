@@ -105,6 +105,8 @@ class RequestStatsTracker:
                                               getattr(parallel, "data_parallel_rank", 0)) or 0)
         self.records: dict[str, RequestRecord] = {}
         self._requests: dict[str, Any] = {}
+        # per request and KV-cache group: its blocks as last seen, and their ids held
+        self._seen: dict[str, list[tuple[list, set[int]] | None]] = {}
         self.num_blocks = getattr(kv_cache_config, "num_blocks", None)
         self.group_names = [_group_name(g) for g in kv_cache_config.kv_cache_groups] \
             if kv_cache_config else []
@@ -130,8 +132,7 @@ class RequestStatsTracker:
                 self._failed.add(name)
                 logger.exception("vllm-kvevict: kv_stats %s failed (logged once): %s", name, exc)
             if name == "finish" and args:
-                self.records.pop(args[0].request_id, None)
-                self._requests.pop(args[0].request_id, None)
+                self._forget(args[0].request_id)
                 return {"error": f"{type(exc).__name__}: {exc}"}
             return None
 
@@ -168,11 +169,7 @@ class RequestStatsTracker:
             request = self._requests.get(req_id)
             if record is None or request is None:
                 continue
-            held = []
-            for manager in managers:
-                # .get: req_to_blocks is a defaultdict; indexing would insert an entry.
-                blocks = manager.req_to_blocks.get(req_id) or ()
-                held.append({b.block_id for b in blocks if not b.is_null})
+            held = self._held_ids(req_id, managers)
             if record.on_step(request.num_computed_tokens, scheduled, held, now,
                               getattr(request, "num_preemptions", 0), new_blocks.get(req_id)):
                 ended.append(req_id)
@@ -182,6 +179,23 @@ class RequestStatsTracker:
             self._pending_first_token[id(scheduler_output)] = (scheduler_output, ended)
             while len(self._pending_first_token) > 16:  # outputs that never came back
                 self._pending_first_token.pop(next(iter(self._pending_first_token)))
+
+    def _held_ids(self, req_id: str, managers) -> list[set[int]]:
+        """Per KV-cache group, the ids of the blocks the request holds. A decode step mostly
+        leaves a group's blocks as they were: the list compares equal to the last one seen (a
+        C-level pass, identity first), and its set is reused rather than rebuilt."""
+        seen = self._seen.get(req_id)
+        if seen is None or len(seen) != len(managers):
+            seen = self._seen[req_id] = [None] * len(managers)
+        held = []
+        for g, manager in enumerate(managers):
+            # .get: req_to_blocks is a defaultdict; indexing would insert an entry.
+            blocks = manager.req_to_blocks.get(req_id) or []
+            last = seen[g]
+            if last is None or last[0] != blocks:
+                last = seen[g] = (list(blocks), {b.block_id for b in blocks if not b.is_null})
+            held.append(last[1])
+        return held
 
     def _snapshot(self, now: float, managers) -> None:
         """The pool now: distinct blocks held per KV-cache group (a prefix-cached block shared
@@ -224,9 +238,13 @@ class RequestStatsTracker:
             if record is not None:
                 record.on_first_token(now)
 
+    def _forget(self, request_id: str):
+        self._requests.pop(request_id, None)
+        self._seen.pop(request_id, None)
+        return self.records.pop(request_id, None)
+
     def finish(self, request) -> dict[str, Any] | None:
-        record = self.records.pop(request.request_id, None)
-        self._requests.pop(request.request_id, None)
+        record = self._forget(request.request_id)
         if record is None:
             return None
         policy = self.served.variant(record.overrides)

@@ -76,6 +76,13 @@ RELIED_ON = (
     "vllm.v1.worker.gpu.attn_utils.get_shared_kv_cache_layers",
     # patched eviction's question slots, counted where vLLM counts speculative lookahead
     "vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots",
+    # quiet steps (kv_cache_coordinator.py): our subclass of the scheduler's coordinator class
+    # answers these once for all groups, or calls vLLM's
+    "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator.get_num_blocks_to_allocate",
+    "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator.allocate_new_blocks",
+    "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator.cache_blocks",
+    "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator.get_num_cacheable_tokens",
+    "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator.free",
     "vllm.v1.attention.backends.registry.register_backend(CPU_ATTN)",  # backend.py replaces it
     # prefix_cache.py: our spec's manager, more keys per pooled block, vLLM's copy-on-write
     "vllm.v1.kv_cache_spec_registry.KVCacheSpecRegistry.register",
@@ -184,6 +191,11 @@ TOUCHED = (
      "the scheduler's admission rule / ledger, handed to each KV-cache manager it built"),
     ("core/kvevict_scheduler.py", "skip_reading_prefix_cache",
      "a teacher-forced tail: no prefix hit"),
+    ("core/kv_cache_coordinator.py", "__class__",
+     "the scheduler's KV-cache coordinator vLLM built in a factory, as our subclass of its "
+     "class (quiet steps; no class hook)"),
+    ("core/kv_cache_coordinator.py", "_partial_hit_reqs",
+     "a manager's pending copy-on-write prefix hit: no quiet step for that request"),
     ("worker/kvevict_worker.py", "worker_cls",
      "our worker over the platform's, vLLM's extension point"),
     ("worker/question_rows.py", "__class__",

@@ -1,0 +1,104 @@
+"""Scheduler side (engine-core process): a head mask's quiet steps answered once for all of
+its KV-cache groups.
+
+A head mask's plan has many KV-cache groups (prulong 0.7 on the bundled model: 15, packed by
+width, `pool_groups.py`), and vLLM's coordinator asks every group's manager, for every running
+request and step, how many blocks it needs, to allocate them and to cache them: at batch 8 that
+was 0.9 ms of scheduling per step against stock's 0.2. Most decode steps need nothing in any
+group. `QuietSteps` checks that once per request, with the managers' own state, and only then
+answers for all groups (`quiet_class`):
+
+- blocks: every group already holds `num_tokens` slots (`cdiv(num_tokens, block_size)` blocks,
+  no copy-on-write hit pending) -> 0 blocks to allocate, no new blocks. vLLM's base manager,
+  its full-attention manager and our two (`sink_window.py`) return exactly that then.
+- caching: our managers cache a request's policy prompt only (`sink_window.cached_tokens`),
+  every group as many tokens (the coordinator's cacheable count, the same for all without
+  EAGLE): a decode step repeats the count of the step before, which vLLM's cache_blocks
+  treats as done.
+
+Anything else (a prefix hit, admission, another manager type, token eviction's compressed
+slots) takes vLLM's per-group path. Installed on the scheduler's own coordinator by
+`KVEvictScheduler` (vLLM builds it in a factory with no hook: upstream, a
+`KVCacheCoordinator` class chosen by the scheduler would do).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+from vllm_kvevict.integration.kv_cache.sink_window import (PromptFullManager,
+                                                           SinkWindowManager)
+from vllm_kvevict.overrides import request_prompt_len
+
+# managers whose allocation is vLLM's length rule (a manager that holds enough blocks gets none)
+LENGTH_RULE_MANAGERS = (FullAttentionManager, PromptFullManager, SinkWindowManager)
+# managers that cache the policy's prompt only
+PROMPT_CACHING_MANAGERS = (PromptFullManager, SinkWindowManager)
+
+
+@functools.lru_cache(maxsize=None)
+def quiet_class(base: type) -> type:
+    """`base` (vLLM's coordinator class) with quiet steps answered once (`install`)."""
+
+    class QuietSteps(base):
+        def kvevict_quiet_steps(self, caches_prompt_only: bool) -> None:
+            self.kvevict_no_new_blocks = tuple([] for _ in self.single_type_managers)
+            self.kvevict_cached_count = {}  # per request: the count its last cache_blocks had
+            self.kvevict_caches_prompt_only = caches_prompt_only
+
+        def _holds(self, request_id: str, num_tokens: int) -> bool:
+            for manager in self.single_type_managers:
+                blocks = manager.req_to_blocks.get(request_id)  # (.get: a defaultdict)
+                if (blocks is None or len(blocks) * manager.block_size < num_tokens
+                        or request_id in manager._partial_hit_reqs):
+                    return False
+            return True
+
+        def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks,
+                                       *args, apply_admission_cap=False, **kwargs):
+            if (not apply_admission_cap and not any(new_computed_blocks)
+                    and self._holds(request_id, num_tokens)):
+                return 0
+            return super().get_num_blocks_to_allocate(
+                request_id, num_tokens, new_computed_blocks, *args,
+                apply_admission_cap=apply_admission_cap, **kwargs)
+
+        def allocate_new_blocks(self, request_id, num_tokens, *args, **kwargs):
+            if self._holds(request_id, num_tokens):
+                return self.kvevict_no_new_blocks
+            return super().allocate_new_blocks(request_id, num_tokens, *args, **kwargs)
+
+        def cache_blocks(self, request, num_computed_tokens: int) -> None:
+            if not self.kvevict_caches_prompt_only:  # (vLLM's full manager caches decode too)
+                return super().cache_blocks(request, num_computed_tokens)
+            # every group is asked to cache min(its cacheable count, the prompt): without EAGLE
+            # the coordinator's count is the same for all groups, and the same count again is
+            # a call vLLM's cache_blocks has already done
+            count = min(self.get_num_cacheable_tokens(num_computed_tokens, 0),
+                        request_prompt_len(request))
+            if self.kvevict_cached_count.get(request.request_id) == count:
+                return
+            super().cache_blocks(request, num_computed_tokens)
+            self.kvevict_cached_count[request.request_id] = count
+
+        def free(self, request_id: str) -> None:
+            self.kvevict_cached_count.pop(request_id, None)  # (a preempted request restarts)
+            super().free(request_id)
+
+    return QuietSteps
+
+
+def install(coordinator, rule) -> bool:
+    """Re-class vLLM's coordinator as `quiet_class` of its own class where its answers hold:
+    a rule that counts logical slots (None: stock vLLM; token eviction's ledger compresses) and
+    every group on a manager of the length rule. True when installed."""
+    managers = coordinator.single_type_managers
+    if (rule is None or rule.compresses
+            or not all(type(m) in LENGTH_RULE_MANAGERS for m in managers)):
+        return False
+    coordinator.__class__ = quiet_class(type(coordinator))
+    coordinator.kvevict_quiet_steps(all(type(m) in PROMPT_CACHING_MANAGERS and not m.use_eagle
+                                        for m in managers))
+    return True
