@@ -47,6 +47,7 @@ def quiet_class(base: type) -> type:
             self.kvevict_no_new_blocks = tuple([] for _ in self.single_type_managers)
             self.kvevict_cached_count = {}  # per request: the count its last cache_blocks had
             self.kvevict_caches_prompt_only = caches_prompt_only
+            self.kvevict_quiet = None  # (request, tokens) the last count found quiet
 
         def _holds(self, request_id: str, num_tokens: int) -> bool:
             for manager in self.single_type_managers:
@@ -58,15 +59,20 @@ def quiet_class(base: type) -> type:
 
         def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks,
                                        *args, apply_admission_cap=False, **kwargs):
+            # (allocate_slots asks this right before allocate_new_blocks with the same count:
+            # that call reuses the answer)
+            self.kvevict_quiet = None
             if (not apply_admission_cap and not any(new_computed_blocks)
                     and self._holds(request_id, num_tokens)):
+                self.kvevict_quiet = (request_id, num_tokens)
                 return 0
             return super().get_num_blocks_to_allocate(
                 request_id, num_tokens, new_computed_blocks, *args,
                 apply_admission_cap=apply_admission_cap, **kwargs)
 
         def allocate_new_blocks(self, request_id, num_tokens, *args, **kwargs):
-            if self._holds(request_id, num_tokens):
+            quiet, self.kvevict_quiet = self.kvevict_quiet, None
+            if quiet == (request_id, num_tokens) or self._holds(request_id, num_tokens):
                 return self.kvevict_no_new_blocks
             return super().allocate_new_blocks(request_id, num_tokens, *args, **kwargs)
 
@@ -85,6 +91,7 @@ def quiet_class(base: type) -> type:
 
         def free(self, request_id: str) -> None:
             self.kvevict_cached_count.pop(request_id, None)  # (a preempted request restarts)
+            self.kvevict_quiet = None
             super().free(request_id)
 
     return QuietSteps
