@@ -276,8 +276,9 @@ def test_fast_layout_is_chosen_where_it_is_served(monkeypatch):
     """The README's serve command gets the fast layout (issue 71): a head mask on the CPU path
     with no --block-size / --kv-full-block-size has its streaming heads in the largest block
     its sink fills whole (64 for the bundled masks' 64-token sink), its full heads in 128; any
-    flag the layout is not served with (features.full_block_error), a token policy, the flex
-    path, or a user's own block size leaves vLLM's default."""
+    flag the layout is not served with (features.full_block_error), a token policy alone, the
+    flex path, or a user's own block size leaves vLLM's default. A head mask with a token
+    policy (the hybrid) gets the streaming heads' blocks for its full heads too."""
     from vllm.engine.arg_utils import EngineArgs
 
     from vllm_kvevict.features import fast_layout
@@ -290,6 +291,9 @@ def test_fast_layout_is_chosen_where_it_is_served(monkeypatch):
     assert fast_layout(KVPolicyConfig.from_dict({"policy": "duo", "sink": 128})) is None
     assert fast_layout(KVPolicyConfig.from_dict({"policy": "duo", "sink": 96})) == (32, 128)
     assert fast_layout(KVPolicyConfig.from_dict({"policy": "duo", "sink": 100})) is None
+    assert fast_layout(KVPolicyConfig.from_dict({"policy": "prulong", "token_policy": "snapkv"})
+                       ) == (64, None)
+    assert fast_layout(KVPolicyConfig.from_dict({"policy": "snapkv", "sparsity": 0.7})) is None
 
     def chosen(policy: dict, **engine) -> tuple:
         args = EngineArgs(model="m", additional_config={"kv_policy": dict(policy)}, **engine)
@@ -305,10 +309,11 @@ def test_fast_layout_is_chosen_where_it_is_served(monkeypatch):
     assert chosen(prulong) == (True, 64, 128)
     assert chosen(prulong, kv_cache_dtype="fp8") == (True, 64, 128)  # (tests/test_fp8.py)
     assert chosen({"policy": "streaming"}) == (True, 64, None)
+    assert chosen({**prulong, "token_policy": "snapkv"}) == (True, 64, None)
     for policy, engine in (
             (prulong, {"block_size": 128}), (prulong, {"block_size": 64}),
             ({**prulong, "full_block_size": 64}, {}),
-            ({**prulong, "token_policy": "snapkv"}, {}),
+            ({**prulong, "token_policy": "snapkv", "sink": 16}, {}),
             ({**prulong, "attention_backend": "flex"}, {}),
             (prulong, {"tensor_parallel_size": 2}), (prulong, {"pipeline_parallel_size": 2}),
             ({"policy": "snapkv", "sparsity": 0.7}, {}), ({"policy": "full"}, {})):

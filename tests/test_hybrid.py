@@ -174,13 +174,18 @@ def test_hybrid_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_tor
 
 
 @pytest.mark.server
-def test_hybrid_on_the_bundled_model_with_its_shipped_mask(bundled_model_dir, tokenizer, hf_model,
-                                                          one_torch_thread):
+@pytest.mark.parametrize("streaming", [{"sink": 16, "window": 64}, {}],
+                         ids=["sink16-window64", "defaults"])
+def test_hybrid_on_the_bundled_model_with_its_shipped_mask(streaming, bundled_model_dir,
+                                                          tokenizer, hf_model, one_torch_thread):
     """The real user's path: SmolLM2's shipped PruLong mask at head sparsity 0.5 (6 of its 30
     layers have no full head, 5 no streaming head) with patched SnapKV at 0.5 on the full
     heads; two prompts sent at once (mixed prefill / decode steps), each equal to the reference
-    at the chunk boundaries it was served with."""
-    policy = {"policy": "prulong", "sparsity": 0.5, "sink": 16, "window": 64,
+    at the chunk boundaries it was served with. With a 16-token sink in vLLM's 128-token
+    blocks, decode reads the streaming heads' window back; at the mask's defaults (sink 64,
+    window 256) the plugin picks 64-token blocks for every group (the fast layout), and decode
+    reads the streaming heads in place."""
+    policy = {"policy": "prulong", "sparsity": 0.5, **streaming,
               "token_policy": "snapkv", "token_sparsity": 0.5, "eviction": "patched"}
     cfg = KVPolicyConfig.from_dict(policy)
     full_heads, _ = resolve_full_heads(cfg, str(bundled_model_dir), 30, 3)
@@ -188,6 +193,8 @@ def test_hybrid_on_the_bundled_model_with_its_shipped_mask(bundled_model_dir, to
     assert (counts == 0).any() and (counts == 3).any()
     runner = ReferenceRunner(hf_model, build_policy(cfg, 30, 3, full_heads=full_heads))
     server = start_server(bundled_model_dir, flags(policy, 256))
+    chosen = "streaming heads in 64-token blocks (the fast layout"
+    assert (chosen in server.log_path.read_text(errors="replace")) == (not streaming)
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
     prompts = source_prompts(tokenizer, (700, 1100))
 

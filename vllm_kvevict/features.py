@@ -313,17 +313,19 @@ def fast_layout(policy_config) -> tuple[int, int | None] | None:
     when the user set neither (docs/results/limits/): the streaming heads in the largest of
     128, 64 and 32 tokens whose blocks their sink fills whole and their window holds (decode
     then reads them in place, `in_place_hint`), the full heads, if any, in 128-token blocks, as
-    fast as stock's cache (`full_block_error` says where that is served). None: not a head
-    mask alone on the CPU kernel (token eviction and the flex path keep vLLM's blocks), or
-    vLLM's own 128-token blocks already are that layout (or no smaller block fits)."""
-    if (not policy_config.uses_head_mask or policy_config.evicts_tokens
-            or policy_config.attention_backend != "cpu"):
+    fast as stock's cache (`full_block_error` says where that is served). A head mask with a
+    token policy (the hybrid) keeps its full heads in the streaming heads' blocks (its token
+    ledger counts every group in one block size). None: no head mask, not the CPU kernel (the
+    flex path keeps vLLM's blocks), or vLLM's own 128-token blocks already are that layout (or
+    no smaller block fits)."""
+    if not policy_config.uses_head_mask or policy_config.attention_backend != "cpu":
         return None
     sink, window = policy_config.sink, policy_config.window
     fits = [b for b in (128, 64, 32) if sink % b == 0 and window >= b]
     if not fits or fits[0] == 128:
         return None
-    return fits[0], (128 if policy_config.policy != "streaming" else None)
+    full_heads_apart = policy_config.policy != "streaming" and not policy_config.evicts_tokens
+    return fits[0], (128 if full_heads_apart else None)
 
 
 def full_block_error(policy_config, block_size: int, sizes: dict[str, int],
