@@ -5,6 +5,7 @@ one process each (`scripts/decode_profile.py`, one thread), in alternating round
     python scripts/scheduler_cost.py --rounds 3 --batch 8 --prompt 2000 --new 40 --out FILE.md
 """
 import argparse
+import os
 import re
 import statistics
 import subprocess
@@ -31,8 +32,7 @@ for r in range(args.rounds):
     order = list(VARIANTS) if r % 2 == 0 else list(reversed(VARIANTS))
     for name in order:
         out = subprocess.run([sys.executable, str(HERE / "decode_profile.py"), *COMMON, *VARIANTS[name]],
-                             capture_output=True, text=True, env={"OMP_NUM_THREADS": "1",
-                                                                  **__import__("os").environ})
+                             capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         found = re.findall(r"engine step ([\d.]+) ms/step: schedule ([\d.]+), update_from_output ([\d.]+)", out.stdout)
         if not found:
             sys.exit(f"{name}: no result\n{out.stderr[-3000:]}")
