@@ -275,10 +275,10 @@ def test_larger_full_blocks_refused_where_untested():
 def test_fast_layout_is_chosen_where_it_is_served(monkeypatch):
     """The README's serve command gets the fast layout (issue 71): a head mask on the CPU path
     with no --block-size / --kv-full-block-size has its streaming heads in the largest block
-    its sink fills whole (64 for the bundled masks' 64-token sink), its full heads in 128; any
-    flag the layout is not served with (features.full_block_error), a token policy alone, the
-    flex path, or a user's own block size leaves vLLM's default. A head mask with a token
-    policy (the hybrid) gets the streaming heads' blocks for its full heads too."""
+    its sink fills whole (64 for the bundled masks' 64-token sink), its full heads in 128; a
+    token policy alone, the flex path, or a user's own block size leaves vLLM's default. A
+    head mask with a token policy (the hybrid), several TP / PP ranks or the V2 runner get the
+    streaming heads' blocks for the full heads too (features.full_block_error)."""
     from vllm.engine.arg_utils import EngineArgs
 
     from vllm_kvevict.features import fast_layout
@@ -303,10 +303,13 @@ def test_fast_layout_is_chosen_where_it_is_served(monkeypatch):
     prulong = {"policy": "prulong", "sparsity": 0.7}
     from vllm_kvevict.integration.plugins.versions import V1_RUNNER
 
-    if not V1_RUNNER:  # (vLLM 0.34: the V2 runner only, where the layout is not served)
-        assert chosen(prulong) == (False, None, None)
+    if not V1_RUNNER:  # (vLLM 0.34: the V2 runner only, full heads in the streaming block)
+        assert chosen(prulong) == (True, 64, None)
         return
     assert chosen(prulong) == (True, 64, 128)
+    # several ranks: every group in the streaming heads' block (tests/test_tensor_parallel.py;
+    # pipeline parallel is refused later, features.parallel_error)
+    assert chosen(prulong, tensor_parallel_size=2) == (True, 64, None)
     assert chosen(prulong, kv_cache_dtype="fp8") == (True, 64, 128)  # (tests/test_fp8.py)
     assert chosen({"policy": "streaming"}) == (True, 64, None)
     assert chosen({**prulong, "token_policy": "snapkv"}) == (True, 64, None)
@@ -315,10 +318,9 @@ def test_fast_layout_is_chosen_where_it_is_served(monkeypatch):
             ({**prulong, "full_block_size": 64}, {}),
             ({**prulong, "token_policy": "snapkv", "sink": 16}, {}),
             ({**prulong, "attention_backend": "flex"}, {}),
-            (prulong, {"tensor_parallel_size": 2}), (prulong, {"pipeline_parallel_size": 2}),
             ({"policy": "snapkv", "sparsity": 0.7}, {}), ({"policy": "full"}, {})):
         fast, block, full = chosen(policy, **engine)
         assert not fast and block == engine.get("block_size"), (policy, engine)
         assert full == policy.get("full_block_size"), (policy, engine)
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # (vLLM's envs read it when asked)
-    assert chosen(prulong) == (False, None, None)
+    assert chosen(prulong) == (True, 64, None)  # (tests/test_v2_runner.py)

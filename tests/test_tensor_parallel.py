@@ -135,6 +135,10 @@ CASES.append(pytest.param((1, TP_POLICIES["prulong 0.7"]), id="kv1-replicated-pr
                           marks=pytest.mark.slow))
 
 
+# prulong 0.7 with its sink in whole 64-token blocks and no --block-size: the fast layout
+# (features.fast_layout; the window short enough that the test's prompts evict)
+FAST_LAYOUT = {"policy": "prulong", "sparsity": 0.7, "sink": 64, "window": 64}
+
 # 4 layers x 4 KV heads whose highest gates sit side by side: prulong 0.7 keeps heads {0, 1}
 # of layers 0 and 2 and head 0 of layer 1 full, so vLLM's contiguous split puts two full heads
 # on rank 0 and none on rank 1 in layers 0 and 2 (issue 47's padding)
@@ -187,13 +191,14 @@ def _served_equals_reference(server, model, model_dir, policy, tokenizer):
         yield prompt, stats
 
 
-def _pool_bytes_are_the_plans(server, stats) -> None:
+def _pool_bytes_are_the_plans(server, stats, block_size: int = 128) -> None:
     """Streaming heads in the pool: every group's block on each rank is the plan's width in
-    head pages x K, V x 128 x 64 x 4 bytes (the ranks' slots padded alike: equal blocks)."""
+    head pages x K, V x block_size x 64 x 4 bytes (the ranks' slots padded alike: equal
+    blocks)."""
     per_rank = stats["kv_bytes_peak_per_rank"]
     assert per_rank[0] == per_rank[1]
     assert stats["kv_bytes_peak"] == (2 * stats["blocks_held_peak"]
-                                      * pool_width(server) * 2 * 128 * 64 * 4)
+                                      * pool_width(server) * 2 * block_size * 64 * 4)
 
 
 @pytest.mark.server
@@ -230,6 +235,28 @@ def test_tp2_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_torch_
             assert "KV heads reordered so every rank holds its share of the full heads " \
                 "(--kv-tp-head-order balanced): full heads 5 -> 3, streaming companions " \
                 "8 -> 6 per rank" in log
+
+
+@pytest.mark.server
+@pytest.mark.serial
+@pytest.mark.parametrize("v2", [pytest.param(False, id="v1"),
+                                pytest.param(True, id="v2", marks=pytest.mark.slow)])
+def test_tp2_fast_layout_serves_the_reference_tokens(v2, tiny_qwen3, tokenizer,
+                                                     one_torch_thread):
+    """A head mask whose sink is whole 64-token blocks, no --block-size: the fast layout under TP
+    2 puts every group, full heads included, in 64-token blocks on both ranks (the streaming
+    heads' decode reads the pool in place), under V1 and the V2 runner; tokens == the
+    reference, each rank's pool the plan's width in 64-token blocks."""
+    from triton_interpreter import runners_in, server_env
+
+    server, model, model_dir, policy = _tp2_server(FAST_LAYOUT, 4, tiny_qwen3,
+                                                   server_env() if v2 else None)
+    log = server.log_tail(10 ** 7)
+    assert "streaming heads in 64-token blocks (the fast layout;" in log
+    assert runners_in(log) == ((1, 0) if v2 else (0, 1))
+    for _, stats in _served_equals_reference(server, model, model_dir, policy, tokenizer):
+        assert stats["measured_footprint"] < 1
+        _pool_bytes_are_the_plans(server, stats, block_size=64)
 
 
 @pytest.mark.server

@@ -45,6 +45,7 @@ SCRIPT = textwrap.dedent("""
     print("RESULT " + json.dumps({
         "runner": type(runner).__module__,
         "compilation_mode": int(llm.llm_engine.vllm_config.compilation_config.mode),
+        "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
         "token_ids": [list(o.outputs[0].token_ids) for o in batch + [again]],
         "kv_stats": [o.kv_transfer_params["kv_stats"] for o in batch + [again]]}))
 """)
@@ -88,8 +89,20 @@ def test_v2_runner_compiled_serves_the_reference(bundled_model_dir, tokenizer, h
     assert result["compilation_mode"] != 0
 
 
+# prulong 0.7 at the bundled mask's defaults (sink 64, window 256) with no --block-size: the fast
+# layout, every group in 64-token blocks under V2 (validation.choose_fast_layout)
+FAST_LAYOUT = "prulong-0.7-fast-layout"
+
+
+@pytest.mark.parametrize("case", [FAST_LAYOUT])
+def test_v2_runner_fast_layout_serves_the_reference(bundled_model_dir, tokenizer, hf_model,
+                                                    case):
+    assert check_v2(bundled_model_dir, tokenizer, hf_model, case, "cpu")["block_size"] == 64
+
+
 def check_v2(bundled_model_dir, tokenizer, hf_model, case, backend, **more) -> dict:
-    policy, chunk = CASES.get(case, ({"policy": "full"}, 256))
+    policy, chunk = {**CASES, FAST_LAYOUT: ({"policy": "prulong", "sparsity": 0.7}, 256)}.get(
+        case, ({"policy": "full"}, 256))
     policy = {**policy, "attention_backend": backend}
     config = KVPolicyConfig.from_dict(policy)
     # prefix caching where the policy serves it without more flags (docs/design/kv_cache.md)

@@ -115,18 +115,20 @@ def check_tiers_and_chunk(vllm_config, served) -> None:
 def choose_fast_layout(engine_args) -> bool:
     """CPU platform, before vLLM builds its config: a head mask's fast layout
     (`features.fast_layout`) where the user set no `--block-size` and no
-    `--kv-full-block-size`, on the CPU kernel, one tensor-parallel and pipeline rank and the
-    V1 runner (`full_block_error`); True when chosen."""
+    `--kv-full-block-size`, on the CPU kernel; True when chosen. With several tensor- or
+    pipeline-parallel ranks or the V2 runner the full heads keep the streaming heads' block
+    (`full_block_error` serves larger ones on one rank with V1 only), as the hybrid's do."""
     raw = (getattr(engine_args, "additional_config", None) or {}).get(ADDITIONAL_CONFIG_KEY)
     if not isinstance(raw, dict) or engine_args.block_size is not None:
         return False
     cfg = policy_config_of(engine_args)
     layout = fast_layout(cfg)
-    if (layout is None or cfg.full_block_size is not None
-            or (engine_args.tensor_parallel_size or 1) > 1
-            or (engine_args.pipeline_parallel_size or 1) > 1 or v2_runner_expected()):
+    if layout is None or cfg.full_block_size is not None:
         return False
     engine_args.block_size, full = layout
+    if ((engine_args.tensor_parallel_size or 1) > 1
+            or (engine_args.pipeline_parallel_size or 1) > 1 or v2_runner_expected()):
+        full = None
     if full:
         raw["full_block_size"] = full
     logger.info("vllm-kvevict: streaming heads in %d-token blocks%s (the fast layout; "
