@@ -48,12 +48,20 @@ SCRIPT = textwrap.dedent("""
         return out
 
     scheduler.schedule = schedule
+    # how often the streaming groups' managers are asked to free skipped blocks
+    freeing = [0]
+    for manager in coordinator.single_type_managers:
+        if hasattr(manager, "freed_range"):
+            def counted(*args, _f=manager.remove_skipped_blocks, **kwargs):
+                freeing[0] += 1
+                return _f(*args, **kwargs)
+            manager.remove_skipped_blocks = counted
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     outs += llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)  # a hit
     print("RESULT " + json.dumps({
         "coordinator": type(coordinator).__name__, "groups": len(coordinator.single_type_managers),
-        "steps": steps, "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+        "steps": steps, "freeing_calls": freeing[0], "token_ids": [list(o.outputs[0].token_ids) for o in outs],
         "kv_stats": [o.kv_transfer_params["kv_stats"] for o in outs]}))
 """)
 
@@ -92,3 +100,6 @@ def test_quiet_steps_allocate_and_cache_as_every_group_would(bundled_model_dir, 
     for a, b in zip(quiet["kv_stats"], stock["kv_stats"]):
         assert {k: a[k] for k in HELD} == {k: b[k] for k in HELD}
     assert quiet["kv_stats"][3]["cached_tokens"] > 0  # the hit happened
+    # the streaming groups asked to free only when their freed range moves (a 64-token block)
+    assert 0 < quiet["freeing_calls"] < stock["freeing_calls"] / 4, \
+        (quiet["freeing_calls"], stock["freeing_calls"])

@@ -683,10 +683,11 @@ def test_full_heads_in_larger_blocks_count_as_more_head_pages():
 
 @pytest.mark.parametrize("kind", ["full", "sink"])
 def test_a_manager_that_holds_a_steps_slots_allocates_nothing(kind):
-    """The rule quiet steps answer for all KV-cache groups by (kv_cache_coordinator.py), on
+    """The rules quiet steps answer for all KV-cache groups by (kv_cache_coordinator.py), on
     vLLM's own managers of either kind: while a request's blocks hold the step's slots (and no
     copy-on-write hit is pending) vLLM counts 0 blocks to allocate and allocates none, the
-    row and the pool unchanged; past them it allocates."""
+    row and the pool unchanged; past them it allocates. Skipped blocks: the full manager never
+    frees, ours only when its freed range moves."""
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.single_type_kv_cache_manager import get_manager_for_kv_cache_spec
 
@@ -703,8 +704,18 @@ def test_a_manager_that_holds_a_steps_slots_allocates_nothing(kind):
                                                 enable_caching=False, kv_cache_group_id=0,
                                                 scheduler_block_size=128)
     computed, prompt, quiet_steps, busy_steps = 0, 700, 0, 0
+    last_range, repeats, freeing = None, 0, 0
     for step in [256, 256, 188] + [1] * 300:
+        # skipped blocks: vLLM's full manager never frees; ours frees `freed_range`, so a
+        # call repeating the last one's range, all of it freed already, changes nothing
+        row = list(manager.req_to_blocks.get("r") or ())
+        rng = manager.freed_range(computed, prompt) if kind == "sink" else None
+        repeat = kind == "full" or (rng == last_range and (
+            rng[1] <= rng[0] or manager.freed_to("r") >= rng[1]))
         manager.remove_skipped_blocks("r", computed, num_prompt_tokens=prompt)
+        changed = list(manager.req_to_blocks.get("r") or ()) != row
+        assert not (repeat and changed), (computed, rng)
+        repeats, freeing, last_range = repeats + repeat, freeing + changed, rng
         end = computed + step
         blocks = manager.req_to_blocks.get("r")
         quiet = (blocks is not None and len(blocks) * manager.block_size >= end
@@ -721,4 +732,5 @@ def test_a_manager_that_holds_a_steps_slots_allocates_nothing(kind):
             assert len(manager.req_to_blocks["r"]) > len(row), (computed, step)
         computed = end
     assert quiet_steps > 250 and busy_steps >= 3
+    assert repeats > 250 and freeing >= (kind == "sink") * 3, (repeats, freeing)
     manager.free("r")

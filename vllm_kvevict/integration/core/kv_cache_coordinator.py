@@ -15,6 +15,11 @@ answers for all groups (`quiet_class`):
   every group as many tokens (the coordinator's cacheable count, the same for all without
   EAGLE): a decode step repeats the count of the step before, which vLLM's cache_blocks
   treats as done.
+- skipped blocks: a full-attention group never frees (vLLM's manager returns at once), and
+  the streaming groups, one sink / window / chunk rule for all, free the positions of
+  `SinkWindowManager.freed_range`, which moves once per block the window passes: a call that
+  repeats the last call's range, after which every streaming group had freed it all, frees
+  nothing anywhere.
 
 Anything else (a prefix hit, admission, another manager type, token eviction's compressed
 slots) takes vLLM's per-group path. Installed on the scheduler's own coordinator by
@@ -43,11 +48,14 @@ def quiet_class(base: type) -> type:
     """`base` (vLLM's coordinator class) with quiet steps answered once (`install`)."""
 
     class QuietSteps(base):
-        def kvevict_quiet_steps(self, caches_prompt_only: bool) -> None:
+        def kvevict_quiet_steps(self, caches_prompt_only: bool, streaming: tuple) -> None:
             self.kvevict_no_new_blocks = tuple([] for _ in self.single_type_managers)
             self.kvevict_cached_count = {}  # per request: the count its last cache_blocks had
             self.kvevict_caches_prompt_only = caches_prompt_only
             self.kvevict_quiet = None  # (request, tokens) the last count found quiet
+            # the streaming groups' managers when they share one freed-range rule, else None
+            self.kvevict_streaming = streaming or None
+            self.kvevict_freed = {}  # per request: (range end, prompt) every group has freed
 
         def _holds(self, request_id: str, num_tokens: int) -> bool:
             for manager in self.single_type_managers:
@@ -89,8 +97,25 @@ def quiet_class(base: type) -> type:
             super().cache_blocks(request, num_computed_tokens)
             self.kvevict_cached_count[request.request_id] = count
 
+        def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
+                                  num_prompt_tokens: int | None = None) -> None:
+            streaming = self.kvevict_streaming
+            if streaming is None:
+                return super().remove_skipped_blocks(request_id, processed_computed_tokens,
+                                                     num_prompt_tokens)
+            first, last = streaming[0].freed_range(processed_computed_tokens, num_prompt_tokens)
+            key = (last, num_prompt_tokens)
+            if self.kvevict_freed.get(request_id) == key:
+                return
+            super().remove_skipped_blocks(request_id, processed_computed_tokens,
+                                          num_prompt_tokens)
+            # (a group whose blocks did not reach `last` yet would free more on a later call)
+            if last <= first or all(m.freed_to(request_id) >= last for m in streaming):
+                self.kvevict_freed[request_id] = key
+
         def free(self, request_id: str) -> None:
             self.kvevict_cached_count.pop(request_id, None)  # (a preempted request restarts)
+            self.kvevict_freed.pop(request_id, None)
             self.kvevict_quiet = None
             super().free(request_id)
 
@@ -106,6 +131,9 @@ def install(coordinator, rule) -> bool:
             or not all(type(m) in LENGTH_RULE_MANAGERS for m in managers)):
         return False
     coordinator.__class__ = quiet_class(type(coordinator))
+    streaming = tuple(m for m in managers if type(m) is SinkWindowManager)
+    rules = {(m.sink, m.window, m.chunk, m.block_size) for m in streaming}
     coordinator.kvevict_quiet_steps(all(type(m) in PROMPT_CACHING_MANAGERS and not m.use_eagle
-                                        for m in managers))
+                                        for m in managers),
+                                    streaming if len(rules) == 1 else ())
     return True

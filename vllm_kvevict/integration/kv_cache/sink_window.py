@@ -217,15 +217,24 @@ class SinkWindowManager(SlidingWindowManager):
                               num_prompt_tokens: int | None = None) -> None:
         if num_prompt_tokens is not None:  # (vLLM calls this before every allocation)
             self._prompt_len[request_id] = num_prompt_tokens
+        self._remove_blocks_in_range(request_id,
+                                     *self.freed_range(processed_computed_tokens,
+                                                       num_prompt_tokens))
+
+    def freed_range(self, processed_computed_tokens: int,
+                    num_prompt_tokens: int | None) -> tuple[int, int]:
+        """The block positions [first, last) `remove_skipped_blocks` frees: past the sink,
+        wholly before the window of the tokens computed (a prompt step in canonical chunk k
+        still sees [kE - W, ...); vLLM's prompt length may include a teacher-forced tail,
+        decode for the policy: keeping more is safe)."""
         a = processed_computed_tokens
-        # a prompt step in canonical chunk k still sees [kE - W, ...); vLLM's prompt length
-        # may include a teacher-forced tail (decode for the policy): keeping more is safe
         if self.chunk and (num_prompt_tokens is None or a < num_prompt_tokens):
             a = a // self.chunk * self.chunk
-        first = cdiv(self.sink, self.block_size)
-        last = max(a - self.window, 0) // self.block_size
-        # backward from `last`, stopping at the previous call's gap (vLLM's helper)
-        self._remove_blocks_in_range(request_id, first, last)
+        return cdiv(self.sink, self.block_size), max(a - self.window, 0) // self.block_size
+
+    def freed_to(self, request_id: str) -> int:
+        """The block position below which the request's blocks past the sink are null."""
+        return self._freed_to.get(request_id, 0)
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         # the freed range is a gap, not a prefix: allocation counts every block position
