@@ -306,6 +306,10 @@ ROWS = [
                  + ((("" if c in V2_TP_CI else "(s)") + "tests/test_tensor_parallel.py::test_tp2_"
                      f"under_the_v2_runner_serves_the_reference_tokens[{TP_IDS[c]}]",)
                     if c in V2_TP else ())
+                 + (("tests/test_v2_runner.py::test_v2_runner_fast_layout_serves_the_reference"
+                     "[prulong-0.7-fast-layout]",
+                     "(s)tests/test_tensor_parallel.py::test_tp2_fast_layout_serves_the_"
+                     "reference_tokens[v2]") if c == "prulong 0.7" else ())
                  + tuple(("" if (c, b) in V2_DP_CI else "(s)") + "tests/test_data_parallel.py::"
                          f"test_dp2_serves_the_reference_tokens_per_replica[{DP_IDS[c]}-{b}-v2]"
                          for b in ("cpu", "flex") if (c, b) in V2_DP),
@@ -313,7 +317,7 @@ ROWS = [
                  "CPU backend here): a batch of three prompts, then a repeat (a prefix hit where "
                  "the policy caches); compiled too (prulong, patched snapkv); forced preemption "
                  "(patched snapkv, prulong); tensor parallel 2 and data parallel 2 (tiny Qwen3, "
-                 "4 KV heads); fp8, "
+                 "4 KV heads); prulong's fast layout, alone and at TP 2; fp8, "
                  "speculation or LoRA under V2: "
                  "refused (tests/test_features.py::test_v2_model_runner_refuses_what_is_untested_"
                  "there)")
@@ -349,13 +353,16 @@ ROWS = [
                               + "tests/test_tensor_parallel.py::"
                               f"test_tp2_serves_the_reference_tokens[{TP_IDS[c]}]",
                               *(("(s)tests/test_tensor_parallel.py::test_tp2_serves_the_reference"
-                                 "_tokens[kv1-replicated-prulong-0.7]",)
+                                 "_tokens[kv1-replicated-prulong-0.7]",
+                                 "tests/test_tensor_parallel.py::test_tp2_fast_layout_serves_the_"
+                                 "reference_tokens[v1]")
                                 if c == "prulong 0.7" else ()),
                               *(("tests/test_tensor_parallel.py::test_tp2_serves_the_reference"
                                  "_tokens[kv1-replicated-snapkv-patched-0.5]",)
                                 if c == "snapkv patched" else ())),
                     "when the ranks split the KV heads evenly, a head mask's heads in the "
-                    "balanced order (--kv-tp-head-order); with fewer KV heads than ranks (vLLM "
+                    "balanced order (--kv-tp-head-order), the fast layout's blocks where the "
+                    "sink fills them (prulong); with fewer KV heads than ranks (vLLM "
                     "replicates them) every policy but the hybrid is served, token eviction "
                     "gathering a replicated head's score from its replicas' query shares (the "
                     "hybrid refused: tests/test_features.py::test_parallel_layouts)")
