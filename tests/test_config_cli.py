@@ -228,11 +228,14 @@ def test_launcher_makes_one_shared_log_directory_for_several_api_servers(monkeyp
 
     # (monkeypatch restores both variables: later servers of this worker must not inherit them)
     monkeypatch.setenv(api_server.SHARED_DIR_ENV, "/nonexistent/stale")
-    monkeypatch.setenv(api_server.SHARED_BY_ENV, "1")  # an unrelated launcher's: ignored
+    # an unrelated launcher's pid (neither this process nor its parent, which is pid 1 when
+    # pytest was started detached): ignored
+    other = str(next(p for p in (1, 2, 3) if p not in (os.getpid(), os.getppid())))
+    monkeypatch.setenv(api_server.SHARED_BY_ENV, other)
     assert api_server.shared_dir() is None
     for count in (None, 1):
         api_server.share_between_api_servers(count)
-        assert os.environ[api_server.SHARED_BY_ENV] == "1"
+        assert os.environ[api_server.SHARED_BY_ENV] == other
     api_server.share_between_api_servers(2)
     directory = os.environ[api_server.SHARED_DIR_ENV]
     assert os.path.isdir(directory) and os.environ[api_server.SHARED_BY_ENV] == str(os.getpid())

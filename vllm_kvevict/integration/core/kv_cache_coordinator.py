@@ -43,80 +43,113 @@ LENGTH_RULE_MANAGERS = (FullAttentionManager, PromptFullManager, SinkWindowManag
 PROMPT_CACHING_MANAGERS = (PromptFullManager, SinkWindowManager)
 
 
+class QuietState:
+    """What quiet steps know of a coordinator's managers and remember per request."""
+
+    def __init__(self, managers) -> None:
+        self.managers = managers
+        self.no_new_blocks = tuple([] for _ in managers)
+        self.caches_prompt_only = all(type(m) in PROMPT_CACHING_MANAGERS and not m.use_eagle
+                                      for m in managers)
+        self.cached_count: dict[str, int] = {}  # per request: its last cache_blocks' count
+        self.quiet = None  # (request, tokens) the last count found quiet
+        # the streaming groups' managers when they share one freed-range rule, else None
+        streaming = tuple(m for m in managers if type(m) is SinkWindowManager)
+        rules = {(m.sink, m.window, m.chunk, m.block_size) for m in streaming}
+        self.streaming = streaming if len(rules) == 1 else None
+        self.freed: dict[str, tuple] = {}  # per request: (range end, prompt) all groups freed
+        self.pending = None  # the range of the freeing call under way
+
+    def holds(self, request_id: str, num_tokens: int) -> bool:
+        """Every group's row already holds `num_tokens` slots, no copy-on-write hit pending."""
+        for manager in self.managers:
+            blocks = manager.req_to_blocks.get(request_id)  # (.get: a defaultdict)
+            if (blocks is None or len(blocks) * manager.block_size < num_tokens
+                    or request_id in manager._partial_hit_reqs):
+                return False
+        return True
+
+    def frees_nothing(self, request_id: str, processed: int, prompt: int | None) -> bool:
+        """A call repeating the request's last freed range, all of it freed in every streaming
+        group (full groups never free): nothing to free anywhere."""
+        self.pending = None
+        if self.streaming is None:
+            return False
+        first, last = self.streaming[0].freed_range(processed, prompt)
+        if self.freed.get(request_id) == (last, prompt):
+            return True
+        self.pending = (request_id, first, last, prompt)
+        return False
+
+    def after_freeing(self, request_id: str) -> None:
+        pending, self.pending = self.pending, None
+        if pending is None or pending[0] != request_id:
+            return
+        _, first, last, prompt = pending
+        # (a group whose blocks did not reach `last` yet would free more on a later call)
+        if last <= first or all(m.freed_to(request_id) >= last for m in self.streaming):
+            self.freed[request_id] = (last, prompt)
+
+    def forget(self, request_id: str) -> None:
+        self.cached_count.pop(request_id, None)  # (a preempted request restarts)
+        self.freed.pop(request_id, None)
+        self.quiet = self.pending = None
+
+
 @functools.lru_cache(maxsize=None)
 def quiet_class(base: type) -> type:
     """`base` (vLLM's coordinator class) with quiet steps answered once (`install`)."""
 
     class QuietSteps(base):
-        def kvevict_quiet_steps(self, caches_prompt_only: bool, streaming: tuple) -> None:
-            self.kvevict_no_new_blocks = tuple([] for _ in self.single_type_managers)
-            self.kvevict_cached_count = {}  # per request: the count its last cache_blocks had
-            self.kvevict_caches_prompt_only = caches_prompt_only
-            self.kvevict_quiet = None  # (request, tokens) the last count found quiet
-            # the streaming groups' managers when they share one freed-range rule, else None
-            self.kvevict_streaming = streaming or None
-            self.kvevict_freed = {}  # per request: (range end, prompt) every group has freed
-
-        def _holds(self, request_id: str, num_tokens: int) -> bool:
-            for manager in self.single_type_managers:
-                blocks = manager.req_to_blocks.get(request_id)  # (.get: a defaultdict)
-                if (blocks is None or len(blocks) * manager.block_size < num_tokens
-                        or request_id in manager._partial_hit_reqs):
-                    return False
-            return True
+        def kvevict_quiet_steps(self, state: QuietState) -> None:
+            self.kvevict = state
 
         def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks,
                                        *args, apply_admission_cap=False, **kwargs):
             # (allocate_slots asks this right before allocate_new_blocks with the same count:
             # that call reuses the answer)
-            self.kvevict_quiet = None
+            state = self.kvevict
+            state.quiet = None
             if (not apply_admission_cap and not any(new_computed_blocks)
-                    and self._holds(request_id, num_tokens)):
-                self.kvevict_quiet = (request_id, num_tokens)
+                    and state.holds(request_id, num_tokens)):
+                state.quiet = (request_id, num_tokens)
                 return 0
             return super().get_num_blocks_to_allocate(
                 request_id, num_tokens, new_computed_blocks, *args,
                 apply_admission_cap=apply_admission_cap, **kwargs)
 
         def allocate_new_blocks(self, request_id, num_tokens, *args, **kwargs):
-            quiet, self.kvevict_quiet = self.kvevict_quiet, None
-            if quiet == (request_id, num_tokens) or self._holds(request_id, num_tokens):
-                return self.kvevict_no_new_blocks
+            state = self.kvevict
+            quiet, state.quiet = state.quiet, None
+            if quiet == (request_id, num_tokens) or state.holds(request_id, num_tokens):
+                return state.no_new_blocks
             return super().allocate_new_blocks(request_id, num_tokens, *args, **kwargs)
 
         def cache_blocks(self, request, num_computed_tokens: int) -> None:
-            if not self.kvevict_caches_prompt_only:  # (vLLM's full manager caches decode too)
+            state = self.kvevict
+            if not state.caches_prompt_only:  # (vLLM's full manager caches decode too)
                 return super().cache_blocks(request, num_computed_tokens)
             # every group is asked to cache min(its cacheable count, the prompt): without EAGLE
             # the coordinator's count is the same for all groups, and the same count again is
             # a call vLLM's cache_blocks has already done
             count = min(self.get_num_cacheable_tokens(num_computed_tokens, 0),
                         request_prompt_len(request))
-            if self.kvevict_cached_count.get(request.request_id) == count:
+            if state.cached_count.get(request.request_id) == count:
                 return
             super().cache_blocks(request, num_computed_tokens)
-            self.kvevict_cached_count[request.request_id] = count
+            state.cached_count[request.request_id] = count
 
         def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                                   num_prompt_tokens: int | None = None) -> None:
-            streaming = self.kvevict_streaming
-            if streaming is None:
-                return super().remove_skipped_blocks(request_id, processed_computed_tokens,
-                                                     num_prompt_tokens)
-            first, last = streaming[0].freed_range(processed_computed_tokens, num_prompt_tokens)
-            key = (last, num_prompt_tokens)
-            if self.kvevict_freed.get(request_id) == key:
+            state = self.kvevict
+            if state.frees_nothing(request_id, processed_computed_tokens, num_prompt_tokens):
                 return
             super().remove_skipped_blocks(request_id, processed_computed_tokens,
                                           num_prompt_tokens)
-            # (a group whose blocks did not reach `last` yet would free more on a later call)
-            if last <= first or all(m.freed_to(request_id) >= last for m in streaming):
-                self.kvevict_freed[request_id] = key
+            state.after_freeing(request_id)
 
         def free(self, request_id: str) -> None:
-            self.kvevict_cached_count.pop(request_id, None)  # (a preempted request restarts)
-            self.kvevict_freed.pop(request_id, None)
-            self.kvevict_quiet = None
+            self.kvevict.forget(request_id)
             super().free(request_id)
 
     return QuietSteps
@@ -131,9 +164,5 @@ def install(coordinator, rule) -> bool:
             or not all(type(m) in LENGTH_RULE_MANAGERS for m in managers)):
         return False
     coordinator.__class__ = quiet_class(type(coordinator))
-    streaming = tuple(m for m in managers if type(m) is SinkWindowManager)
-    rules = {(m.sink, m.window, m.chunk, m.block_size) for m in streaming}
-    coordinator.kvevict_quiet_steps(all(type(m) in PROMPT_CACHING_MANAGERS and not m.use_eagle
-                                        for m in managers),
-                                    streaming if len(rules) == 1 else ())
+    coordinator.kvevict_quiet_steps(QuietState(managers))
     return True
