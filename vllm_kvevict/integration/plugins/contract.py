@@ -83,6 +83,7 @@ RELIED_ON = (
     "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator.cache_blocks",
     "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator.get_num_cacheable_tokens",
     "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator.free",
+    "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator.remove_skipped_blocks",
     "vllm.v1.attention.backends.registry.register_backend(CPU_ATTN)",  # backend.py replaces it
     # prefix_cache.py: our spec's manager, more keys per pooled block, vLLM's copy-on-write
     "vllm.v1.kv_cache_spec_registry.KVCacheSpecRegistry.register",
