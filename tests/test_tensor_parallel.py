@@ -253,7 +253,8 @@ def test_tp2_fast_layout_serves_the_reference_tokens(v2, tiny_qwen3, tokenizer,
                                                    server_env() if v2 else None)
     log = server.log_tail(10 ** 7)
     assert "streaming heads in 64-token blocks (the fast layout;" in log
-    assert runners_in(log) == ((1, 0) if v2 else (0, 1))
+    v2_loads, v1_loads = runners_in(log)
+    assert (v2_loads, v1_loads > 0) == ((1, False) if v2 else (0, True)), runners_in(log)
     for _, stats in _served_equals_reference(server, model, model_dir, policy, tokenizer):
         assert stats["measured_footprint"] < 1
         _pool_bytes_are_the_plans(server, stats, block_size=64)
