@@ -57,8 +57,7 @@ class QuietState:
         streaming = tuple(m for m in managers if type(m) is SinkWindowManager)
         rules = {(m.sink, m.window, m.chunk, m.block_size) for m in streaming}
         self.streaming = streaming if len(rules) == 1 else None
-        self.freed: dict[str, tuple] = {}  # per request: (range end, prompt) all groups freed
-        self.pending = None  # the range of the freeing call under way
+        self.freed: dict[str, tuple] = {}  # per request: the call all groups freed all of
 
     def holds(self, request_id: str, num_tokens: int) -> bool:
         """Every group's row already holds `num_tokens` slots, no copy-on-write hit pending."""
@@ -69,31 +68,23 @@ class QuietState:
                 return False
         return True
 
-    def frees_nothing(self, request_id: str, processed: int, prompt: int | None) -> bool:
-        """A call repeating the request's last freed range, all of it freed in every streaming
-        group (full groups never free): nothing to free anywhere."""
-        self.pending = None
+    def freeing_call(self, processed: int, prompt: int | None) -> tuple | None:
+        """(first, last, prompt): the streaming groups' freed range for this call (full groups
+        never free); None where their rules differ."""
         if self.streaming is None:
-            return False
-        first, last = self.streaming[0].freed_range(processed, prompt)
-        if self.freed.get(request_id) == (last, prompt):
-            return True
-        self.pending = (request_id, first, last, prompt)
-        return False
+            return None
+        return (*self.streaming[0].freed_range(processed, prompt), prompt)
 
-    def after_freeing(self, request_id: str) -> None:
-        pending, self.pending = self.pending, None
-        if pending is None or pending[0] != request_id:
-            return
-        _, first, last, prompt = pending
+    def note_freed(self, request_id: str, call: tuple | None) -> None:
         # (a group whose blocks did not reach `last` yet would free more on a later call)
-        if last <= first or all(m.freed_to(request_id) >= last for m in self.streaming):
-            self.freed[request_id] = (last, prompt)
+        if call is not None and (call[1] <= call[0] or all(
+                m.freed_to(request_id) >= call[1] for m in self.streaming)):
+            self.freed[request_id] = call
 
     def forget(self, request_id: str) -> None:
         self.cached_count.pop(request_id, None)  # (a preempted request restarts)
         self.freed.pop(request_id, None)
-        self.quiet = self.pending = None
+        self.quiet = None
 
 
 @functools.lru_cache(maxsize=None)
@@ -141,12 +132,15 @@ def quiet_class(base: type) -> type:
 
         def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                                   num_prompt_tokens: int | None = None) -> None:
+            # a call repeating the request's last one, after which every streaming group had
+            # freed all of its range, frees nothing anywhere
             state = self.kvevict
-            if state.frees_nothing(request_id, processed_computed_tokens, num_prompt_tokens):
+            call = state.freeing_call(processed_computed_tokens, num_prompt_tokens)
+            if call is not None and state.freed.get(request_id) == call:
                 return
             super().remove_skipped_blocks(request_id, processed_computed_tokens,
                                           num_prompt_tokens)
-            state.after_freeing(request_id)
+            state.note_freed(request_id, call)
 
         def free(self, request_id: str) -> None:
             self.kvevict.forget(request_id)
