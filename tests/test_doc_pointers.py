@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import os
 import re
 from pathlib import Path
 
@@ -45,11 +46,11 @@ def doc_pages() -> list[Path]:
 def repo_paths() -> tuple[frozenset[str], frozenset[str]]:
     """Every file and folder of the working tree (relative, '/'-separated), build outputs aside."""
     files, dirs = set(), set()
-    for p in REPO.rglob("*"):
-        rel = p.relative_to(REPO)
-        if SKIP_DIRS & set(rel.parts) or any(part.startswith(".venv") for part in rel.parts):
-            continue
-        (dirs if p.is_dir() else files).add(rel.as_posix())
+    for root, subdirs, names in os.walk(REPO):
+        subdirs[:] = [d for d in subdirs if d not in SKIP_DIRS and not d.startswith(".venv")]
+        rel = Path(root).relative_to(REPO)
+        dirs |= {(rel / d).as_posix() for d in subdirs}
+        files |= {(rel / n).as_posix() for n in names}
     return frozenset(files), frozenset(dirs)
 
 
@@ -102,7 +103,7 @@ def our_classes() -> dict[str, list[ast.ClassDef]]:
     out: dict[str, list[ast.ClassDef]] = {}
     for paths in modules_by_stem().values():
         for p in paths:
-            if p.suffix == ".py":
+            if p.suffix == ".py" and p.relative_to(REPO).parts[0] != "tests":  # (tests: by path)
                 for name, node in defined(p).items():
                     if isinstance(node, ast.ClassDef):
                         out.setdefault(name, []).append(node)
