@@ -11,7 +11,7 @@ import torch
 
 from vllm_kvevict.config import KVPolicyConfig
 from vllm_kvevict.integration.core.token_ledger import TokenEvictionLedger
-from vllm_kvevict.integration.worker.step_plan import build_step_plan, lay_out_rows
+from vllm_kvevict.integration.attention.step_plan import build_step_plan, lay_out_rows
 from vllm_kvevict.integration.worker.token_plan import TokenEvictionWorker
 from vllm_kvevict.ledger import (LayerGroups, allocation_eviction, chunk_kept_per_layer,
                                  eviction_chunk_len, group_evictions)

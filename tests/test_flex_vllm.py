@@ -123,7 +123,7 @@ def test_streaming_question_rows_see_what_the_cpu_path_lays_out(chunk):
     against attention over a dense cache by logical position, with that mask written out."""
     from vllm_kvevict.flex.block_mask import paged_queries
     from vllm_kvevict.integration.attention.flex_token import streaming_questions
-    from vllm_kvevict.integration.worker.token_plan import EvictionJob, TokenStepPlan
+    from vllm_kvevict.integration.attention.token_step import EvictionJob, TokenStepPlan
 
     torch = pytest.importorskip("torch")
     g = torch.Generator().manual_seed(0)

@@ -23,7 +23,7 @@ from test_tensor_parallel import TP_POLICIES
 
 from vllm_kvevict.config import HEAD_MASK_POLICIES, KVPolicyConfig
 from vllm_kvevict.integration.attention.fp8 import grid_values, quantize
-from vllm_kvevict.integration.worker.step_plan import build_step_plan, lay_out_visible
+from vllm_kvevict.integration.attention.step_plan import build_step_plan, lay_out_visible
 from vllm_kvevict.masks import resolve_full_heads
 from vllm_kvevict.policies import build_policy
 from vllm_kvevict.reference import ReferenceRunner

@@ -21,7 +21,7 @@ from test_policies_vllm import flags, source_prompts
 from vllm_kvevict.config import KVPolicyConfig, KVPolicyError
 from vllm_kvevict.features import parallel_error, speculative_error
 from vllm_kvevict.footprint import kv_footprint
-from vllm_kvevict.integration.worker.step_plan import build_step_plan
+from vllm_kvevict.integration.attention.step_plan import build_step_plan
 from vllm_kvevict.masks import resolve_full_heads
 from vllm_kvevict.policies import HybridPolicy, build_policy
 from vllm_kvevict.reference import ReferenceRunner

@@ -332,7 +332,8 @@ def test_the_design_layout_tables_name_every_module():
     """docs/design.md's layout tables match the tree: every module and package of
     vllm_kvevict/, and every file of integration/ (by its path there), is named."""
     text = (REPO / "docs" / "design.md").read_text()
-    layout = text[text.index("## Layout"):text.index("## What vLLM has no hook for")]
+    start = text.index("## Layout")
+    layout = text[start:text.index("\n## ", start)]
     package = REPO / "vllm_kvevict"
     missing = [p.name for p in package.iterdir()
                if not p.name.startswith(("_", ".")) and p.name != "integration"
@@ -410,7 +411,7 @@ def test_imports_inside_functions_only_at_the_entry_points_with_a_reason():
 # Where the glue reads `ServedPolicy.kind` (and nowhere else): each builds its concept's part
 # for the served kind (an attention impl per layer, the scheduler's admission rule, the
 # worker's step planner).
-KIND_FACTORIES = {"attention/backend.py", "attention/flex_attention.py",
+KIND_FACTORIES = {"attention/context.py", "attention/flex_attention.py",
                   "core/kv_cache_manager.py", "worker/state.py"}
 
 
@@ -491,3 +492,105 @@ def test_the_kind_is_read_only_by_the_factories():
     for name in ("attention/backend.py", "attention/flex_attention.py"):
         text = (glue / name).read_text()
         assert ".token is not None" not in text and ".token is None" not in text, name
+
+
+# -- walls: who imports whom, and per-process state ----------------------------------------
+
+# The glue's floors, top to bottom (issue 85): the plugin's entry points; the API server's
+# concepts; the step's two sides (the engine core's scheduler, the worker, which builds each
+# step's data); attention, which reads it; the stats, the KV-cache concepts; plugins' plain data
+# (versions, support, composition, the contract table), read by every floor. A module imports
+# its own folder or a lower floor only: attention never reaches into the worker.
+FLOORS = (("plugins/registration.py", "plugins/contract_report.py"), ("entrypoints",),
+          ("core", "worker"), ("attention",), ("kv_stats",), ("kv_cache",), ("plugins",))
+
+
+def floor_of(module: str) -> tuple[int, str] | None:
+    """(floor, folder) of a glue module (None outside integration/)."""
+    parts = module.split(".")
+    if parts[:2] != ["vllm_kvevict", "integration"] or len(parts) < 4:
+        return None
+    path = "/".join(parts[2:]) + ".py"
+    for floor, names in enumerate(FLOORS):
+        if path in names or parts[2] in names:
+            return floor, parts[2]
+    raise AssertionError(f"{module}: on no floor of FLOORS")
+
+
+def test_the_glue_imports_only_down_its_floors():
+    modules = own_modules()
+    upward = []
+    for module, path in modules.items():
+        here = floor_of(module)
+        if here is None:
+            continue
+        at_load, in_functions = own_imports(module, path, modules)
+        for target in sorted(at_load | set(in_functions)):
+            there = floor_of(target)
+            if there is not None and there[1] != here[1] and there[0] <= here[0]:
+                upward.append(f"{module} -> {target}")
+    assert not upward, "imports up or across the glue's floors: " + "; ".join(upward)
+
+
+def test_no_attention_module_imports_the_worker():
+    modules = own_modules()
+    for module, path in modules.items():
+        if module.startswith("vllm_kvevict.integration.attention."):
+            at_load, in_functions = own_imports(module, path, modules)
+            worker = [t for t in at_load | set(in_functions)
+                      if t.startswith("vllm_kvevict.integration.worker")]
+            assert not worker, f"{module} imports {worker}"
+
+
+# Every module-level name a function rebinds (`global`): one statement per process entry, in
+# the function that sets it (`file: (function, names)`). Everything else per process is handed
+# down from these.
+GLOBAL_STATEMENTS = {
+    # every vLLM process: the plugin applies its table once
+    "vllm_kvevict/integration/plugins/registration.py":
+        ("register", {"_registered", "inactive_reason", "unlocked_by"}),
+    # every process: the served policy, built once per configuration (unit tests serve several)
+    "vllm_kvevict/served.py": ("served_policy", {"_served", "_served_key", "builds"}),
+    # a worker: the attention context, set once before the model is built
+    "vllm_kvevict/integration/attention/context.py": ("set_attention_context", {"_context"}),
+    # the API server: the engine config it created, and its Prometheus series
+    "vllm_kvevict/integration/entrypoints/api_server.py": ("remember_config", {"_vllm_config"}),
+    "server/metrics.py": ("get_metrics", {"_metrics"}),
+}
+
+
+def global_statements(path: Path) -> list[tuple[str, set[str]]]:
+    """(function, names) of each `global` statement in `path`."""
+    out = []
+    for fn in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out += [(fn.name, set(node.names)) for node in ast.walk(fn)
+                    if isinstance(node, ast.Global)]
+    return out
+
+
+def test_global_statements_only_at_the_process_entries():
+    found = {}
+    for path in files("vllm_kvevict") + files("server"):
+        statements = global_statements(path)
+        if statements:
+            assert len(statements) == 1, f"{path}: {len(statements)} global statements"
+            found[str(path.relative_to(REPO))] = statements[0]
+    assert found == GLOBAL_STATEMENTS
+
+
+def test_the_attention_context_is_set_once():
+    from vllm_kvevict.integration.attention import context
+
+    saved = context._context
+    try:
+        context._context = None
+        assert context.attention_kind() == "full"  # no worker here: vLLM's own path
+        first = object.__new__(context.AttentionContext)
+        assert context.set_attention_context(first) is first
+        assert context.set_attention_context(first) is first  # (the same one: no change)
+        with pytest.raises(RuntimeError, match="set once"):
+            context.set_attention_context(object.__new__(context.AttentionContext))
+        assert context.attention_context() is first
+    finally:
+        context._context = saved

@@ -330,7 +330,7 @@ def test_canonical_chunks_split_a_step_that_crosses_one():
     its queries in [20, 32) belong to chunk [16, 32) and see the sink, [8, 16) and the chunk so
     far ([16, 20) from the pool, the rest from the step); those in [32, 40) see the sink and
     [24, 32), all from the step. A decode step keeps its own window."""
-    from vllm_kvevict.integration.worker.step_plan import build_step_plan
+    from vllm_kvevict.integration.attention.step_plan import build_step_plan
 
     plan = build_step_plan([20, 100], [20, 1], sink=4, window=8, block_size=32,
                            prompt_lens=[100, 100], chunk=16)
@@ -383,7 +383,7 @@ def test_a_uniform_decode_step_gets_its_rows_windows_and_their_attention():
     `paged_layout.decode_window`); a prefill row, a multi-query row or rows of unequal length
     give None (the kernel path). decode_attention equals plain softmax attention per query
     head over its KV head's keys (GQA: query head j reads KV head j // group)."""
-    from vllm_kvevict.integration.worker.step_plan import build_step_plan, decode_attention
+    from vllm_kvevict.integration.attention.step_plan import build_step_plan, decode_attention
 
     plan = build_step_plan([100, 200], [1, 1], sink=4, window=8, block_size=32,
                            prompt_lens=[50, 60], chunk=16)
@@ -416,7 +416,7 @@ def test_a_decode_only_plan_equals_the_general_one_field_by_field():
     import dataclasses
     import random
 
-    from vllm_kvevict.integration.worker.step_plan import (DecodeStepPlan, StepPlan, build_plan,
+    from vllm_kvevict.integration.attention.step_plan import (DecodeStepPlan, StepPlan, build_plan,
                                                            build_step_plan)
 
     rng = random.Random(0)
@@ -450,7 +450,7 @@ def test_window_rows_run_the_streaming_decode_in_place(sink, window, bs):
     from vllm import _custom_ops as ops
     from vllm import envs
 
-    from vllm_kvevict.integration.worker.step_plan import build_step_plan, window_rows
+    from vllm_kvevict.integration.attention.step_plan import build_step_plan, window_rows
 
     torch.manual_seed(0)
     heads, g, d, n = 3, 3, 64, 1100

@@ -26,7 +26,7 @@ from test_policies_vllm import LOGPROB_TOL, flags
 
 from vllm_kvevict.config import KVPolicyConfig
 from vllm_kvevict.features import SUPPORTED_SPECULATIVE_METHODS, speculative_error
-from vllm_kvevict.integration.worker.step_plan import build_step_plan, lay_out_rows
+from vllm_kvevict.integration.attention.step_plan import build_step_plan, lay_out_rows
 from vllm_kvevict.masks import resolve_full_heads
 from vllm_kvevict.policies import build_policy
 from vllm_kvevict.reference import ReferenceRunner

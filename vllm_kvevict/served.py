@@ -154,10 +154,20 @@ builds = 0  # constructions in this process (tests check it stays 1 in a server)
 
 
 def _key(vllm_config) -> tuple:
+    """(the policy's settings but its mask file, the model, the mask file as given)."""
     additional = getattr(vllm_config, "additional_config", None) or {}
     raw = additional.get(ADDITIONAL_CONFIG_KEY) if isinstance(additional, dict) else None
-    return (repr(sorted(raw.items())) if isinstance(raw, dict) else repr(raw),
-            str(vllm_config.model_config.model))
+    mask = raw.get("mask_path") if isinstance(raw, dict) else None
+    settings = sorted((k, v) for k, v in raw.items() if k != "mask_path") \
+        if isinstance(raw, dict) else raw
+    return repr(settings), str(vllm_config.model_config.model), mask
+
+
+def _serves(key: tuple) -> bool:
+    """This process's policy is the one `key` asks for: the same settings and model, and the
+    same mask file, or the file it resolved (`settle_config` pins that into the config)."""
+    return _served is not None and key[:2] == _served_key[:2] and \
+        key[2] in (_served_key[2], _served.mask_source)
 
 
 def serving(served: ServedPolicy, vllm_config) -> dict[str, Any]:
@@ -180,7 +190,6 @@ def settle_config(vllm_config, prefix_caching_requested: bool | None = None) -> 
     start-up validation): the served policy's decisions written into vLLM's config, which every
     later process (engine core, workers) receives, so each builds the same policy from it.
     `prefix_caching_requested`: the user's flag before vLLM's default (None: not given)."""
-    global _served_key
     config = policy_config_of(vllm_config)
     cache = getattr(vllm_config, "cache_config", None)
     token_prefixes = prefix_caching_requested is True and config.caches_token_prefixes
@@ -197,9 +206,9 @@ def settle_config(vllm_config, prefix_caching_requested: bool | None = None) -> 
         vllm_config.additional_config[ADDITIONAL_CONFIG_KEY]["eviction_chunk"] = chunk
     served = served_policy(vllm_config)
     if served.mask_source and config.mask_path != served.mask_source:
-        # pin the resolved file: every later process serves exactly this mask
+        # pin the resolved file: every later process serves exactly this mask (here, the
+        # same policy: no second build, `_serves`)
         vllm_config.additional_config[ADDITIONAL_CONFIG_KEY]["mask_path"] = served.mask_source
-        _served_key = _key(vllm_config)  # the same policy: no second build
     return served
 
 
@@ -208,7 +217,7 @@ def served_policy(vllm_config) -> ServedPolicy:
     config only: `settle_config` is what writes the policy's decisions into it."""
     global _served, _served_key, builds
     key = _key(vllm_config)
-    if _served is not None and key == _served_key:
+    if _serves(key):
         return _served
     config = policy_config_of(vllm_config)
     model = str(vllm_config.model_config.model)

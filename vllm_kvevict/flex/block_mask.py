@@ -2,7 +2,7 @@
 cache. Plain PyTorch (no vLLM import): the served FlexAttention path (`backend.py`) and the
 kernel-level check (`kernel_check.py`, torch only) build their masks with this same code.
 
-Visibility (`reference/attention.py`, `integration/step_plan.py`): a query at position p whose
+Visibility (`reference/attention.py`, `integration/attention/step_plan.py`): a query at position p whose
 chunk starts at a sees, on a full head, every key at position <= p; on a streaming head the
 sink (positions < sink), the `window` positions before a and the chunk, causally:
     j <= p  and  (j < sink  or  j >= a - window).

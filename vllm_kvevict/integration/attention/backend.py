@@ -15,23 +15,25 @@ the paged heads attend over their compacted past and each prefill chunk is compr
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 
 import torch
 from vllm import envs
-from vllm.config import get_current_vllm_config
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
+                                                 CPUAttentionMetadata,
                                                  CPUAttentionMetadataBuilder)
 
 from vllm_kvevict.integration.attention import cpu_token
+from vllm_kvevict.integration.attention.context import (attention_context, attention_kind,
+                                                        extend_metadata)
 from vllm_kvevict.integration.attention.fp8 import is_fp8, layer_scales
 from vllm_kvevict.integration.attention.paged_layout import (POOL_LAYOUTS, decode_in_place,
                                                              decode_window, lay_out_from_pool)
+from vllm_kvevict.integration.attention.step_plan import decode_attention
 from vllm_kvevict.integration.plugins.versions import CPU_OPS
-from vllm_kvevict.integration.worker.state import get_state, init_state
-from vllm_kvevict.integration.worker.step_plan import decode_attention
 
 ops = importlib.import_module(CPU_OPS)  # vLLM's CPU attention ops (moved in 0.34)
 
@@ -56,19 +58,26 @@ def _dense(x: torch.Tensor, n: int, at) -> torch.Tensor | None:
     return None
 
 
+@dataclasses.dataclass
+class KVEvictMetadata(CPUAttentionMetadata):
+    """vLLM's CPU metadata with the step's common metadata and the policy's step plan."""
+
+    common: object = None  # vLLM's CommonAttentionMetadata of the step
+    plan: object = None  # StepPlan (head masks) or TokenStepPlan (token eviction, the hybrid)
+
+
 class KVEvictMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.kv_state = init_state(vllm_config)  # (only chosen when there is one)
+        self.kv_state = attention_context()  # (chosen only where there is one)
         # This group's paged cache holds only the full heads of its layers: the kernel's
         # work split must be sized for their query heads, not the layer's.
         self.num_heads = self.num_kv_heads * self.kv_state.heads[0].queries_per_kv
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        metadata.plan = self.kv_state.planner.step_plan(common_attn_metadata)
-        metadata.common = common_attn_metadata
-        return metadata
+        return extend_metadata(metadata, KVEvictMetadata, common=common_attn_metadata,
+                               plan=self.kv_state.planner.step_plan(common_attn_metadata))
 
 
 class KVEvictAttentionImpl(CPUAttentionBackendImpl):
@@ -78,8 +87,8 @@ class KVEvictAttentionImpl(CPUAttentionBackendImpl):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        # built before the model (KVEvictWorker.init_device), which builds these per layer
-        self.kv_state = init_state(get_current_vllm_config())
+        # set before the model (KVEvictWorker.init_device), which builds these per layer
+        self.kv_state = attention_context()
         # vLLM's kernel with nothing but causal attention: the streaming heads' in-place decode
         # (the kernel reads fp8 codes as for stock); the read-back one reads unquantized values
         self._plain = self.alibi_slopes is None and not self.logits_soft_cap \
@@ -262,7 +271,10 @@ class KVEvictTokenImpl(KVEvictAttentionImpl):
 
 
 # The attention path of each kind of policy, chosen once (vLLM builds the impl per layer).
-IMPLS = {"head_mask": KVEvictAttentionImpl, "token": KVEvictTokenImpl, "hybrid": KVEvictTokenImpl}
+IMPLS = {"full": CPUAttentionBackendImpl, "head_mask": KVEvictAttentionImpl,
+         "token": KVEvictTokenImpl, "hybrid": KVEvictTokenImpl}
+BUILDERS = {"full": CPUAttentionMetadataBuilder, "head_mask": KVEvictMetadataBuilder,
+            "token": KVEvictMetadataBuilder, "hybrid": KVEvictMetadataBuilder}
 # The KV-cache layouts of the kinds whose streaming heads are in the pool (vLLM's otherwise).
 LAYOUTS = {"head_mask": POOL_LAYOUTS, "hybrid": POOL_LAYOUTS}
 
@@ -272,16 +284,13 @@ class KVEvictAttentionBackend(CPUAttentionBackend):
 
     @classmethod
     def supported_kv_cache_layouts(cls):
-        state = get_state()  # (pool storage: groups of mixed page sizes, sink_window.py)
-        layouts = LAYOUTS.get(state.served.kind) if state is not None else None
-        return layouts or super().supported_kv_cache_layouts()
+        # (pool storage: groups of mixed page sizes, sink_window.py)
+        return LAYOUTS.get(attention_kind()) or super().supported_kv_cache_layouts()
 
     @staticmethod
     def get_impl_cls():
-        state = init_state(get_current_vllm_config())
-        return CPUAttentionBackendImpl if state is None else IMPLS[state.served.kind]
+        return IMPLS[attention_kind()]
 
     @staticmethod
     def get_builder_cls():
-        state = init_state(get_current_vllm_config())
-        return CPUAttentionMetadataBuilder if state is None else KVEvictMetadataBuilder
+        return BUILDERS[attention_kind()]

@@ -15,11 +15,11 @@ import importlib
 
 import torch
 
+from vllm_kvevict.integration.attention.decode_eviction import compress_decode
 from vllm_kvevict.integration.attention.fp8 import layer_scales
 from vllm_kvevict.integration.attention.paged_layout import paged_layout
+from vllm_kvevict.integration.attention.token_step import compress_chunks
 from vllm_kvevict.integration.plugins.versions import CPU_OPS
-from vllm_kvevict.integration.worker.decode_eviction import compress_decode
-from vllm_kvevict.integration.worker.token_plan import compress_chunks
 
 ops = importlib.import_module(CPU_OPS)  # vLLM's CPU attention ops (moved in 0.34)
 

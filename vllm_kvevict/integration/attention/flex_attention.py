@@ -4,8 +4,8 @@ policies' streaming heads as block-sparse masks (`vllm_kvevict/flex/block_mask.p
 Chosen with `--kv-attention-backend flex` (the default off the CPU platform): vLLM's CPU
 platform answers CPU_ATTN whatever backend is asked for, so our worker class registers ours
 under that name before the model is built, and under FLEX_ATTENTION on other platforms
-(`use_flex_backend`), and remembers the model runner before it initialises its KV cache
-(`remember_runner`), since the metadata builder reads the rows' prompt lengths from it.
+(`use_flex_backend`); the metadata builder asks the worker's planner for the rows' prompt
+lengths (`attention/context.py`).
 
 Head masks keep their heads in vLLM's pool as one cache layer per KV head
 (`kv_cache/head_pages.py`): per layer, its full heads attend over their group's pages and its
@@ -19,25 +19,25 @@ snapkv / pyramidkv write and read at the token-eviction plan's physical slots.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
-from vllm.config import get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backends.flex_attention import (FlexAttentionBackend, FlexAttentionImpl,
+                                                       FlexAttentionMetadata,
                                                        FlexAttentionMetadataBuilder)
 
 from vllm_kvevict.flex import FLEX_RECOMPILE_LIMIT
 from vllm_kvevict.flex.block_mask import PagedQueries, chunk_starts, head_mask_block_mask
 from vllm_kvevict.integration.attention import flex_token, inductor_cache
+from vllm_kvevict.integration.attention.context import (attention_context, attention_kind,
+                                                        extend_metadata)
 from vllm_kvevict.integration.kv_cache.head_pages import HeadSlots, head_slots
-from vllm_kvevict.integration.kv_cache.sink_window import canonical_chunk
-from vllm_kvevict.integration.worker import runners
-from vllm_kvevict.integration.worker.state import get_state, init_state
 from vllm_kvevict.served import policy_config_of
 
 FLEX_BACKEND = "vllm_kvevict.integration.attention.flex_attention.KVEvictFlexBackend"
-_runner = None  # this worker's model runner (`remember_runner`): prompt lengths
+TOKEN_PLANNED = ("token", "hybrid")  # the kinds whose flex path reads the worker's step plan
 
 
 def flex_selected(vllm_config) -> bool:
@@ -70,30 +70,21 @@ def allow_flex_recompiles() -> None:
                                                FLEX_RECOMPILE_LIMIT)
 
 
-def remember_runner(runner) -> None:
-    """Before vLLM initialises the KV cache (its metadata builders are made in there): the
-    builder reads the rows' prompt lengths from the runner."""
-    global _runner
-    _runner = runner
+@dataclasses.dataclass
+class KVEvictFlexMetadata(FlexAttentionMetadata):
+    """vLLM's FlexAttention metadata with the step's per-token chunk starts, its block masks
+    (built once per head split and step) and token eviction's step plan."""
 
-
-def _prompt_lens(common, num_reqs: int) -> list[int] | None:
-    """Each row's prompt as the policy serves it (None: unknown, as in warm-up runs; every
-    query is then a prompt query of its step)."""
-    planner = getattr(get_state(), "planner", None)
-    req_ids = runners.row_requests(_runner, common, num_reqs, planner is None or planner.in_step)
-    if req_ids is None:
-        return None
-    return runners.policy_prompt_lens(_runner, req_ids,
-                                      planner.extra_args if planner is not None else {})
+    kvevict_queries: PagedQueries | None = None
+    kvevict_masks: dict = dataclasses.field(default_factory=dict)
+    kvevict_capacity: tuple[int, int] = (0, 0)  # the padded mask-table sizes (one compile)
+    plan: object = None  # TokenStepPlan (token eviction, the hybrid)
 
 
 class KVEvictFlexMetadataBuilder(FlexAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        # a head mask's canonical prefill chunk E (0: each step its own chunk): with prefix
-        # caching on, a cached block's K/V must not depend on how vLLM split the steps
-        self.kvevict_chunk = canonical_chunk(vllm_config)
+        self.kv_state = attention_context()
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
@@ -106,20 +97,20 @@ class KVEvictFlexMetadataBuilder(FlexAttentionMetadataBuilder):
         doc = torch.repeat_interleave(torch.arange(n), torch.tensor(q_lens))
         position = torch.tensor(computed, dtype=torch.long)[doc] + \
             torch.arange(len(doc)) - q_start[:-1][doc]
-        device = common.seq_lens.device
-        metadata.kvevict_queries = PagedQueries(
+        device, state = common.seq_lens.device, self.kv_state
+        # (a head mask's canonical prefill chunk E, 0: each step its own chunk: with prefix
+        # caching on, a cached block's K/V must not depend on how vLLM split the steps)
+        queries = PagedQueries(
             doc=doc.to(device), position=position.to(device),
-            chunk_start=chunk_starts(computed, q_lens, _prompt_lens(common, n),
-                                     self.kvevict_chunk or None).to(device),
+            chunk_start=chunk_starts(computed, q_lens, state.planner.row_prompt_lens(common, n),
+                                     state.chunk or None).to(device),
             block_table=common.block_table_tensor[:n], seq_lens=seq_lens.to(device),
             page_size=self.block_size, num_pages=self.cache_config.num_gpu_blocks)
-        metadata.kvevict_masks = {}  # per head split (token eviction: per layer lengths)
-        metadata.kvevict_capacity = mask_capacity(self.vllm_config)
-        state = init_state(self.vllm_config)
-        if state is not None and state.served.kind in ("token", "hybrid"):
-            # token eviction: the step's physical lengths, slots, chunks
-            metadata.plan = state.planner.step_plan(common)
-        return metadata
+        # token eviction: the step's physical lengths, slots, chunks
+        plan = state.planner.step_plan(common) if state.kind in TOKEN_PLANNED else None
+        return extend_metadata(metadata, KVEvictFlexMetadata, kvevict_queries=queries,
+                               kvevict_masks={}, plan=plan,
+                               kvevict_capacity=mask_capacity(self.vllm_config))
 
 
 def mask_capacity(vllm_config) -> tuple[int, int]:
@@ -138,9 +129,8 @@ def mask_capacity(vllm_config) -> tuple[int, int]:
 class KVEvictFlexImpl(FlexAttentionImpl):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        # the policy's state (worker/state.py): head splits, token eviction's plans and ledgers;
-        # None for `full`
-        self.kv_state = init_state(get_current_vllm_config())
+        # the attention context (context.py): head splits, the step's plan
+        self.kv_state = attention_context()
         self._slots_of: tuple[HeadSlots, ...] | None = None  # this layer's, head masks
         self._narrow: dict[int, KVEvictFlexImpl] = {}
 
@@ -301,8 +291,7 @@ class KVEvictFlexBackend(FlexAttentionBackend):
 
     @staticmethod
     def get_impl_cls():
-        state = init_state(get_current_vllm_config())
-        return IMPLS["full" if state is None else state.served.kind]
+        return IMPLS[attention_kind()]
 
     @staticmethod
     def get_builder_cls():

@@ -18,9 +18,9 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backends.flex_attention import FlexAttentionImpl
 
 from vllm_kvevict.flex.block_mask import head_mask_block_mask, paged_queries
-from vllm_kvevict.integration.worker.decode_eviction import compress_decode
-from vllm_kvevict.integration.worker.step_plan import visible_before
-from vllm_kvevict.integration.worker.token_plan import compress_chunks
+from vllm_kvevict.integration.attention.decode_eviction import compress_decode
+from vllm_kvevict.integration.attention.step_plan import visible_before
+from vllm_kvevict.integration.attention.token_step import compress_chunks
 
 
 def forward(impl, layer, query, key, value, kv_cache, attn_metadata, output):

@@ -22,9 +22,9 @@ from vllm.forward_context import get_forward_context
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from vllm_kvevict.integration.attention.fp8 import grid_values, is_fp8, layer_scales
+from vllm_kvevict.integration.attention.step_plan import lay_out_visible, window_rows
 from vllm_kvevict.integration.kv_cache.sink_window import companion_name
 from vllm_kvevict.integration.plugins.versions import CPU_OPS
-from vllm_kvevict.integration.worker.step_plan import lay_out_visible, window_rows
 
 ops = importlib.import_module(CPU_OPS)  # vLLM's CPU attention ops (moved in 0.34)
 

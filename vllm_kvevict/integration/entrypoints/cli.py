@@ -15,7 +15,7 @@ import copy
 from vllm_kvevict.config import KVPolicyConfig, KVPolicyError
 from vllm_kvevict.flags import FLAGS, fail, flag_message
 from vllm_kvevict.integration.entrypoints.api_server import share_between_api_servers
-from vllm_kvevict.integration.plugins import registration
+from vllm_kvevict.integration.plugins.support import current_activation
 from vllm_kvevict.served import ADDITIONAL_CONFIG_KEY
 
 
@@ -57,9 +57,9 @@ def fold_into_engine_args(engine_args, args: argparse.Namespace) -> None:
         policy = policy_from_args(args, additional)
     except KVPolicyError as exc:
         fail(str(exc))
-    if policy is not None and registration.inactive_reason is not None:
-        fail(f"--kv-* flags need an active plugin, and it is inactive here: "
-             f"{registration.inactive_reason}")
+    inactive_reason = current_activation()[0]
+    if policy is not None and inactive_reason is not None:
+        fail(f"--kv-* flags need an active plugin, and it is inactive here: {inactive_reason}")
     # several API servers (vLLM's default with --data-parallel-size) share one kv_stats log
     share_between_api_servers(getattr(args, "api_server_count", None))
     if policy is not None:

@@ -17,7 +17,7 @@ import logging
 import sys
 
 from vllm_kvevict.integration.plugins.contract import INERT_WRAPS, WRAPS, Wrap
-from vllm_kvevict.integration.plugins.support import activation, platform_name, vllm_version
+from vllm_kvevict.integration.plugins.support import current_activation, platform_name, vllm_version
 
 logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
 
@@ -32,7 +32,7 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    inactive_reason, unlocked_by = activation(vllm_version(), platform_name())
+    inactive_reason, unlocked_by = current_activation()
     if unlocked_by:
         logger.warning("vllm-kvevict: vLLM %s on %s is outside the supported list; active by "
                        "the self-check: %s", vllm_version(), platform_name(),

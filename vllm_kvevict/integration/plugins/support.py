@@ -4,6 +4,7 @@ vLLM, platform and device. Read by the entry point in every vLLM process (import
 
 from __future__ import annotations
 
+import functools
 import os
 
 from vllm_kvevict._version import __version__
@@ -57,6 +58,12 @@ def activation(version: str, platform: str) -> tuple[str | None, dict[str, str]]
         return None, {dtype: str(path) for dtype, path in passes.items()}
     return (f"{problem}; to verify this platform ({platform}, {device}) and unlock it, run "
             f"`{records.COMMAND}` here: it records a pass for this vLLM, device and dtype"), {}
+
+
+@functools.cache
+def current_activation() -> tuple[str | None, dict[str, str]]:
+    """`activation` of this process's vLLM and platform (decided once per process)."""
+    return activation(vllm_version(), platform_name())
 
 
 def unlocked_dtype_error(dtype: str, unlocked_by: dict[str, str]) -> str | None:

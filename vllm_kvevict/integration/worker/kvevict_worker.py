@@ -5,9 +5,10 @@ engine config is created; any other class is refused at start-up (`composition.p
 method overridden here is one of vLLM's `Worker` (the base of every platform's worker).
 
 `KVEvictWorker` builds this process's policy state once, from the config vLLM hands it
-(`worker.init_state`), and keeps it in step with vLLM: the KV-cache specs it declares, the
-shared-cache layers' specs, and, around every step, releasing finished requests, making seeded
-requests' generators rewindable and booking token evictions.
+(`state.build_state`), sets it as the attention context (`attention/context.py`) and keeps it in
+step with vLLM: the KV-cache specs it declares, the shared-cache layers' specs, and, around
+every step, releasing finished requests, making seeded requests' generators rewindable and
+booking token evictions.
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ import copy
 from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_kvevict.integration.attention import flex_attention
+from vllm_kvevict.integration.attention.context import set_attention_context
 from vllm_kvevict.integration.plugins import support
 from vllm_kvevict.integration.plugins.composition import import_class, install_over, resolve
 from vllm_kvevict.integration.worker import head_order, runners, seeded_sampling
-from vllm_kvevict.integration.worker.state import init_state
+from vllm_kvevict.integration.worker.state import WorkerState, build_state
 
 
 class KVEvictWorker(Worker):
-    kv_state = None  # this process's WorkerState; None for `full` (stock vLLM runs)
+    kv_state: WorkerState  # this process's (init_device); `full` too (its planner plans nothing)
     flex = False  # --kv-attention-backend flex (flex_attention.py)
 
     def __init__(self, vllm_config, *args, **kwargs) -> None:
@@ -35,9 +37,8 @@ class KVEvictWorker(Worker):
         """The state is built once vLLM's distributed set-up is done (a tensor-parallel rank's
         heads need it)."""
         super().init_device()
-        self.kv_state = init_state(self.vllm_config)
-        if self.kv_state is not None:
-            self.kv_state.planner.runner = self.model_runner
+        self.kv_state = set_attention_context(build_state(self.vllm_config))
+        self.kv_state.planner.runner = self.model_runner
 
     def load_model(self, *args, **kwargs) -> None:
         """A head mask under tensor parallel: vLLM's loader reads the weights with each layer's
@@ -46,25 +47,20 @@ class KVEvictWorker(Worker):
         eviction's question rows, `question_rows.py`)."""
         with head_order.loading(self.vllm_config, self.kv_state):
             super().load_model(*args, **kwargs)
-        if self.kv_state is not None:
-            self.kv_state.planner.after_load(self.model_runner)
+        self.kv_state.planner.after_load(self.model_runner)
 
     def get_kv_cache_spec(self):
         """The served kind's specs (its planner's `declare_specs`): a head mask's streaming
         heads in their companions' groups, token eviction's tiers (with prefix caching:
         `prefix_specs`)."""
-        if self.kv_state is None:
-            return super().get_kv_cache_spec()
         return self.kv_state.planner.declare_specs(self.model_runner, super().get_kv_cache_spec)
 
     def initialize_from_config(self, kv_cache_config) -> None:
         """vLLM adds a layer that shares another's cache to that layer's group but gives it no
         per-layer spec (a head-mask layer without full heads shares its companion's cache):
         give it its target's."""
-        if self.flex:
-            flex_attention.remember_runner(self.model_runner)
         shared = runners.shared_layers(self.model_runner, self.vllm_config)
-        if self.kv_state is not None and shared:
+        if self.kv_state.planner.declares_specs and shared:
             kv_cache_config = copy.deepcopy(kv_cache_config)  # the engine core's is not ours
             share_layer_specs(shared, kv_cache_config.kv_cache_groups)
         super().initialize_from_config(kv_cache_config)
@@ -73,15 +69,13 @@ class KVEvictWorker(Worker):
         """Finished and preempted requests release their state before the step, token
         evictions are booked after it; seeded requests' CPU generators are made rewindable
         before the step samples (`seeded_sampling.py`)."""
-        planner = self.kv_state.planner if self.kv_state is not None else None
-        if planner is not None:
-            planner.begin_step(self.model_runner, scheduler_output)
+        planner = self.kv_state.planner
+        planner.begin_step(self.model_runner, scheduler_output)
         try:
             output = super().execute_model(scheduler_output)
             seeded_sampling.prepare(self.model_runner)  # any policy: stock vLLM's CPU worker too
         finally:
-            if planner is not None:
-                planner.finish_step()
+            planner.finish_step()
         return output
 
 

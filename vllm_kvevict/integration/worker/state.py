@@ -1,7 +1,8 @@
-"""Worker side: the policy's per-process state (the served policy, this rank's cache layout)
-and the served kind's step planner, chosen once (`PLANNERS[kind]`): the KV-cache specs the kind
-declares, what it installs on the loaded model, each step's plan. Our worker class,
-`kvevict_worker.py`, builds the state, hands it down and calls the planner around each step."""
+"""Worker side: the policy's per-process state (`WorkerState`, the attention context plus the
+weights' load order) and the served kind's step planner, chosen once (`PLANNERS[kind]`): the
+KV-cache specs the kind declares, what it installs on the loaded model, each step's plan. Our
+worker class, `kvevict_worker.py`, builds the state, sets it as the attention context and calls
+the planner around each step."""
 
 from __future__ import annotations
 
@@ -11,46 +12,30 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_kvevict.config import KVPolicyConfig
-from vllm_kvevict.integration.kv_cache.head_split import LayerHeads, layer_heads
-from vllm_kvevict.integration.kv_cache.sink_window import canonical_chunk
+from vllm_kvevict.integration.attention.context import AttentionContext
+from vllm_kvevict.integration.attention.step_plan import StepPlan, build_step_plan
+from vllm_kvevict.integration.attention.token_step import TokenStepPlan
+from vllm_kvevict.integration.kv_cache.head_split import layer_heads
 from vllm_kvevict.integration.kv_cache.prefix_cache import prefix_specs
+from vllm_kvevict.integration.kv_cache.sink_window import canonical_chunk
 from vllm_kvevict.integration.kv_cache.specs import (declare_head_mask_specs,
                                                      declare_token_specs, layer_groups)
 from vllm_kvevict.integration.worker import head_order, question_rows, runners
-from vllm_kvevict.integration.worker.step_plan import StepPlan, build_step_plan
-from vllm_kvevict.integration.worker.token_plan import TokenEvictionWorker, TokenStepPlan
-from vllm_kvevict.policies import KVPolicy
-from vllm_kvevict.served import ServedPolicy, served_policy
+from vllm_kvevict.integration.worker.token_plan import TokenEvictionWorker
+from vllm_kvevict.served import served_policy
 
 logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
 
 
 @dataclass
-class WorkerState:
-    """What this worker serves (handed down to the specs, the attention paths and the loader):
-    the policy, this rank's cache layout, and the served kind's step planner."""
+class WorkerState(AttentionContext):
+    """What this worker serves: the attention context (the policy, this rank's heads and cache
+    layout, the served kind's step planner) and how its weights load."""
 
-    served: ServedPolicy
-    heads: list[LayerHeads]
-    head_dim: int
-    block_size: int
-    chunk: int = 0  # the canonical prefill chunk (sink_window.canonical_chunk; 0: the step)
-    flex: bool = False  # --kv-attention-backend flex (integration/attention/flex_attention.py)
-    in_place: bool = False  # decode runs in place over the pool (`in_place_hint` is None)
     # tensor parallel: long [L, H], each layer's KV heads (original indices) in the served
     # order, the weights permuted to it at load (`head_order.py`); None: vLLM's order
     head_order: torch.Tensor | None = None
     base_load_format: str = "auto"  # the user's load format, under head_order's loader
-    planner: StepPlanner | None = None  # `PLANNERS[kind]`: the served kind's, built once
-
-    @property
-    def config(self) -> KVPolicyConfig:
-        return self.served.config
-
-    @property
-    def policy(self) -> KVPolicy:
-        return self.served.policy
 
 
 class StepPlanner(abc.ABC):
@@ -58,6 +43,8 @@ class StepPlanner(abc.ABC):
     on the loaded model, and each step's plan (built once per step, shared by every layer),
     with the step bookkeeping every kind shares (`KVEvictWorker.execute_model` calls
     `begin_step` / `finish_step` around vLLM's step)."""
+
+    declares_specs = True  # False: vLLM's own specs (and its sharing layers' entries) stand
 
     def __init__(self, state: WorkerState, vllm_config, rank: int, world: int) -> None:
         self.state = state
@@ -127,6 +114,12 @@ class StepPlanner(abc.ABC):
         self._plan_key, self.plan = key, plan
         return plan
 
+    def row_prompt_lens(self, common, num_reqs: int) -> list[int] | None:
+        """Each of the step's rows' prompt as the policy serves it (None: the rows are not
+        requests, as in warm-up runs; every query is then a prompt query of its step)."""
+        req_ids = runners.row_requests(self.runner, common, num_reqs, self.in_step)
+        return None if req_ids is None else self.prompt_lens(req_ids)
+
     def prompt_lens(self, req_ids) -> list[int]:
         """Each row's prompt as the policy serves it (a teacher-forced tail is decoded)."""
         return runners.policy_prompt_lens(self.runner, req_ids, self.extra_args)
@@ -140,6 +133,19 @@ class StepPlanner(abc.ABC):
             return
         self._finished_key = self._plan_key
         self.book(plan)
+
+
+class FullPlanner(StepPlanner):
+    """`full`: vLLM's own specs and attention (the flex path's builder still asks the rows'
+    prompt lengths); nothing planned, nothing kept per request."""
+
+    declares_specs = False
+
+    def declare_specs(self, runner, stock_specs) -> dict:
+        return stock_specs()
+
+    def build(self, req_ids, computed, q_lens, valid) -> None:
+        return None
 
 
 class HeadMaskPlanner(StepPlanner):
@@ -260,11 +266,9 @@ class HybridPlanner(TokenPlanner):
         return plan
 
 
-# The step planner of each kind of policy, chosen once per process (`init_state`).
-PLANNERS = {"head_mask": HeadMaskPlanner, "token": TokenPlanner, "hybrid": HybridPlanner}
-
-
-_state: WorkerState | None = None
+# The step planner of each kind of policy, chosen once per process (`build_state`).
+PLANNERS = {"full": FullPlanner, "head_mask": HeadMaskPlanner, "token": TokenPlanner,
+            "hybrid": HybridPlanner}
 
 
 def tensor_parallel_rank(vllm_config) -> tuple[int, int]:
@@ -277,18 +281,9 @@ def tensor_parallel_rank(vllm_config) -> tuple[int, int]:
     return get_tensor_model_parallel_rank(), world
 
 
-def get_state() -> WorkerState | None:
-    return _state
-
-
-def init_state(vllm_config) -> WorkerState | None:
-    """This worker's state, from the served policy (None for `full`: stock vLLM runs)."""
-    global _state
-    if _state is not None:
-        return _state
+def build_state(vllm_config) -> WorkerState:
+    """This worker's state, from the served policy (once per process, by the worker)."""
     served = served_policy(vllm_config)
-    if served.kind == "full":
-        return None
     block_size = vllm_config.cache_config.block_size
     rank, world = tensor_parallel_rank(vllm_config)
     streaming = served.policy.streaming_heads()
@@ -304,8 +299,7 @@ def init_state(vllm_config) -> WorkerState | None:
         chunk=canonical_chunk(vllm_config), flex=served.config.attention_backend == "flex",
         in_place=in_place_hint(served.config.sink, served.config.window, block_size) is None)
     state.planner = PLANNERS[served.kind](state, vllm_config, rank, world)
-    _state = state
-    return _state
+    return state
 
 
 def replica_scores(rank: int, world: int, num_kv_heads: int):

@@ -1,9 +1,9 @@
-"""Worker side of decode-time eviction (snapkv, pyramidkv with `decode_budget`): after every
+"""Decode-time eviction's step (snapkv, pyramidkv with `decode_budget`): after every
 `decode_interval`-th decode step of a request, each layer's whole KV is read back from the
-paged cache, scored by the queries of the request's last k decode steps (kept here between
-steps), and its kept tokens rewritten from physical slot 0 of the layer's block row. The
-scheduler frees the same tail blocks (`token_ledger.py`), the booking is in
-`token_eviction_worker.finish_step`, the shared maths in `vllm_kvevict/ledger.py`.
+paged cache, scored by the queries of the request's last k decode steps (the worker's ledger
+keeps them), and its kept tokens rewritten from physical slot 0 of the layer's block row. The
+scheduler frees the same tail blocks (`token_ledger.py`), the worker books them
+(`TokenEvictionWorker.finish_step`); the shared maths is `vllm_kvevict/ledger.py`.
 """
 
 from __future__ import annotations
