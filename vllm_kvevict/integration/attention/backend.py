@@ -1,16 +1,14 @@
 """The attention backend: vLLM's CPU backend, with head-mask policies applied inside it.
 
 Registered over `CPU_ATTN` (the CPU platform always asks for it). With `full` every class here
-is vLLM's own, so `full` is stock vLLM bit for bit. With a head mask, per layer:
-  - full heads: vLLM's kernel over the paged cache, which holds only those heads;
-  - streaming heads: vLLM's kernel over a scratch paged cache laid out as
-    [sink | window | chunk] per request from their blocks in vLLM's pool (`step_plan.py`,
-    `paged_layout.lay_out_from_pool`); a decode step whose sink is whole blocks runs the kernel
-    in place over the pool's blocks instead (`step_plan.window_rows`), one with a partial sink
-    block attends over its window read back (`paged_layout.decode_window`);
-  - a layer whose heads are all full takes the stock path unchanged.
-With token eviction (snapkv, pyramidkv, or a head mask's full heads under `--kv-token-policy`)
-the paged heads attend over their compacted past and each prefill chunk is compressed after.
+is vLLM's own, so `full` is stock vLLM bit for bit. With a head mask, per layer, full heads run
+vLLM's kernel over the paged cache (which holds only them) and streaming heads run it over a
+scratch paged cache laid out from their blocks in vLLM's pool (`step_plan.py`,
+`paged_layout.lay_out_from_pool`; decode steps read the pool in place, `step_plan.window_rows`,
+or their window read back, `paged_layout.decode_window`); a layer of full heads only takes the
+stock path. With token eviction (snapkv, pyramidkv, or a head mask's full heads under
+`--kv-token-policy`) the paged heads attend over their compacted past and each prefill chunk is
+compressed after. Design: docs/design/kv_cache.md, docs/design/attention.md.
 """
 
 from __future__ import annotations

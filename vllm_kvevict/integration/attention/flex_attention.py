@@ -1,19 +1,14 @@
 """The FlexAttention path: vLLM's FlexAttention backend, subclassed, with the head-mask
 policies' streaming heads as block-sparse masks (`vllm_kvevict/flex/block_mask.py`).
 
-Chosen with `--kv-attention-backend flex` (the default off the CPU platform): vLLM's CPU
-platform answers CPU_ATTN whatever backend is asked for, so our worker class registers ours
-under that name before the model is built, and under FLEX_ATTENTION on other platforms
-(`use_flex_backend`); the metadata builder asks the worker's planner for the rows' prompt
-lengths (`attention/context.py`).
-
-Head masks keep their heads in vLLM's pool as one cache layer per KV head
-(`kv_cache/head_pages.py`): per layer, its full heads attend over their group's pages and its
-streaming heads over their sink + window group's, each kind read as one multi-head cache.
-Per step the metadata builder adds the per-token chunk starts (`PagedQueries`); a streaming
-head's mask lists only the pages of sink + window + chunk, so its work follows those, not the
-prompt. `full` runs vLLM's FlexAttention with our KV write and our (all-causal) block mask;
-snapkv / pyramidkv write and read at the token-eviction plan's physical slots.
+Chosen with `--kv-attention-backend flex` (the default off the CPU platform); our worker
+registers it under CPU_ATTN on the CPU platform (which answers that whatever is asked) and under
+FLEX_ATTENTION elsewhere (`use_flex_backend`). Head masks keep one cache layer per KV head
+(`kv_cache/head_pages.py`): a layer's full heads attend over their group's pages, its streaming
+heads over their sink + window group's, and a streaming head's mask lists only the pages of
+sink + window + chunk, so its work follows those, not the prompt. `full` runs vLLM's
+FlexAttention with our KV write and block mask; snapkv / pyramidkv write and read at the
+token-eviction plan's physical slots. Design: docs/flex_attention.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """fp8 KV cache (`--kv-cache-dtype fp8|fp8_e4m3|fp8_e5m2`) on vLLM's CPU backend.
 
-What vLLM 0.32's CPU kernels do (`cpu_attn_reshape_and_cache`, checked against this code by
-tests/test_vllm_contract.py): an element x is stored as x / scale rounded toward zero to the
-fp8 format's grid, saturating at its largest finite value (not round-to-nearest, which torch's
-`.to(float8)` does); attention dequantizes (code * scale) and computes in float32. The cache
-tensor is uint8 (`fp8` means e4m3).
-
-Streaming heads' blocks hold fp8 codes written by vLLM's own op; their window is read back as
-codes and laid out for the kernel as exact grid values written with scale 1 (the step's own
-K/V quantized here with vLLM's rule), so the kernel reads the same values and multiplies by the
-layer's scale.
+vLLM 0.32's CPU kernels (`cpu_attn_reshape_and_cache`, pinned by tests/test_vllm_contract.py)
+store x as x / scale rounded toward zero to the fp8 grid, saturating (not torch's
+round-to-nearest `.to(float8)`), in a uint8 tensor (`fp8` means e4m3), and attend over
+code * scale in float32. The streaming heads' window, read back as codes, is laid out for the
+kernel as exact grid values with scale 1 (the step's own K/V quantized here by vLLM's rule), so
+the kernel reads the same values and multiplies by the layer's scale. Design:
+docs/design/attention.md, "fp8 KV cache".
 """
 
 from __future__ import annotations

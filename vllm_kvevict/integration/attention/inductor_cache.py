@@ -1,15 +1,13 @@
 """The Inductor cache the flex path compiles into, guarded against a process killed mid-compile.
 
-torch keeps compiled kernels in one directory per user (`/tmp/torchinductor_<user>`). Four
-times here a flex server's worker died at its first step without a traceback ("cancelled")
-after earlier servers had been killed while compiling, and a fresh directory cured it each time
-(docs/flex_attention.md). So the worker serving the flex path (1) compiles into a directory
-keyed by torch's, vLLM's and the plugin's versions, where no other build's entry can load, and
-(2) marks that directory while it compiles (torch's compile start / end callbacks). vLLM
-force-kills its workers at shutdown, but not while they compile a request's step; a mark whose
-process is gone means a compilation was cut off and an entry may be half-written, and the
-directory is set aside (logged) before anything compiles into it. A user's
-`TORCHINDUCTOR_CACHE_DIR` is used as given, with the same marks.
+torch keeps compiled kernels in one directory per user (`/tmp/torchinductor_<user>`); four times
+a flex server's worker died at its first step ("cancelled") after earlier servers had been
+killed while compiling, and a fresh directory cured it (docs/flex_attention.md). So the worker
+serving the flex path compiles into a directory keyed by torch's, vLLM's and the plugin's
+versions, and marks it while it compiles (torch's compile start / end callbacks). vLLM
+force-kills its workers at shutdown but not mid-compile, so a mark whose process is gone means
+a compilation was cut off: the directory is set aside (logged) before anything compiles into
+it. A user's `TORCHINDUCTOR_CACHE_DIR` is used as given, with the same marks.
 """
 
 from __future__ import annotations

@@ -1,15 +1,13 @@
 """Reading K/V back out of vLLM's CPU paged cache.
 
 The CPU kernels store a block's [block_size, head_dim] tile per KV head in an ISA-specific packed
-order (on this machine: keys transposed for `vec`/`vec16`, keys and values pair-interleaved for
-`amx`), so plain indexing of the cache tensor returns scrambled numbers. Rather than hard-code
-each packing, `PagedLayout` learns it: it writes two index patterns through vLLM's own
-`cpu_attn_reshape_and_cache` into a scratch block and records where each (token, dim) element
-landed. The patterns are small integers (< 256), exact in every float dtype the kernels take.
-
-Used by decoupled token eviction (`eviction_chunk`): when an eviction chunk was prefilled over
-several engine steps, its earlier steps' keys and values are only in the paged cache; and by
-pool storage of streaming heads (`lay_out_from_pool`): each step reads their window back.
+order (keys transposed for `vec`/`vec16`, keys and values pair-interleaved for `amx`), so plain
+indexing returns scrambled numbers. `PagedLayout` learns the packing instead of hard-coding it:
+it writes two small-integer index patterns (exact in every float dtype the kernels take) through
+vLLM's own `cpu_attn_reshape_and_cache` into a scratch block and records where each element
+landed. Used by decoupled token eviction (`--kv-eviction-chunk`: a chunk's earlier steps' K/V
+are only in the paged cache) and by the streaming heads' pool storage (`lay_out_from_pool`:
+each step reads their window back).
 """
 
 from __future__ import annotations

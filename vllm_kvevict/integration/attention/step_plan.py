@@ -1,28 +1,14 @@
 """The per-step plan of the streaming heads: which past positions each kernel row sees.
 
-Semantics (`policies/streaming.py`): a streaming head running a prefill chunk [a, a + c) sees
-the sink (first s tokens), the last W tokens before a, and the chunk causally; afterwards it keeps
-sink + last W. The tokens it may see before a are exactly positions [0, a) if a <= s + W, else
-[0, s) and [a - W, a). A decode query at position q (q >= the prompt length) sees the sink,
-[q - W, q) and itself, as when tokens are decoded one at a time; so a step that runs several
-decode queries of one request (speculative decoding: the last sampled token and K drafts) gives
-each its own kernel row (below).
-
-The streaming heads' K/V live in vLLM's pool (`sink_window.py`: a KV-cache group per layer's
-streaming companion, its blocks freed as the window moves). Each step, per layer
-(`paged_layout.lay_out_from_pool`):
-  1. the step's K/V are written at their slots in the companion's blocks (vLLM's slot mapping);
-  2. each kernel row's visible past is read back from those blocks and laid out, with the
-     step's visible tokens after it, in a zeroed scratch paged cache (through vLLM's
-     reshape-and-cache op, which knows the kernel's packed layouts), and vLLM's own CPU kernel
-     runs causally over it: it places query i at seq_len - q_len + i. A prefill chunk is one
-     row of its c queries (exactly the chunk's streaming mask); each decode query of a
-     multi-query step is a row of its own with one query, holding only what that query sees.
-A step of decode queries only skips both when the sink is whole blocks: vLLM's kernel then
-reads the pool's blocks in place through a virtual block row per query and a sliding window
-(`window_rows`); otherwise the window is read back and attended without a scratch cache
-(`paged_layout.decode_window`, `decode_attention`).
-The index bookkeeping (`StepPlan`) is computed once per engine step and shared by all layers.
+Semantics (`policies/streaming.py`): a prefill chunk [a, a + c) sees the sink (first s tokens),
+the last W tokens before a, and the chunk causally; a decode query at q (q >= the prompt
+length) sees the sink, [q - W, q) and itself, so each decode query of a multi-query step
+(speculative decoding) gets a kernel row of its own. Per step and layer the step's K/V are
+written to the pool (`sink_window.py`), each row's visible past is read back and laid out with
+the step's visible tokens in a zeroed scratch paged cache, and vLLM's CPU kernel runs causally
+over it (`paged_layout.lay_out_from_pool`). Decode-only steps skip the scratch cache (in place,
+`window_rows`, when the sink is whole blocks; else `decode_attention`). `StepPlan` is built once
+per step for all layers. Design: docs/design/kv_cache.md, "Streaming heads in vLLM's pool".
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
 """Admission that leaves room for what running requests will still grow by.
 
-vLLM admits a request when its prompt fits (`full_sequence_must_fit`) and reserves nothing for
-the decode tokens of requests already running; when the pool runs dry it preempts one and later
-recomputes it. For an evicting policy that recompute is not exact: vLLM re-prefills prompt and
-generated tokens with new chunk boundaries, and the boundaries decide what token eviction keeps
-and what a streaming head sees (decode step t sees sink + last W; a recomputed chunk sees the
-window before the chunk). So evicting policies admit a request only when its own largest need
-(all `max_tokens` outputs) plus the growth every running request still has ahead fits: a
-request once admitted runs to the end without preemption.
-
-`GrowthReserve` is that rule for head-mask policies (a request's paged KV is its logical length:
-paged blocks hold the full heads only); the token-eviction ledger subclasses it with physical
-(compressed) sizes per KV-cache group.
-
-With `--kv-admission vllm` the reserve is off (stock admission, more requests admitted, vLLM
-preempts under pressure) and preempted requests are replayed exactly instead: vLLM recomputes a
-preempted request from token 0, and `replay_cap` makes that recompute follow the request's own
-history: its prompt in the chunks it was first prefilled in (recorded by `record_chunks`; a chunk
-waits for a step whose token budget holds it whole), then its generated tokens one per step, as
-they were decoded. Eviction and streaming heads then see what they saw the first time.
+vLLM admits a request when its prompt fits and reserves nothing for running requests' decode
+growth; when the pool runs dry it preempts one and recomputes it later with new chunk
+boundaries, which for an evicting policy changes what token eviction keeps and what a streaming
+head sees. So evicting policies admit a request only when its own largest need (all
+`max_tokens` outputs) plus every running request's remaining growth fits: `GrowthReserve`
+(head masks: logical lengths), subclassed by the token-eviction ledger (physical sizes per
+KV-cache group). With `--kv-admission vllm` the reserve is off and a preempted request is
+replayed exactly (`record_chunks`, `replay_cap`: first run's prompt chunks, then a token a step).
+Design: docs/design/core.md, "Admission, preemption and exact recompute".
 """
 
 from __future__ import annotations

@@ -1,30 +1,14 @@
 """Scheduler side (engine-core process): a head mask's quiet steps answered once for all of
 its KV-cache groups.
 
-A head mask's plan has many KV-cache groups (prulong 0.7 on the bundled model: 15, packed by
-width, `pool_groups.py`), and vLLM's coordinator asks every group's manager, for every running
-request and step, how many blocks it needs, to allocate them and to cache them: at batch 8 that
-was 0.9 ms of scheduling per step against stock's 0.2. Most decode steps need nothing in any
-group. `QuietSteps` checks that once per request, with the managers' own state, and only then
-answers for all groups (`quiet_class`):
-
-- blocks: every group already holds `num_tokens` slots (`cdiv(num_tokens, block_size)` blocks,
-  no copy-on-write hit pending) -> 0 blocks to allocate, no new blocks. vLLM's base manager,
-  its full-attention manager and our two (`sink_window.py`) return exactly that then.
-- caching: our managers cache a request's policy prompt only (`sink_window.cached_tokens`),
-  every group as many tokens (the coordinator's cacheable count, the same for all without
-  EAGLE): a decode step repeats the count of the step before, which vLLM's cache_blocks
-  treats as done.
-- skipped blocks: a full-attention group never frees (vLLM's manager returns at once), and
-  the streaming groups, one sink / window / chunk rule for all, free the positions of
-  `SinkWindowManager.freed_range`, which moves once per block the window passes: a call that
-  repeats the last call's range, after which every streaming group had freed it all, frees
-  nothing anywhere.
-
-Anything else (a prefix hit, admission, another manager type, token eviction's compressed
-slots) takes vLLM's per-group path. Installed on the scheduler's own coordinator by
-`KVEvictScheduler` (vLLM builds it in a factory with no hook: upstream, a
-`KVCacheCoordinator` class chosen by the scheduler would do).
+A head mask's plan has many KV-cache groups (prulong 0.7 on the bundled model: 15), and vLLM's
+coordinator asks every group's manager, per running request and step, how many blocks it needs,
+to allocate them and to cache them: 0.9 ms of scheduling per step at batch 8 against stock's
+0.2. Most decode steps need nothing in any group. `quiet_class` checks that once per request
+with the managers' own state (`QuietState`) and only then answers for all groups (no blocks, the
+cache count already done, no range left to free); anything else takes vLLM's per-group path.
+Installed on the scheduler's coordinator by `KVEvictScheduler` (vLLM builds it in a factory
+with no hook). Design: docs/design/core.md, "Quiet steps".
 """
 
 from __future__ import annotations

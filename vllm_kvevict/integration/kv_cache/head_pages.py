@@ -1,16 +1,13 @@
 """The FlexAttention path's pool storage of a head mask: a cache layer per KV head.
 
 FlexAttention reads a paged cache only as one flat token axis, which vLLM's layer-outer layout
-(LBNHC) gives and the block-outer one the CPU path's companions need (BLHNC, for groups of
-mixed page sizes) does not. So on this path every KV head is its own cache layer with a
-one-head page (`head_slots`: the attention layer holds its first head, cache-only layers the
-others), full heads under a full-attention spec, streaming heads under `SinkWindowSpec` (their
-blocks freed as the window moves, `sink_window.py`): one page size, so vLLM lays the pool out
-layer-outer. The specs are declared by `kv_cache_specs.declare_head_page_specs`; the group plan
-is the CPU path's (`pool_groups.plan_widths`) with each layer's full heads and its streaming
-heads as items (`pool_groups.head_page_groups`): a layer's heads of one kind sit side by side
-in one group, which vLLM's layer-outer allocation puts one layer stride apart, so
-the worker reads them as one multi-head cache without a copy (`HeadSlots`).
+(LBNHC) gives and the CPU path's block-outer one (BLHNC) does not. So here every KV head is its
+own cache layer with a one-head page (`head_slots`), full heads under a full-attention spec,
+streaming heads under `SinkWindowSpec` (`sink_window.py`): one page size, so vLLM lays the pool
+out layer-outer. Specs: `specs.declare_head_page_specs`; groups: `pool_groups.head_page_groups`,
+which puts a layer's heads of one kind side by side in one group, one layer stride apart, so
+the worker reads them as one multi-head cache without a copy (`HeadSlots`). Design:
+docs/design/attention.md, "The CUDA path, on paper".
 """
 
 from __future__ import annotations

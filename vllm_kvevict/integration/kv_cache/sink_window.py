@@ -1,36 +1,14 @@
 """Streaming heads in vLLM's own block pool: a sink + sliding-window KV-cache spec, its
 manager, and the plan of KV-cache groups (every head-mask policy: streaming, duo, prulong).
 
-A streaming head running a prefill chunk [a, a + c) sees the sink (positions [0, s)), the W
-tokens before a, and the chunk; a decode query at q sees the sink and [q - W, q]. vLLM 0.32 has
-a sliding-window manager (frees a prefix of blocks) and a sink spec whose sink is a model's
-learned static K/V, but nothing that keeps the prompt's first tokens *and* frees the gap after
-them. `SinkWindowManager` is `SlidingWindowManager` with the freed range moved: the sink blocks
-stay, blocks wholly inside [sink, a - W) are freed as the request advances (vLLM calls
-`remove_skipped_blocks` from `allocate_slots` with a = the tokens computed before the step).
-
-Storage (CPU path): a layer's streaming heads are a companion cache-only layer
-(`<layer>.kvevict_streaming`), its own spec keeps its full heads. Mixed page sizes need vLLM's
-block-outer layout (BLHNC; the CPU kernels take any block stride), where a block of any group
-costs the widest group's bytes: `pool_groups.plan_widths` packs layers into groups of near-equal
-width; worker side `paged_layout.lay_out_from_pool`. Flex path: `head_pages.py`, `keep_step`.
-
-Regimes, chosen by vLLM's prefix caching (`canonical_chunk`) and its retention interval R:
-- prefix caching off (and no `--kv-eviction-chunk`): each step is its own chunk, and the
-  positions of a step that leave the window before the step ends ([s, e - W)) are never
-  stored: their blocks are vLLM's null block, the kernel reads them from the step's own K/V.
-  The group then holds sink + the window before the step + the window after it.
-- prefix caching on, the prompt chunked at multiples of E (`--kv-eviction-chunk`, by default
-  the step budget) whatever vLLM's steps, so a cached block's K/V depend only on the tokens
-  before it. A hit at h needs the sink and [kE - W, h) cached (k: h's chunk). Which positions
-  are stored follows `--prefix-cache-retention-interval` R, as for vLLM's sliding windows:
-  - R = 0 (vLLM's default): a step that ends a chunk before the prompt's last stores only its
-    last W positions (the next chunk reads them: hits at chunk boundaries cost nothing); the
-    prompt's last chunk is stored whole (vLLM's replay boundary: a resent prompt, or a chat's
-    next turn, hits at its last full block).
-  - R > 0: as R = 0, and a chunk holding a multiple m of R stores [kE, m) too (a hit at m).
-  - R = None (dense): every position is stored, a hit may start at any block.
-  A step that does not end its chunk stores everything: the chunk's later steps read it.
+A streaming head sees the sink (positions [0, s)), the W tokens before its chunk and the chunk.
+vLLM 0.32's sliding window frees a prefix of blocks and its sink spec is a model's learned K/V:
+nothing keeps the prompt's first tokens *and* frees the gap after them. `SinkWindowManager` is
+`SlidingWindowManager` with the freed range moved: the sink blocks stay, blocks wholly inside
+[sink, a - W) are freed as the request advances (`remove_skipped_blocks`). Which positions are
+stored depends on prefix caching (`canonical_chunk`: the prompt chunked at multiples of E) and
+its retention interval R (`prefix_retention`). Design: docs/design/kv_cache.md, "Streaming
+heads in vLLM's pool" (storage, group packing, the two regimes, prefix caching).
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
 """KV-cache specs: what vLLM's KV-cache manager allocates for each layer (worker side declares
 them in `GPUModelRunner.get_kv_cache_spec`; the engine core groups them).
 
-Head masks that free memory: a vLLM block spans every KV head of a layer, so a streaming head
-kept in the layer's cache would hold the whole sequence. Instead each layer's spec says
-`num_kv_heads = its full heads` (vLLM then allocates, schedules and frees paged KV for full
-heads only) and its streaming heads are a cache-only companion layer with a `SinkWindowSpec`
-(`sink_window.py`): their own KV-cache group, whose blocks vLLM frees as the window moves. A
-layer with no full head has no cache of its own: it is declared as sharing its companion's
-(vLLM's own cross-layer sharing), which gives it attention metadata without allocating.
-
-Per-tier block tables for token eviction: one KV-cache group per tier of layers (with one group
-a request holds in every layer the blocks of its largest layer). vLLM's hybrid allocator takes
-groups of equal page sizes, each with its own block table, their caches aliasing one buffer.
-Each layer of tier t declares a `TierAttentionSpec` (`FullAttentionSpec` plus the tier); specs
-of different tiers refuse to merge, so `get_kv_cache_groups` makes one group per tier, each with
-vLLM's `FullAttentionManager` (the registry walks the MRO). A decode budget's bounded worst case
-rides on the spec for vLLM's start-up check. Ledger: `ledger.py`.
+Head masks: a vLLM block spans every KV head of a layer, so each layer's spec declares only its
+full heads (`num_kv_heads = #full`), and its streaming heads are a cache-only companion layer
+with a `SinkWindowSpec` (`sink_window.py`); a layer with no full head shares its companion's
+cache. Token eviction: a `TierAttentionSpec` (`FullAttentionSpec` plus a tier) per layer, specs
+of different tiers refusing to merge, so `get_kv_cache_groups` makes one group (one block
+table) per tier of layers, each on vLLM's `FullAttentionManager`; a decode budget's bounded
+worst case rides on the spec for vLLM's start-up check. Design: docs/design/kv_cache.md
+("Head masks", "PyramidKV"), docs/design/core.md ("Decode-time eviction"); ledger: `ledger.py`.
 """
 
 from __future__ import annotations

@@ -2,32 +2,13 @@
 
 vLLM's KV-connector API (`--kv-transfer-config`) is the one sanctioned channel from the
 scheduler to a request's OpenAI response: the dict a scheduler-side connector returns from
-`request_finished` arrives verbatim as `kv_transfer_params` of the response. This connector
-transfers nothing: its worker-side methods are no-ops, and its scheduler side only reads.
-
-- `on_new_request`: remembers the request (prompt length, arrival time, vllm_xargs overrides);
-- `build_connector_meta` (every engine step, after this step's block allocation and before the
-  request's computed-token count advances): scheduled tokens, chunk boundaries and the ids of the
-  blocks each scheduled request holds in every KV-cache group (the KV manager's
-  `req_to_blocks`, bound to us by the scheduler through `bind_kv_cache_manager`);
-- `on_step_output` (called from our scheduler's `update_from_output`, `kvevict_scheduler.py`):
-  when the step's output is back, the time of the first token of requests whose prefill ended
-  in that step (under async scheduling the next step is scheduled before that, so
-  build_connector_meta alone cannot time it);
-- `request_finished_all_groups`: returns `{"kv_stats": {...}}` (see `vllm_kvevict/stats.py`),
-  with the engine's finish reason;
-  (the accounting itself: `RequestStatsTracker` in `request_stats.py`)
-- `get_kv_connector_stats` (vLLM calls it after every step and ships the result with its
-  scheduler stats to the API server, where `integration/kv_stats/stat_logger.py` receives it): pool
-  snapshots for the live view (blocks held per KV-cache group, every running request's bytes
-  against full attention's; at most every 0.25 s and whenever a request ended), and a copy of
-  every finished request's kv_stats: the only way out for an aborted request (client cancel,
-  stop string: vLLM drops its kv_transfer_params) and for one the engine finished after the API
-  server had ended it on a stop string (its output is dropped there).
-
-It declares `SupportsHMA`, so vLLM keeps the hybrid KV-cache manager, and role `kv_producer`
-(`kv_consumer` would make the scheduler defer block frees under async scheduling).
-Nothing here may raise into the engine: a failure is logged once and reported in the stats.
+`request_finished` arrives verbatim as `kv_transfer_params`. This connector transfers nothing:
+its worker side is no-ops, its scheduler side only reads (the accounting:
+`request_stats.RequestStatsTracker`), and `get_kv_connector_stats` carries what no response
+does (pool snapshots, aborted requests) to our stat-logger plugin. It declares `SupportsHMA`
+(vLLM keeps the hybrid KV-cache manager) and role `kv_producer` (`kv_consumer` would defer
+block frees under async scheduling). Nothing here may raise into the engine: a failure is
+logged once and reported in the stats. Design: docs/design/kv_stats.md, docs/design.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
 """A head mask under tensor parallel: each layer's KV heads reordered so that every rank holds
 its share of the layer's full heads (issue 47).
 
-vLLM gives rank r the contiguous KV heads [r H/T, (r + 1) H/T) and wants every rank to declare
-the same KV-cache spec per layer, so each rank's paged cache holds the most full heads any rank
-has in that layer (`kv_cache_specs.layer_heads`). A trained mask often puts a layer's full heads
-side by side: DuoAttention's Llama-3.1-8B pattern then costs 1.27x / 1.48x its full heads' bytes
-at TP 2 (sparsity 0.5 / 0.7; `scripts/tp_padding.py`). Attention is a sum over heads, so
-permuting a layer's KV heads, with their query heads and o_proj's input columns, serves the same
-model; dealt round-robin (full heads first), every rank gets ceil or floor of the layer's full
-and streaming heads. The permutation is applied to the checkpoint's tensors as vLLM's own loader
-streams them, before vLLM slices them per rank (the CPU build repacks the weights right after
-loading, so they cannot be permuted later): `HeadOrderLoader`, registered through vLLM's
-`register_model_loader`. The mask is permuted the same way (`WorkerState.heads`).
+vLLM gives each rank a contiguous slice of KV heads and wants the same spec per layer on every
+rank, so each rank's paged cache holds the most full heads any rank has there; a mask that puts
+a layer's full heads side by side pays for that (DuoAttention's Llama-3.1-8B: 1.27x / 1.48x at
+TP 2). Permuting a layer's KV heads with their query heads and o_proj's input columns serves the
+same model; dealt round-robin, every rank gets ceil or floor of the full and streaming heads.
+Our loader (`loader_class`, registered with vLLM's `register_model_loader`) permutes the
+checkpoint's tensors as vLLM's loader streams them, before the per-rank slicing (the CPU build
+repacks the weights right after loading). Design: docs/design/parallel.md, "Tensor parallel".
 """
 
 from __future__ import annotations

@@ -2,16 +2,12 @@
 tokens ride along as extra rows after the step's (padded) tokens, and the attention backend
 knows where they are from the step plan (`plan.question_offset`).
 
-- V1 runner: `_model_forward`, the override point vLLM documents for runner subclasses.
-- V2 runner (`v1/worker/gpu/model_runner.py`): it calls `self.model(**model_inputs)` directly,
-  and the only per-step method between its attention metadata (where the plan is built) and
-  that call is its model state's `prepare_inputs`, whose values override the input ids and
-  positions (a documented contract there: "Values returned by `prepare_inputs` will override
-  the default values").
-
-vLLM's CPU worker builds its runner inline and the V2 runner its model state inline, with no
-class hook: `install` makes each object an instance of a subclass of its own class, one per
-class, scoped to that object.
+V1 runner: `_model_forward`, the override point vLLM documents for runner subclasses. V2
+runner: it calls `self.model(**model_inputs)` directly, so the rows go in through its model
+state's `prepare_inputs`, whose returned values override the input ids and positions (a
+documented contract). vLLM builds both objects inline, with no class hook: `install` makes each
+an instance of a subclass of its own class, scoped to that object. Design:
+docs/design/worker.md, "vLLM's V2 model runner".
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """What the policies read of vLLM's model runner, under either of its two runners.
 
-- V1, `v1/worker/gpu_model_runner.py`: what vLLM's CPU worker builds by default. A persistent
-  batch (`runner.input_batch`) whose row order the attention metadata follows, and a record per
-  request (`runner.requests`).
-- V2, `v1/worker/gpu/model_runner.py` (`VLLM_USE_V2_MODEL_RUNNER=1`; on CPU 0.32 it needs
-  Triton's CPU backend; CUDA's default from vLLM 0.33): no persistent batch. Each step's rows
-  name their request's slot in the runner's request table (`CommonAttentionMetadata.req_idx`,
-  `runner.req_states`), and the layers sharing another's cache come from the config
-  (`attn_utils.get_shared_kv_cache_layers`), not from the runner.
+- V1 (`v1/worker/gpu_model_runner.py`, vLLM's CPU default): a persistent batch
+  (`runner.input_batch`) whose row order the attention metadata follows, and `runner.requests`.
+- V2 (`v1/worker/gpu/model_runner.py`, `VLLM_USE_V2_MODEL_RUNNER=1`; CUDA's default from 0.33):
+  no persistent batch; each row names its request's slot (`CommonAttentionMetadata.req_idx`,
+  `runner.req_states`), and the layers sharing another's cache come from the config.
 
-The policies read through here; the one thing written into a runner is token eviction's
-tail-block drop (`V1Blocks` / `V2Blocks.row_counts`), mirroring what the scheduler frees.
+The one thing written into a runner is token eviction's tail-block drop (`V1Blocks` /
+`V2Blocks.row_counts`), mirroring what the scheduler frees. Design: docs/design/worker.md.
 """
 
 from __future__ import annotations

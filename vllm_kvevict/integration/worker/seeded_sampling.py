@@ -1,16 +1,14 @@
 """Seeded sampling on vLLM's CPU worker: a request with `seed` whose prompt prefills over
 several steps must not stop the server.
 
-vLLM samples a token for every scheduled request, also for a prefill step that does not end
-the prompt, throws that token away and rewinds the request's generator so that the draw never
-happened (`GPUModelRunner._bookkeeping_sync`: `gen.set_offset(gen.get_offset() - 4)`, the
-Philox offset of one draw on CUDA). torch's CPU generator (mt19937) has no offset and raises
-"CPU Generator does not use offset", which kills vLLM 0.32's CPU worker and with it the
-server (stock vLLM too). Here a seeded request's CPU generator is a `RewindableGenerator`:
-its state is saved right before the step samples (`prepare`, after the model ran), and the
-rewind restores it, which is what the offset arithmetic means on CUDA: the next step draws
-what the discarded one drew, so a seeded request's tokens do not depend on how its prompt was
-split into steps.
+vLLM samples a token for a prefill step that does not end the prompt, throws it away and
+rewinds the request's generator (`GPUModelRunner._bookkeeping_sync`: `gen.set_offset(...)`, a
+Philox offset on CUDA). torch's CPU generator has no offset and raises, which kills vLLM 0.32's
+CPU worker and the server (stock vLLM too). Here a seeded request's CPU generator is a
+`RewindableGenerator`: its state is saved right before the step samples (`prepare`) and the
+rewind restores it, so the next step draws what the discarded one drew and a seeded request's
+tokens do not depend on how its prompt was split. Design: docs/design/entrypoints.md,
+"Reliability".
 """
 
 from __future__ import annotations
