@@ -96,6 +96,7 @@ def test_the_ledger_tells_which_reused_chunks_another_question_selected():
     from vllm.utils.math_utils import cdiv
     from vllm.v1.core.block_pool import BlockPool
 
+    from vllm_kvevict.integration.core.kv_cache_manager import bind
     from vllm_kvevict.integration.core.token_ledger import TokenEvictionLedger
     from vllm_kvevict.integration.kv_cache.prefix_cache import TokenPrefixManager, TokenPrefixSpec
 
@@ -108,7 +109,7 @@ def test_the_ledger_tells_which_reused_chunks_another_question_selected():
     manager = TokenPrefixManager(spec, block_pool=pool, enable_caching=True,
                                  kv_cache_group_id=0, scheduler_block_size=BS)
     ledger = TokenEvictionLedger(policy, E)
-    manager.kvevict_reserve = ledger
+    bind([manager], ledger)  # (as our scheduler binds its managers)
     ledger.scheduler = SimpleNamespace(
         requests={}, max_model_len=4096,
         kv_cache_manager=SimpleNamespace(coordinator=SimpleNamespace(
@@ -197,6 +198,7 @@ def test_manager_hits_the_last_cached_boundary_and_copies_the_partial_tail():
     from vllm.utils.math_utils import cdiv
     from vllm.v1.core.block_pool import BlockPool
 
+    from vllm_kvevict.integration.core.kv_cache_manager import bind, rule_of
     from vllm_kvevict.integration.core.token_ledger import TokenEvictionLedger
     from vllm_kvevict.integration.kv_cache.prefix_cache import (TokenPrefixManager, TokenPrefixSpec,
                                                                 register_boundary)
@@ -209,7 +211,8 @@ def test_manager_hits_the_last_cached_boundary_and_copies_the_partial_tail():
     pool = BlockPool(num_gpu_blocks=40, enable_caching=True, hash_block_size=BS)
     manager = TokenPrefixManager(spec, block_pool=pool, enable_caching=True,
                                  kv_cache_group_id=0, scheduler_block_size=BS)
-    manager.kvevict_reserve = TokenEvictionLedger(policy, E)
+    ledger = TokenEvictionLedger(policy, E)
+    bind([manager], ledger)
     prompt = list(range(1000, 1200))
     cold = vllm_request("cold", prompt)
     row = pool.get_new_blocks(cdiv(spec.physical(128), BS))
@@ -239,7 +242,8 @@ def test_manager_hits_the_last_cached_boundary_and_copies_the_partial_tail():
     (blocks,), hit = lookup(prompt, 199)
     phys = spec.physical(hit)
     need = manager.get_num_blocks_to_allocate("hit", hit + 64, blocks, hit, hit, hit + 64)
-    assert manager.kvevict_reserve.allocation_evicted["hit"] == [hit - phys]
+    assert rule_of(manager) is ledger and manager.ledger is ledger
+    assert ledger.allocation_evicted["hit"] == [hit - phys]
     assert need == cdiv(phys + 64, BS) - len(blocks) + 1  # + the copy of the tail
     manager.add_local_computed_blocks("hit", blocks, hit, 0)
     manager.allocate_new_blocks("hit", hit + 64, hit + 64)

@@ -12,7 +12,8 @@ import inspect
 import pytest
 from conftest import skip_without_fp8_kv_cache
 
-from vllm_kvevict.integration.plugins.contract import PATCHED, RELIED_ON
+from vllm_kvevict.integration.plugins import contract
+from vllm_kvevict.integration.plugins.contract import PATCHED, PUBLIC_INTERNALS, RELIED_ON
 from vllm_kvevict.integration.plugins.versions import (CPU_OPS, KV_CACHE_PLANNING,
                                                         MERGE_WORKER_SPECS, V1_RUNNER)
 
@@ -48,6 +49,69 @@ def test_pinned_vllm_version():
 @pytest.mark.parametrize("name", PATCHED + RELIED_ON)
 def test_patched_name_exists(name):
     assert resolve(name) is not None
+
+
+# The vLLM surface, RELIED_ON + TOUCHED as counted on the installed vLLM: 53 + 19 = 72 on 0.32
+# and 0.33; 0.34 has no V1 runner, whose five RELIED_ON rows it does not count (67). Issue 85
+# cut it from 84 (79 on 0.34).
+SURFACE = 72
+
+
+def test_the_vllm_surface_does_not_grow():
+    """A ratchet: a new RELIED_ON or TOUCHED row fails here. Cut one for it (an upstream hook,
+    our own class, a row that two files share), or raise SURFACE in this test in the same
+    commit, with the reason in the commit message."""
+    count = len(contract.RELIED_ON) + len(contract.TOUCHED)
+    limit = SURFACE - (0 if V1_RUNNER else len(contract.V1_RUNNER_ROWS))
+    assert count <= limit, (
+        f"RELIED_ON + TOUCHED = {len(contract.RELIED_ON)} + {len(contract.TOUCHED)} = {count}, "
+        f"above the ratchet's {limit}: the vLLM surface grew. Cut a row, or raise SURFACE in "
+        f"tests/test_vllm_contract.py with the reason in the commit message")
+
+
+def test_one_touched_row_per_vllm_attribute():
+    """TOUCHED: one row per attribute (every file that touches it in the row), naming glue files
+    that exist; torch's and argparse's names apart (NOT_VLLM); no RELIED_ON row twice."""
+    from pathlib import Path
+
+    glue = Path(contract.__file__).parents[1]
+    touched = [a for _, a, _ in contract.TOUCHED]
+    assert len(touched) == len(set(touched)), sorted(a for a in touched if touched.count(a) > 1)
+    assert not set(touched) & {a for _, a, _ in contract.NOT_VLLM}
+    assert not [a for a in touched if a.startswith("kvevict_")]  # (ours live in our classes)
+    for file, attribute in contract.touched_sites():
+        assert (glue / file).is_file(), (file, attribute)
+    assert len(set(RELIED_ON)) == len(RELIED_ON)
+
+
+@pytest.mark.parametrize("name", PUBLIC_INTERNALS)
+def test_public_internal_attribute_exists(name):
+    """contract.PUBLIC_INTERNALS: each attribute the glue reads of vLLM's objects is on vLLM's
+    class (a class attribute, a field, or `self.<name> = ...` in its MRO's source)."""
+    from vllm_kvevict.integration.plugins.contract_report import has_attribute
+
+    owner, attribute = name.rsplit(".", 1)
+    cls = resolve(owner)
+    assert isinstance(cls, type) and has_attribute(cls, attribute), name
+
+
+def test_every_public_internal_is_read_in_the_glue():
+    """...and each is read somewhere in integration/ (as `.name`, or by getattr / hasattr)."""
+    import ast
+    from pathlib import Path
+
+    read = set()
+    for path in Path(contract.__file__).parents[1].rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+                read.add(node.attr)
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in (
+                    "getattr", "hasattr") and len(node.args) > 1 \
+                    and isinstance(node.args[1], ast.Constant):
+                read.add(node.args[1].value)
+    names = contract.PUBLIC_INTERNALS + contract.V1_RUNNER_INTERNALS
+    unread = [n for n in dict.fromkeys(names) if n.rsplit(".", 1)[1] not in read]
+    assert not unread, unread
 
 
 def test_every_wrap_is_applied_around_vllms_original():
@@ -672,8 +736,9 @@ def test_engine_death_is_visible_to_the_api_server():
 
 
 def test_the_scheduler_reaches_every_kv_cache_manager():
-    """KVEvictScheduler hands its admission rule to each manager vLLM built, through
-    `kv_cache_manager.coordinator.single_type_managers` (one manager per KV-cache group)."""
+    """KVEvictScheduler binds its admission rule to each manager vLLM built
+    (`kv_cache_manager.bind`), found through `kv_cache_manager.coordinator.single_type_managers`
+    (one manager per KV-cache group)."""
     from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -682,6 +747,42 @@ def test_the_scheduler_reaches_every_kv_cache_manager():
     assert "self.coordinator = get_kv_cache_coordinator(" in inspect.getsource(
         KVCacheManager.__init__)
     assert "self.single_type_managers = tuple(" in inspect.getsource(KVCacheCoordinator.__init__)
+
+
+def test_the_admission_rule_lives_in_our_table_not_on_vllms_managers():
+    """`kv_cache_manager.bind` keeps each manager's rule in our own table, weakly keyed (a
+    scheduler's managers go with it), and stores nothing on vLLM's manager; our prefix-caching
+    manager gets the ledger as its own field. `stats_connector.on_rule_attached` hands the rule
+    to kv_stats' tracker (its prefix-reuse counts) through our connector."""
+    import gc
+    from types import SimpleNamespace
+
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+    from vllm_kvevict.integration.core import kv_cache_manager
+    from vllm_kvevict.integration.kv_cache.prefix_cache import TokenPrefixManager
+    from vllm_kvevict.integration.kv_stats import stats_connector
+    from vllm_kvevict.integration.kv_stats.request_stats import RequestStatsTracker
+
+    stock, ours = object.__new__(FullAttentionManager), object.__new__(TokenPrefixManager)
+    rule = SimpleNamespace(reuse_of=lambda req_id: (2, 1))
+    kv_cache_manager.bind([stock, ours], rule)
+    assert kv_cache_manager.rule_of(stock) is rule and kv_cache_manager.rule_of(ours) is rule
+    assert vars(stock) == {} and vars(ours) == {"ledger": rule}
+    kv_cache_manager.bind([stock], None)  # (stock vLLM: no rule)
+    assert kv_cache_manager.rule_of(stock) is None and vars(stock) == {}
+    held = len(kv_cache_manager._RULES)
+    del ours
+    gc.collect()
+    assert len(kv_cache_manager._RULES) == held - 1
+
+    connector = object.__new__(stats_connector.KVEvictStatsConnector)
+    connector._stats = object.__new__(RequestStatsTracker)
+    stats_connector.on_rule_attached(SimpleNamespace(connector=connector), rule)
+    assert connector._stats._reuse_of is rule.reuse_of
+    stats_connector.on_rule_attached(SimpleNamespace(connector=connector), None)
+    assert connector._stats._reuse_of is None
+    stats_connector.on_rule_attached(SimpleNamespace(), rule)  # (no connector: nothing)
 
 
 def test_the_v2_runner_keeps_the_sink_readable():

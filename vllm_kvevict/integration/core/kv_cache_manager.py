@@ -2,10 +2,10 @@
 token eviction, the ledger of physical slots, attached to our `KVEvictScheduler`
 (`kvevict_scheduler.py`) when vLLM builds it.
 
-`attach` builds the rule once per scheduler; the scheduler keeps it and hands it to each of its
-KV-cache managers (`KVEvictScheduler.__init__`), where the KV-cache-manager functions below,
-the bodies of wraps listed in `registration.py`, find it (the token-eviction ledger is a
-`GrowthReserve` with compressed sizes).
+`attach` builds the rule once per scheduler; the scheduler keeps it and binds it to each of its
+KV-cache managers (`bind`: our table, weakly keyed, not an attribute on vLLM's managers), where
+the KV-cache-manager functions below, the bodies of wraps listed in `registration.py`, find it
+(`rule_of`; the token-eviction ledger is a `GrowthReserve` with compressed sizes).
 """
 
 from __future__ import annotations
@@ -13,14 +13,36 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import weakref
 
 from vllm_kvevict.integration.core.admission import GrowthReserve
 from vllm_kvevict.integration.core.token_ledger import TokenEvictionLedger
+from vllm_kvevict.integration.kv_cache.prefix_cache import TokenPrefixManager
 from vllm_kvevict.integration.kv_cache.sink_window import canonical_chunk
 from vllm_kvevict.integration.kv_cache.specs import layer_groups
 from vllm_kvevict.served import served_policy
 
 logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
+
+# The rule each of vLLM's KV-cache managers counts slots by, bound by the scheduler that built
+# it (weak keys: a scheduler's managers go with it); a manager bound to none is stock vLLM.
+_RULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def bind(managers, rule: GrowthReserve | None) -> None:
+    """`KVEvictScheduler.__init__`: its managers (one per KV-cache group) count by `rule`; our
+    prefix-caching managers start a request's ledger from its hit (`TokenPrefixManager.ledger`)."""
+    for manager in managers:
+        if rule is None:
+            _RULES.pop(manager, None)
+        else:
+            _RULES[manager] = rule
+        if isinstance(manager, TokenPrefixManager):
+            manager.ledger = rule
+
+
+def rule_of(manager) -> GrowthReserve | None:
+    return _RULES.get(manager)
 
 
 def attach(scheduler) -> GrowthReserve | None:
@@ -61,7 +83,7 @@ def blocks_to_allocate(manager, stock_count, *args, **kwargs):
     group's manager with the same counts). Admission (`apply_admission_cap`, vLLM's
     full-sequence gate) of every evicting policy: the growth reserve (`admission.py`), so no
     admitted request is ever preempted."""
-    rule = getattr(manager, "kvevict_reserve", None)
+    rule = _RULES.get(manager)
     if rule is None or (not rule.compresses and kwargs.get("apply_admission_cap") is False):
         # (a step's allocation with logical slots: vLLM's count, no binding; its coordinator
         # passes the cap by keyword)
@@ -93,7 +115,7 @@ def blocks_to_allocate(manager, stock_count, *args, **kwargs):
 def allocate_new_blocks(manager, stock_allocate, request_id, num_tokens, num_tokens_main_model,
                         *args, **kwargs):
     """`SingleTypeKVCacheManager.allocate_new_blocks`: physical slots of the group."""
-    rule = getattr(manager, "kvevict_reserve", None)
+    rule = _RULES.get(manager)
     if rule is not None and rule.compresses:
         group = manager.kv_cache_group_id
         num_tokens = rule.slots_needed(request_id, num_tokens, num_tokens_main_model, group)

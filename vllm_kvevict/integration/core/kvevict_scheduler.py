@@ -1,9 +1,10 @@
 """vLLM's `Scheduler` with the plugin's engine-core side, installed as vLLM's scheduler class
 (`scheduler_config.scheduler_cls`, read by the engine core) when the engine config is created.
 
-`KVEvictScheduler` attaches the admission rule (`scheduler.attach`) once vLLM's scheduler is
-built, applies last step's evictions before vLLM schedules, caps prefill steps for exact
-replay and eviction chunks, and tells the stats connector a step's output is back. A user's own
+`KVEvictScheduler` attaches the admission rule (`kv_cache_manager.attach`) once vLLM's
+scheduler is built, binds it to the KV-cache managers and hands it to kv_stats, applies last
+step's evictions before vLLM schedules, caps prefill steps for exact replay and eviction
+chunks, and tells the stats connector a step's output is back. A user's own
 `--scheduler-cls` that subclasses vLLM's Scheduler is composed with it (our methods first in
 the MRO, theirs under `super()`); any other class is refused at start-up.
 
@@ -17,8 +18,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_kvevict.config import KVPolicyError
 from vllm_kvevict.integration.core import kv_cache_coordinator
-from vllm_kvevict.integration.core.kv_cache_manager import attach
-from vllm_kvevict.integration.kv_stats.stats_connector import on_step_output
+from vllm_kvevict.integration.core.kv_cache_manager import attach, bind
+from vllm_kvevict.integration.kv_stats.stats_connector import on_rule_attached, on_step_output
 from vllm_kvevict.integration.plugins.composition import install_over, resolve
 from vllm_kvevict.overrides import request_prompt_len
 
@@ -35,9 +36,9 @@ class KVEvictScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         self.kv_reserve = attach(self)
         coordinator = self.kv_cache_manager.coordinator
-        # vLLM built one manager per KV-cache group: each gets the rule it counts slots by
-        for manager in coordinator.single_type_managers:
-            manager.kvevict_reserve = self.kv_reserve
+        # vLLM built one manager per KV-cache group: each counts slots by the rule
+        bind(coordinator.single_type_managers, self.kv_reserve)
+        on_rule_attached(self, self.kv_reserve)  # kv_stats reads the ledger's prefix reuse
         if self.quiet_steps:
             kv_cache_coordinator.install(coordinator, self.kv_reserve)
 

@@ -188,6 +188,9 @@ class TokenPrefixManager(FullAttentionManager):
     caching it is vLLM's manager unchanged."""
 
     supports_fine_grained_hash_lookup = False
+    # the scheduler's token ledger (`kv_cache_manager.bind`): a first allocation starts the
+    # request's count from its hit
+    ledger = None
 
     @property
     def _reuses(self) -> bool:
@@ -235,7 +238,7 @@ class TokenPrefixManager(FullAttentionManager):
             # a first allocation (vLLM marks a request cached only when it hit: a cold one is
             # known by its empty row): the ledger starts from the hit (or from 0), and every
             # count below is physical
-            self.kvevict_reserve.on_prefix_hit(request_id, num_local_computed_tokens)
+            self.ledger.on_prefix_hit(request_id, num_local_computed_tokens)
             num_local_computed_tokens, new_computed_blocks = self._physical_hit(
                 num_local_computed_tokens, new_computed_blocks)
             total_computed_tokens = num_local_computed_tokens

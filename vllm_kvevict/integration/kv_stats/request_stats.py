@@ -116,12 +116,17 @@ class RequestStatsTracker:
         self._ended_since_snapshot = False
         self._pending_first_token: dict[int, tuple[Any, list[str]]] = {}
         # --kv-prefix-reuse across-questions: the token ledger's (chunks reused, of which
-        # selected under another question) per request (found on the managers)
+        # selected under another question) per request (`bind_rule`)
         self._reuse_of = None
         logger.info("vllm-kvevict: kv_stats on (policy %s): %s bytes per block per KV-cache group, "
                     "%d per block for full attention",
                     self.cfg.policy, list(self.layout.group_bytes_per_block),
                     full_bytes_per_block)
+
+    def bind_rule(self, rule) -> None:
+        """The scheduler's admission rule / token ledger, handed over by our scheduler once
+        built (None: stock vLLM); only the ledger reports prefix reuse."""
+        self._reuse_of = getattr(rule, "reuse_of", None)
 
     def guard(self, fn, *args):
         try:
@@ -153,9 +158,6 @@ class RequestStatsTracker:
     def on_schedule(self, scheduler_output, kv_cache_manager) -> None:
         now = time.time()
         managers = kv_cache_manager.coordinator.single_type_managers if kv_cache_manager else ()
-        if self._reuse_of is None and managers:  # (False: a rule that reuses nothing)
-            self._reuse_of = getattr(getattr(managers[0], "kvevict_reserve", None), "reuse_of",
-                                     None) or False
         ended: list[str] = []
         new_blocks: dict[str, Any] = {}  # blocks allocated this step, per request and group
         for new in scheduler_output.scheduled_new_reqs:

@@ -90,6 +90,11 @@ class KVEvictStatsConnector(KVConnectorBase_V1, SupportsHMA):
         if self._stats is not None:
             self._stats.guard(self._stats.add, request)
 
+    def bind_admission_rule(self, rule) -> None:
+        """Our scheduler hands its admission rule / token ledger over once built."""
+        if self._stats is not None:
+            self._stats.bind_rule(rule)
+
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         """The scheduler hands its KV-cache manager over once built (for pool snapshots)."""
         super().bind_kv_cache_manager(kv_cache_manager)
@@ -122,6 +127,13 @@ def ours_in(connector) -> "KVEvictStatsConnector | None":
         if isinstance(child, KVEvictStatsConnector):
             return child
     return None
+
+
+def on_rule_attached(scheduler, rule) -> None:
+    """Our scheduler's `__init__`, its admission rule built (None: stock vLLM): to kv_stats."""
+    connector = ours_in(getattr(scheduler, "connector", None))
+    if connector is not None:
+        connector.bind_admission_rule(rule)
 
 
 def on_step_output(scheduler, scheduler_output) -> None:

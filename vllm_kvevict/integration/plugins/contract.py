@@ -1,11 +1,12 @@
 """The contract with vLLM: every vLLM name the plugin wraps (`WRAPS`), relies on without
-wrapping (`RELIED_ON`), or changes or reads by a private name (`TOUCHED`), in one table.
+wrapping (`RELIED_ON`), or changes or reads by a private name (`TOUCHED`), in one table, and the
+public-but-internal state it reads (`PUBLIC_INTERNALS`, counted apart).
 
-`registration.py` applies `WRAPS`; tests/test_vllm_contract.py resolves every name of `PATCHED`
-and `RELIED_ON` (a vLLM upgrade that moves one fails loudly), tests/test_layout.py finds every
-touched attribute in the glue and fails on one missing from `TOUCHED`, and `contract_report.py`
-looks every row up on the installed vLLM (`python -m vllm_kvevict.contract`). Plain data: no
-vLLM import.
+`registration.py` applies `WRAPS`; tests/test_vllm_contract.py resolves every name of `PATCHED`,
+`RELIED_ON` and `PUBLIC_INTERNALS` and ratchets RELIED_ON + TOUCHED; tests/test_layout.py finds
+every touched attribute in the glue and fails on one missing from `touched_sites()`; and
+`contract_report.py` looks every row up on the installed vLLM (`python -m
+vllm_kvevict.contract`). Plain data: no vLLM import.
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ RELIED_ON = (
     "vllm.v1.kv_cache_interface.KVCacheSpec.is_uniform_with_collection",
     f"{KV_CACHE_PLANNING}._get_kv_cache_groups_uniform_page_size",
     "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinatorNoPrefixCache",
-    # the stats connector's channel to the API server (stats_connector.py, stat_logger.py):
+    # the stats connector's channel to the API server (kv_stats/stats_connector.py,
+    # entrypoints/stat_logger.py):
     # scheduler-side connector stats ride in SchedulerStats to the stat-logger plugins
     "vllm.distributed.kv_transfer.kv_connector.factory.KVConnectorFactory.register_connector",
     "vllm.v1.metrics.loggers.StatLoggerBase.record",
@@ -126,10 +128,9 @@ RELIED_ON = (
     "vllm.v1.engine.async_llm.AsyncLLM.dead_error",
     "vllm.v1.engine.async_llm.AsyncLLM.shutdown",
     # FULL CUDA graphs off for a policy (validation.cudagraph_without_attention): the engine
-    # args' mode (None: vLLM's level default, FULL_AND_PIECEWISE from O2) and its enum
+    # args' mode (None: vLLM's level default, FULL_AND_PIECEWISE from O2) and the value set
     "vllm.engine.arg_utils.EngineArgs.optimization_level",
     "vllm.config.compilation.CUDAGraphMode.PIECEWISE",
-    "vllm.config.compilation.CUDAGraphMode.FULL_AND_PIECEWISE",
 )
 # The V1 model runner's names (vLLM 0.32, 0.33), relied on where it runs: the cache-sharing
 # layers' group (kvevict_worker.py), vLLM's documented override point for a runner subclass
@@ -146,14 +147,12 @@ V1_RUNNER_ROWS = (
 if V1_RUNNER:
     RELIED_ON += V1_RUNNER_ROWS
 
-# vLLM objects changed, or read by a private name, outside WRAPS: (file, attribute, why).
+# vLLM objects changed, or read by a private name, outside WRAPS: (file, attribute, why), one
+# row per attribute (`file` names every glue file that touches it, comma-separated).
 # tests/test_layout.py finds every attribute set on an object that is not ours and every read
-# of a private attribute we do not define, in integration/, and fails on one missing here (or
-# listed here and gone).
+# of a private attribute we do not define, in integration/, and fails on one missing from
+# `touched_sites()` (this table and NOT_VLLM), or listed there and gone.
 TOUCHED = (
-    ("attention/backend.py", "common",
-     "the step's common metadata on vLLM's metadata object, for the per-step plan (streaming"
-     " heads, token eviction)"),
     ("attention/fp8.py", "_k_scale_float",
      "the layer's K scale, as vLLM's CPU kernels read it (`fp8.layer_scales`, every reader's)"),
     ("attention/fp8.py", "_v_scale_float", "its V scale"),
@@ -164,54 +163,109 @@ TOUCHED = (
     ("entrypoints/validation.py", "cudagraph_mode",
      "PIECEWISE over vLLM's FULL_AND_PIECEWISE default for a policy off the CPU platform "
      "(features.py)"),
-    ("entrypoints/cli.py", "_actions", "argparse's: add the --kv-* group once"),
     ("entrypoints/cli.py", "additional_config",
      "the --kv-* flags folded into EngineArgs' JSON form"),
     ("worker/head_order.py", "load_format",
      "the worker's load format, ours over the user's while it loads the model (restored "
      "after)"),
-    ("attention/flex_attention.py", "kvevict_queries",
-     "the step's per-token chunk starts, on vLLM's FlexAttention metadata"),
-    ("attention/flex_attention.py", "kvevict_masks", "the step's block masks, one per head split"),
-    ("attention/flex_attention.py", "kvevict_capacity",
-     "the padded mask-table sizes (one compile)"),
-    ("attention/flex_attention.py", "block_mask",
-     "the layer's block mask for vLLM's FlexAttention"),
-    ("attention/flex_attention.py", "_dynamo", "torch's compiler config (below)"),
-    ("attention/flex_attention.py", "recompile_limit",
-     "raised above vLLM's 16: one compilation per layer's count of full / streaming heads"),
-    ("attention/flex_token.py", "block_mask",
-     "the same, token eviction's (on a copy of the metadata)"),
+    ("attention/flex_attention.py, attention/flex_token.py", "block_mask",
+     "the layer's block mask for vLLM's FlexAttention (token eviction's on a copy of the "
+     "metadata)"),
     ("attention/flex_token.py", "num_actual_tokens",
      "on a copy of the metadata: questions' rows count"),
     ("kv_stats/kv_transfer.py", "kv_transfer_config",
      "our stats connector, alone or beside the user's, before vLLM builds the config"),
     ("core/kvevict_scheduler.py", "scheduler_cls",
      "our Scheduler subclass, vLLM's extension point"),
-    ("core/kvevict_scheduler.py", "kvevict_reserve",
-     "the scheduler's admission rule / ledger, handed to each KV-cache manager it built"),
     ("core/kvevict_scheduler.py", "skip_reading_prefix_cache",
      "a teacher-forced tail: no prefix hit"),
-    ("core/kv_cache_coordinator.py", "__class__",
-     "the scheduler's KV-cache coordinator vLLM built in a factory, as our subclass of its "
-     "class (quiet steps; no class hook)"),
-    ("core/kv_cache_coordinator.py", "_partial_hit_reqs",
-     "a manager's pending copy-on-write prefix hit: no quiet step for that request"),
+    ("core/kv_cache_coordinator.py, worker/question_rows.py", "__class__",
+     "an object vLLM built with no class hook, as our subclass of its class: the scheduler's "
+     "KV-cache coordinator (quiet steps), the V1 runner / V2 model state (question rows)"),
+    ("core/kv_cache_coordinator.py, kv_cache/sink_window.py", "_partial_hit_reqs",
+     "a manager's pending copy-on-write prefix hit (no quiet step for that request; "
+     "SlidingWindowManager's, as its own get_num_blocks_to_allocate reads them)"),
     ("worker/kvevict_worker.py", "worker_cls",
      "our worker over the platform's, vLLM's extension point"),
-    ("worker/question_rows.py", "__class__",
-     "the V1 runner / V2 model state vLLM built inline, as our subclass of its class (no "
-     "class hook)"),
     ("kv_cache/specs.py", "kv_sharing_target_layer_name",
      "a layer without full heads shares its companion's cache"),
     ("worker/seeded_sampling.py", "generator", "a seeded request's generator made rewindable"),
     ("kv_cache/prefix_cache.py", "_insert_block_hash", "the block pool's: one more key on a block"),
     ("kv_cache/sink_window.py", "_ensure_registered",
      "vLLM's built-in specs registered before ours (`register_specs`, every spec's)"),
-    ("kv_cache/sink_window.py", "_partial_hit_reqs",
-     "SlidingWindowManager's partial prefix hits, as its own get_num_blocks_to_allocate "
-     "reads them"),
 )
+
+# Not vLLM's names, set or read privately by the glue (torch's, argparse's): no upstream hook
+# retires them, so they are not counted with TOUCHED; the layout scan accepts them all the same.
+NOT_VLLM = (
+    ("entrypoints/cli.py", "_actions", "argparse's: add the --kv-* group once"),
+    ("attention/flex_attention.py", "_dynamo", "torch's compiler config (below)"),
+    ("attention/flex_attention.py", "recompile_limit",
+     "torch's, raised above vLLM's 16: one compilation per layer's count of full / streaming "
+     "heads"),
+)
+
+
+def touched_sites() -> set[tuple[str, str]]:
+    """(file, attribute) for every file of every TOUCHED and NOT_VLLM row."""
+    return {(file, attribute) for files, attribute, _ in TOUCHED + NOT_VLLM
+            for file in files.split(", ")}
+
+
+# vLLM's public-but-internal state the glue reads (attributes of its engine objects, no
+# underscore, set in vLLM's own __init__ or fields): not a hook, so not in RELIED_ON, but a
+# vLLM change to any of them breaks the glue all the same. Counted apart by the contract
+# report, so a smaller table above is no blind spot; tests/test_vllm_contract.py checks each
+# is read in the glue and is there on the installed vLLM ("Owner.attribute" of vLLM's class).
+_S, _M = "vllm.v1.core.sched.scheduler.Scheduler.", \
+    "vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager."
+_P, _R = "vllm.v1.core.block_pool.BlockPool.", "vllm.v1.request.Request."
+_C = "vllm.v1.attention.backend.CommonAttentionMetadata."
+PUBLIC_INTERNALS = (
+    # the scheduler's state (core/: admission, the token ledger, our scheduler; kv_stats/)
+    _S + "kv_cache_manager", _S + "kv_cache_config", _S + "requests", _S + "waiting",
+    _S + "running", _S + "connector",
+    "vllm.v1.core.kv_cache_manager.KVCacheManager.coordinator",
+    "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator.single_type_managers",
+    # each KV-cache group's manager, its block pool and blocks
+    _M + "req_to_blocks", _M + "num_cached_block", _M + "block_pool", _M + "kv_cache_group_id",
+    _M + "kv_cache_spec", _M + "enable_caching", _M + "use_eagle",
+    _P + "null_block", _P + "hash_block_size", _P + "get_cached_block", _P + "get_new_blocks",
+    _P + "free_blocks", _P + "get_usage",
+    "vllm.v1.core.kv_cache_utils.KVCacheBlock.block_id",
+    "vllm.v1.core.kv_cache_utils.KVCacheBlock.is_null",
+    # the engine's request
+    _R + "num_computed_tokens", _R + "num_prompt_tokens", _R + "num_output_tokens",
+    _R + "num_preemptions", _R + "prompt_token_ids", _R + "block_hashes",
+    _R + "get_finished_reason",
+    # the worker and vLLM's V2 model runner (worker/runners.py, question_rows.py)
+    "vllm.v1.worker.gpu_worker.Worker.model_runner",
+    "vllm.v1.worker.gpu.model_runner.GPUModelRunner.req_states",
+    "vllm.v1.worker.gpu.model_runner.GPUModelRunner.block_tables",
+    "vllm.v1.worker.gpu.model_runner.GPUModelRunner.model_state",
+    "vllm.v1.worker.gpu.states.RequestState.req_id_to_index",
+    "vllm.v1.worker.gpu.states.RequestState.index_to_req_id",
+    "vllm.v1.worker.gpu.states.RequestState.prompt_len",
+    "vllm.v1.worker.gpu.block_table.BlockTables.num_blocks",
+    # the step's attention metadata and forward context (attention/, kv_cache/head_pages.py)
+    _C + "num_actual_tokens", _C + "query_start_loc_cpu", _C + "slot_mapping",
+    _C + "block_table_tensor",
+    "vllm.forward_context.ForwardContext.attn_metadata",
+    "vllm.forward_context.ForwardContext.no_compile_layers",
+)
+# (the V1 model runner's, where it exists: `versions.V1_RUNNER`)
+V1_RUNNER_INTERNALS = (
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner.input_batch",
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner.requests",
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner.shared_kv_cache_layers",
+    "vllm.v1.worker.gpu_input_batch.InputBatch.req_ids",
+    "vllm.v1.worker.gpu_input_batch.InputBatch.num_prompt_tokens",
+    "vllm.v1.worker.gpu_input_batch.InputBatch.block_table",
+    "vllm.v1.worker.block_table.MultiGroupBlockTable.block_tables",
+    "vllm.v1.worker.block_table.BlockTable.num_blocks_per_row",
+)
+if V1_RUNNER:
+    PUBLIC_INTERNALS += V1_RUNNER_INTERNALS
 
 PATCHED = tuple(w.target.replace(":", ".") for w in WRAPS)
 

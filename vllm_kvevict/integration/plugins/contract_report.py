@@ -1,19 +1,21 @@
-"""The contract report: every vLLM name the plugin wraps, relies on or touches
-(`contract.WRAPS`, `RELIED_ON`, `TOUCHED`) looked up on the installed vLLM, and whether the
-plugin can activate here. A user runs it before serving on a vLLM this release was not tested
-with (`python -m vllm_kvevict.contract`, seconds, no model); tests/test_vllm_contract.py checks
-the same names precisely (signatures, fields, behaviour), this only that they are there.
+"""The contract report: every row of `contract.WRAPS`, `RELIED_ON`, `TOUCHED` and, counted
+apart, `PUBLIC_INTERNALS` looked up on the installed vLLM, and whether the plugin can activate
+here. A user runs it before serving on a vLLM this release was not tested with (`python -m
+vllm_kvevict.contract`, seconds, no model); tests/test_vllm_contract.py checks the same names
+precisely, this only that they are there.
 
-WRAPS and RELIED_ON rows are dotted names: `present` when they resolve, `moved` when their
-leaf (or its class) is defined in another file of vLLM's source, `missing` otherwise. TOUCHED
-rows are attribute names: `present` when the name occurs as an identifier in vLLM's source (a
-weak check), `ours` for the attributes the plugin itself puts on vLLM's objects (`kvevict_*`).
+WRAPS / RELIED_ON rows are dotted names: `present` when they resolve, `moved` when their leaf
+(or its class) is defined in another file of vLLM's source, `missing` otherwise. TOUCHED rows
+are attribute names: `present` when the name occurs in vLLM's source (a weak check), `ours` for
+one of ours on vLLM's objects (`kvevict_*`). PUBLIC_INTERNALS rows are `Owner.attribute`:
+`present` when vLLM's class has it (on the class, a field, or `self.attribute = ...`).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import re
 import time
@@ -30,7 +32,7 @@ DEFINITION = re.compile(r"^\s*(?:async\s+)?(?:def|class)\s+(\w+)|^(\w+)\s*(?::[^
 
 @dataclass(frozen=True)
 class Row:
-    table: str        # WRAPS, RELIED_ON or TOUCHED
+    table: str        # WRAPS, RELIED_ON, TOUCHED or PUBLIC_INTERNALS
     name: str         # the dotted vLLM name, or "file.py: attribute" for TOUCHED
     status: str       # present, moved, missing, ours, or n/a (a row this release has no use for)
     where: str = ""   # moved: the vLLM files that define its leaf now
@@ -89,6 +91,28 @@ def check_name(table: str, name: str, source: VLLMSource) -> Row:
     return Row(table, name, "moved" if where else "missing", ", ".join(where[:3]))
 
 
+def has_attribute(cls, attribute: str) -> bool:
+    """vLLM's class has `attribute`: on the class, as a dataclass field, or assigned as
+    `self.attribute` in the source of a class of its MRO (instance state set in __init__)."""
+    if hasattr(cls, attribute) or attribute in getattr(cls, "__dataclass_fields__", {}):
+        return True
+    assigned = re.compile(rf"\bself\.{attribute}\s*(?::[^=\n]+)?=[^=]")
+    for klass in cls.__mro__:
+        try:
+            if assigned.search(inspect.getsource(klass)):
+                return True
+        except (OSError, TypeError):  # (builtins: no source)
+            continue
+    return False
+
+
+def check_internal(name: str) -> Row:
+    owner, attribute = name.rsplit(".", 1)
+    cls = resolve(owner)
+    present = isinstance(cls, type) and has_attribute(cls, attribute)
+    return Row("PUBLIC_INTERNALS", name, "present" if present else "missing")
+
+
 def check_touched(file: str, attr: str, source: VLLMSource) -> Row:
     name = f"{file}: {attr}"
     if attr.startswith("kvevict_"):
@@ -105,26 +129,42 @@ def report() -> dict:
     if not V1_RUNNER:  # (where vLLM has no V1 runner the plugin's V1 parts never run)
         rows += [Row("RELIED_ON", name, "n/a", "V1 runner only: removed in vLLM 0.34")
                  for name in contract.V1_RUNNER_ROWS]
-    rows += [check_touched(file, attr, source)
-             for file, attr, _ in dict.fromkeys((f, a, "") for f, a, _ in contract.TOUCHED)]
+    rows += [check_touched(files, attr, source) for files, attr, _ in contract.TOUCHED]
+    rows += [check_internal(name) for name in dict.fromkeys(contract.PUBLIC_INTERNALS)]
+    if not V1_RUNNER:
+        rows += [Row("PUBLIC_INTERNALS", name, "n/a", "V1 runner only: removed in vLLM 0.34")
+                 for name in contract.V1_RUNNER_INTERNALS]
     version, platform = vllm_version(), platform_name()
     reason, unlocked_by = activation(version, platform)
-    return {"vllm": version, "platform": platform, "rows": [asdict(r) for r in rows],
+    rows = [asdict(r) for r in rows]
+    return {"vllm": version, "platform": platform, "rows": rows, "surface": surface(rows),
             "can_activate": reason is None, "inactive_reason": reason,
             "unlocked_by": unlocked_by, "seconds": round(time.perf_counter() - started, 1)}
+
+
+def surface(rows: list[dict]) -> dict[str, int]:
+    """Rows per table, where this vLLM uses them (n/a rows left out): RELIED_ON + TOUCHED is
+    the surface tests/test_vllm_contract.py ratchets; PUBLIC_INTERNALS is counted apart."""
+    tables = ("WRAPS", "RELIED_ON", "TOUCHED", "PUBLIC_INTERNALS")
+    return {t: sum(r["table"] == t and r["status"] != "n/a" for r in rows) for t in tables}
 
 
 def render(result: dict) -> str:
     rows = result["rows"]
     counts = {s: sum(r["status"] == s for r in rows)
               for s in ("present", "moved", "missing", "ours", "n/a")}
+    size = surface(rows)
     lines = [f"vllm-kvevict contract report: vLLM {result['vllm']}, platform "
              f"{result['platform']} ({result['seconds']} s)", "",
-             f"{'table':<10} {'status':<8} name", "-" * 100]
-    lines += [f"{r['table']:<10} {r['status']:<8} {r['name']}"
+             f"{'table':<16} {'status':<8} name", "-" * 100]
+    lines += [f"{r['table']:<16} {r['status']:<8} {r['name']}"
               + (f"  ({r['where']})" if r["status"] == "n/a" else
                  f"  -> {r['where']}" if r["where"] else "") for r in rows]
     lines += ["", "rows: " + ", ".join(f"{n} {s}" for s, n in counts.items()),
+              f"surface: RELIED_ON + TOUCHED = {size['RELIED_ON']} + {size['TOUCHED']} = "
+              f"{size['RELIED_ON'] + size['TOUCHED']}; WRAPS {size['WRAPS']}; public-but-internal "
+              f"attributes read {size['PUBLIC_INTERNALS']}; not vLLM's (NOT_VLLM, not looked up) "
+              f"{len(contract.NOT_VLLM)}",
               "plugin can activate here: " + ("yes" if result["can_activate"] else
                                              f"no ({result['inactive_reason']})")]
     return "\n".join(lines)
