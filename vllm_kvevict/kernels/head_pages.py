@@ -1,6 +1,5 @@
 """Paged attention over each (request, KV head)'s own pages: one Triton launch for full,
 streaming and compacted (token-evicted) heads, prefill chunks and decode steps alike.
-
 Layout: K/V pools [num_pages, page_size, head_dim] (a page holds one KV head's tokens), a page
 table int32 [reqs, kv_heads, max_pages] and lengths int32 [reqs, kv_heads]; the current chunk's
 K/V are already in the pages. A causal head's slots are its kept tokens in order, the chunk
@@ -67,7 +66,8 @@ def _fwd(Q, K, V, TBL, LENS, KIND, QSL, OUT, ACC, MAXS, SUMS, KSCALE, VSCALE,
         q_slot = past + qi
         dd = tl.arange(0, HEAD_DIM_P2)
         d_ok = dd < HEAD_DIM
-        q = tl.load(Q + (q_start + qi)[:, None] * s_qt + hq[:, None] * s_qh + dd[None, :],
+        tok = (q_start + qi).to(tl.int64)  # 64-bit offsets: a long chunk's split partials
+        q = tl.load(Q + tok[:, None] * s_qt + hq[:, None] * s_qh + dd[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         if IS_FP8:
             k_scale = tl.load(KSCALE)
@@ -111,7 +111,6 @@ def _fwd(Q, K, V, TBL, LENS, KIND, QSL, OUT, ACC, MAXS, SUMS, KSCALE, VSCALE,
                 pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
-        tok = q_start + qi
         if NUM_SPLITS == 1:
             o = acc / l_i[:, None]
             tl.store(OUT + tok[:, None] * s_ot + hq[:, None] * s_oh + dd[None, :],
@@ -125,7 +124,7 @@ def _fwd(Q, K, V, TBL, LENS, KIND, QSL, OUT, ACC, MAXS, SUMS, KSCALE, VSCALE,
 
 def _combine(ACC, MAXS, SUMS, OUT, s_at, s_ah, s_as, s_mt, s_mh, s_ot, s_oh,
              NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr):
-    tok = tl.program_id(0)
+    tok = tl.program_id(0).to(tl.int64)
     hq = tl.program_id(1)
     s = tl.arange(0, NUM_SPLITS)
     dd = tl.arange(0, HEAD_DIM_P2)
@@ -190,6 +189,7 @@ def head_pages_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          sink: int = 0, window: int = 0, scale: float | None = None,
                          k_scale=None, v_scale=None, max_query_len: int | None = None,
                          num_splits: int | None = None, block_n: int = 64, block_m: int = 64,
+                         num_warps: int | None = None, num_stages: int | None = None,
                          out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of every request's chunk over its heads' pages; returns [tokens, q_heads, d].
 
@@ -202,6 +202,8 @@ def head_pages_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     (None: no streaming head); sink, window: S and W of the streaming heads. Query head h reads
     KV head h // (q_heads // kv_heads). max_query_len: the longest chunk (None: read from
     query_start_loc, a host sync). num_splits: KV splits, a power of two (None: `auto_splits`).
+    block_n: KV tokens a tile; block_m: query rows (tokens x GROUP padded to a power of two) a
+    prefill tile; num_warps, num_stages: Triton's launch options (None: its defaults).
     """
     if q.dim() != 3 or k_cache.dim() != 3 or v_cache.dim() != 3:
         raise ValueError(f"q must be [tokens, q_heads, d] and k_cache / v_cache [num_pages, "
@@ -283,6 +285,8 @@ def head_pages_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     else:
         acc = maxs = sums = out
     fwd, combine = _kernels()
+    launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages))
+              if v is not None}
     fwd[(reqs * q_tiles, kv_heads, num_splits)](
         q, k_cache, v_cache, page_table, lengths, streaming, query_start_loc, out, acc, maxs,
         sums, ks, vs, scale * LOG2E, int(sink), int(window), q_tiles,
@@ -295,7 +299,7 @@ def head_pages_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         BLOCK_N=block_n, HEAD_DIM=head_dim, HEAD_DIM_P2=_pow2(max(16, head_dim)),
         NUM_SPLITS=num_splits, IS_FP8=is_fp8,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_F32=_interpreting() and q.dtype == torch.bfloat16)
+        DOT_F32=_interpreting() and q.dtype == torch.bfloat16, **launch)
     if num_splits > 1:
         combine[(tokens, q_heads)](
             acc, maxs, sums, out, acc.stride(0), acc.stride(1), acc.stride(2),
