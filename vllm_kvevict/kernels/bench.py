@@ -109,7 +109,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("vllm_kvevict.kernels.bench needs a CUDA GPU (torch.cuda.is_available() is "
               "False); on the CPU the kernel is checked in Triton's interpreter: "
-              "pytest tests/test_triton_head_pages.py (it turns the interpreter on)", file=sys.stderr)
+              "pytest tests/test_triton_head_pages.py (it turns the interpreter on)",
+              file=sys.stderr)
         return 2
     start, cells = time.monotonic(), []
     for phase in args.phases.split(","):
