@@ -12,7 +12,8 @@ for the interpreter only if TRITON_INTERPRET=1 then. So this module imports Trit
 when nothing imported Triton before (the kernel module jits its kernels per call, under the
 setting the tests give); in a process that already imported Triton without it (a pytest-xdist
 worker that ran vLLM's tests first), the tests skip here and `test_in_fresh_process` runs this
-file in a pytest process of its own with the interpreter on.
+file in a pytest process of its own with the interpreter on. `test_compiles_for_cuda` compiles
+the kernels for sm_90 (no GPU needed) in a process without the interpreter.
 """
 
 from __future__ import annotations
@@ -46,13 +47,14 @@ from vllm_kvevict.kernels.head_pages import head_pages_attention  # noqa: E402
 from vllm_kvevict.reference.attention import EMPTY, attend, visibility  # noqa: E402
 
 IN_PROCESS = isinstance(triton.language.standard.sum, InterpretedFunction)
+NO_INTERPRETER = ("test_in_fresh_process", "test_compiles_for_cuda")
 FULL, STREAM, COMPACT = "full", "stream", "compact"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** -6, torch.float16: 2.0 ** -8}
 
 
 @pytest.fixture(autouse=True)
 def _interpreter(request, monkeypatch):
-    if request.function.__name__ == "test_in_fresh_process":
+    if request.function.__name__ in NO_INTERPRETER:
         return
     if not IN_PROCESS:
         pytest.skip("Triton was imported here without the interpreter: test_in_fresh_process")
@@ -65,11 +67,26 @@ def test_in_fresh_process():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     env.pop("PYTEST_XDIST_WORKER", None)
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "-p", "no:xdist", __file__, "-k", "not test_in_fresh_process"],
+                           "-p", "no:xdist", __file__, "-k",
+                           " and ".join(f"not {name}" for name in NO_INTERPRETER)],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], \
         proc.stdout[-2000:]
+
+
+def test_compiles_for_cuda(tmp_path):
+    """The compiler's view, no GPU needed: both kernels compile for sm_90 (H100 / H200) with
+    this Triton, for a split bfloat16 decode tile and a float32 one (compile_check.py)."""
+    import triton.backends
+
+    if not os.path.isdir(os.path.join(os.path.dirname(triton.backends.__file__), "nvidia")):
+        pytest.skip("this Triton has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "vllm_kvevict.kernels.compile_check",
+                           "--quick"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "all ok" in proc.stdout, proc.stdout + proc.stderr[-3000:]
 
 
 def run_step(kinds, requests, *, group=4, head_dim=32, page_size=8, sink=4, window=12,
