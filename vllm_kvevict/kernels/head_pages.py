@@ -204,6 +204,7 @@ def head_pages_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     query_start_loc, a host sync). num_splits: KV splits, a power of two (None: `auto_splits`).
     block_n: KV tokens a tile; block_m: query rows (tokens x GROUP padded to a power of two) a
     prefill tile; num_warps, num_stages: Triton's launch options (None: its defaults).
+    Rows of q after query_start_loc[-1] (padding) get no defined output.
     """
     if q.dim() != 3 or k_cache.dim() != 3 or v_cache.dim() != 3:
         raise ValueError(f"q must be [tokens, q_heads, d] and k_cache / v_cache [num_pages, "
