@@ -14,6 +14,8 @@ import argparse
 import os
 import sys
 
+from vllm_kvevict.kernels import head_pages
+
 # (q dtype, kv dtype, group, BLOCK_Q, splits): decode (split) and prefill tiles, each dtype
 VARIANTS = [("bf16", "bf16", 4, 4, 16), ("bf16", "bf16", 4, 16, 1), ("fp16", "fp16", 4, 16, 1),
             ("fp32", "fp32", 4, 4, 8), ("bf16", "fp8e4nv", 4, 4, 16), ("bf16", "bf16", 1, 64, 1)]
@@ -51,8 +53,6 @@ def main(argv=None) -> int:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-
-    from vllm_kvevict.kernels import head_pages
 
     fwd, combine = head_pages._kernels()
     target, failed = GPUTarget("cuda", args.arch, 32), 0
