@@ -6,10 +6,8 @@ scheduler is built, binds it to the KV-cache managers and hands it to kv_stats, 
 step's evictions before vLLM schedules, caps prefill steps for exact replay and eviction
 chunks, and tells the stats connector a step's output is back. A user's own
 `--scheduler-cls` that subclasses vLLM's Scheduler is composed with it (our methods first in
-the MRO, theirs under `super()`); any other class is refused at start-up.
-
-The engine core is a spawned process that gets the config pickled, so the installed class is
-named by a string it can import (`composition.py`).
+the MRO, theirs under `super()`); any other class is refused at start-up. The engine core
+gets the config pickled, so the class is named by a string it can import (`composition.py`).
 """
 
 from __future__ import annotations

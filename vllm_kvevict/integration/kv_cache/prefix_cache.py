@@ -1,40 +1,14 @@
-"""Prefix caching for token eviction (snapkv, pyramidkv; naive eviction exact, patched under a
-declared reuse mode): a hit at a chunk boundary reuses the compacted blocks the first request
-left there.
-
-Why it is exact (the paper's chunked eviction, naive mode): the prompt is compressed once per
-canonical chunk [kE, (k+1)E) (`--kv-eviction-chunk`, by default the step budget), each chunk
-scored by its own last queries; a chunk's kept count depends only on its length, and its kept
-KVs are written right after the kept past, never over it. So after the chunk that ends at
-b = kE, a group's block row holds k * kept tokens whose values depend only on the prompt's first
-b tokens, and every later step only appends.
-
-How it is cached, in vLLM's own block pool: when the ledger applies the evictions of a chunk
-that ended at a boundary b before the prompt's last chunk (`TokenEvictionLedger.before_schedule`),
-each block j of each group's row at b gets a key from vLLM's chained block hash of the prompt's
-first b tokens and j (`boundary_key`), the partial tail block too (the slots a hit reads are
-never written again). vLLM's pool evicts a block's keys together, LRU. `TokenPrefixManager`
-finds the longest boundary whose keys are all cached; the partial tail goes through vLLM's
-copy-on-write for partial hits. The new request's ledgers (engine core and worker) start from
-the boundary. vLLM's logical hashes are never registered for these groups (a physical block
-does not hold the tokens its logical hash names).
-
-Patched eviction scores each chunk with the prompt's question, so a cached chunk was selected
-under the question of the request that computed it: served only under the declared mode
-`--kv-prefix-reuse across-questions` (the ledger remembers each boundary's questions; kv_stats
-`reused_chunks_other_question`; the reference's `chunk_questions` computes the same).
-
-A head mask with a token policy (snapkv): its full heads' groups as above; its streaming
-heads' groups (`TokenPrefixSinkSpec`) key the sink's and the window's blocks at the same
-boundaries, registered in the same pass, so vLLM's hybrid coordinator settles on a boundary
-every group holds, all from one request (under the declared mode the first row keyed at a
-boundary stays its only one: `TokenEvictionLedger.before_schedule`).
-
-Refused at start-up (`features.token_prefix_error`, `prefix_caching_error`): patched eviction
-without that mode, decode-time eviction (it rewrites the row in place), a head mask with
-pyramidkv, tensor / data parallel or LoRA, the flex path, pipeline parallel, speculative
-decoding (served without a head mask: tensor and data parallel, LoRA, whose adapter vLLM's
-block hashes name). A request with per-request overrides neither reads nor writes the cache.
+"""Prefix caching for token eviction (snapkv, pyramidkv; naive eviction exact, patched under
+`--kv-prefix-reuse across-questions`): a hit at a canonical chunk boundary b = kE reuses the
+compacted blocks the first request left there. Exact because each chunk's kept count depends
+only on its length and its kept KVs are appended after the kept past, so the row at b depends
+only on the prompt's first b tokens. The ledger keys each group's blocks at b with vLLM's
+chained hash of those tokens (`boundary_key`); `TokenPrefixManager` finds the longest boundary
+all of whose keys are cached, and the request's ledgers start from it. A head mask with a token
+policy keys its streaming heads' sink and window blocks at the same boundaries
+(`TokenPrefixSinkSpec`). Refusals: `features.token_prefix_error`; a request with overrides
+neither reads nor writes. Design: docs/design/kv_cache.md ("Prefix caching for naive token
+eviction").
 """
 
 from __future__ import annotations
