@@ -764,12 +764,14 @@ def test_the_admission_rule_lives_in_our_table_not_on_vllms_managers():
     from vllm_kvevict.integration.kv_stats import stats_connector
     from vllm_kvevict.integration.kv_stats.request_stats import RequestStatsTracker
 
+    from vllm_kvevict.integration.core.admission import StockAdmission
+
     stock, ours = object.__new__(FullAttentionManager), object.__new__(TokenPrefixManager)
-    rule = SimpleNamespace(reuse_of=lambda req_id: (2, 1))
+    rule = SimpleNamespace(reuse_of=lambda req_id: (2, 1), binds=True)
     kv_cache_manager.bind([stock, ours], rule)
     assert kv_cache_manager.rule_of(stock) is rule and kv_cache_manager.rule_of(ours) is rule
     assert vars(stock) == {} and vars(ours) == {"ledger": rule}
-    kv_cache_manager.bind([stock], None)  # (stock vLLM: no rule)
+    kv_cache_manager.bind([stock], StockAdmission())  # (`full`: vLLM's own counts)
     assert kv_cache_manager.rule_of(stock) is None and vars(stock) == {}
     held = len(kv_cache_manager._RULES)
     del ours
@@ -780,7 +782,7 @@ def test_the_admission_rule_lives_in_our_table_not_on_vllms_managers():
     connector._stats = object.__new__(RequestStatsTracker)
     stats_connector.on_rule_attached(SimpleNamespace(connector=connector), rule)
     assert connector._stats._reuse_of is rule.reuse_of
-    stats_connector.on_rule_attached(SimpleNamespace(connector=connector), None)
+    stats_connector.on_rule_attached(SimpleNamespace(connector=connector), StockAdmission())
     assert connector._stats._reuse_of is None
     stats_connector.on_rule_attached(SimpleNamespace(), rule)  # (no connector: nothing)
 
@@ -955,3 +957,21 @@ def test_token_prefix_cache_hooks():
         assert "copy_kv_cache_blocks_inplace(" in inspect.getsource(GPUModelRunner._update_states)
     v2 = inspect.getsource(importlib.import_module("vllm.v1.worker.gpu.model_runner"))
     assert "copy_kv_cache_blocks_inplace(" in v2 and "scheduler_output.kv_cache_block_copies" in v2
+
+
+def test_full_admission_is_vllms_own():
+    """`full`'s rule (`admission.StockAdmission`, not None): vLLM's step, no prefix-cache skip
+    (a teacher-forced tail included), bound to no manager and no quiet coordinator."""
+    from types import SimpleNamespace
+
+    from vllm_kvevict.integration.core import kv_cache_coordinator
+    from vllm_kvevict.integration.core.admission import GrowthReserve, StockAdmission
+
+    rule = StockAdmission()
+    tail = SimpleNamespace(num_prompt_tokens=10, sampling_params=SimpleNamespace(
+        extra_args={"kv_teacher_forced": 4}))
+    assert rule.step_cap(tail, 0, 7) == 7 and not rule.skips_prefix_cache(tail)
+    assert GrowthReserve().skips_prefix_cache(tail)  # (a head mask's tail is decode)
+    assert not rule.binds and not rule.compresses
+    coordinator = SimpleNamespace(single_type_managers=[])
+    assert kv_cache_coordinator.install(coordinator, rule) is False

@@ -14,6 +14,30 @@ Design: docs/design/core.md, "Admission, preemption and exact recompute".
 from __future__ import annotations
 
 from vllm_kvevict.integration.kv_cache.sink_window import SinkWindowManager
+from vllm_kvevict.overrides import request_prompt_len
+
+
+class StockAdmission:
+    """`full`: vLLM's own admission, allocation and prefix cache. Every hook answers as vLLM
+    would, and the rule binds to no KV-cache manager (`kv_cache_manager.bind`)."""
+
+    compresses = False
+    binds = False  # the managers count vLLM's own slots
+
+    def before_schedule(self) -> None:
+        pass
+
+    def skips_prefix_cache(self, request) -> bool:
+        return False
+
+    def record_chunks(self, scheduler_output) -> None:
+        pass
+
+    def after_schedule(self, scheduler_output) -> None:
+        pass
+
+    def step_cap(self, request, num_computed: int, num_new: int) -> int:
+        return num_new
 
 
 class GrowthReserve:
@@ -22,6 +46,7 @@ class GrowthReserve:
     # whether a group's slots differ from vLLM's logical tokens (the token ledger's compressed
     # rows): where they do not, a step's allocation is vLLM's own, untouched (every group, step)
     compresses = False
+    binds = True  # vLLM's managers count slots by it (`kv_cache_manager.bind`)
 
     def __init__(self, reserve_growth: bool = True) -> None:
         self.scheduler = None
@@ -110,9 +135,11 @@ class GrowthReserve:
         self.forget_finished(scheduler_output)
 
     def skips_prefix_cache(self, request) -> bool:
-        """Whether a prefix hit would hold other K/V than this request computes (the ledger:
-        a request with policy overrides). Head masks: never."""
-        return False
+        """Whether a prefix hit would hold other K/V than this request computes: a
+        teacher-forced tail is decode for the policy, so a hit reaching into it would be prompt
+        K/V (caching stops at the policy's prompt, `sink_window.cached_tokens`); the ledger
+        adds a request with policy overrides."""
+        return request_prompt_len(request) < request.num_prompt_tokens
 
     def slots_needed(self, req_id: str, num_tokens: int, step_end: int, group: int) -> int:
         """A group's slots for an allocation of `num_tokens` logical tokens: the same here

@@ -135,10 +135,10 @@ def quiet_class(base: type) -> type:
 
 def install(coordinator, rule) -> bool:
     """Re-class vLLM's coordinator as `quiet_class` of its own class where its answers hold:
-    a rule that counts logical slots (None: stock vLLM; token eviction's ledger compresses) and
-    every group on a manager of the length rule. True when installed."""
+    a rule bound to the managers that counts logical slots (not `full`'s; token eviction's
+    ledger compresses) and every group on a manager of the length rule. True when installed."""
     managers = coordinator.single_type_managers
-    if (rule is None or rule.compresses
+    if (not rule.binds or rule.compresses
             or not all(type(m) in LENGTH_RULE_MANAGERS for m in managers)):
         return False
     coordinator.__class__ = quiet_class(type(coordinator))

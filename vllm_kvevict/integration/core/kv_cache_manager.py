@@ -15,7 +15,7 @@ import inspect
 import logging
 import weakref
 
-from vllm_kvevict.integration.core.admission import GrowthReserve
+from vllm_kvevict.integration.core.admission import GrowthReserve, StockAdmission
 from vllm_kvevict.integration.core.token_ledger import TokenEvictionLedger
 from vllm_kvevict.integration.kv_cache.prefix_cache import TokenPrefixManager
 from vllm_kvevict.integration.kv_cache.sink_window import canonical_chunk
@@ -29,11 +29,11 @@ logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler a
 _RULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def bind(managers, rule: GrowthReserve | None) -> None:
+def bind(managers, rule: GrowthReserve | StockAdmission) -> None:
     """`KVEvictScheduler.__init__`: its managers (one per KV-cache group) count by `rule`; our
     prefix-caching managers start a request's ledger from its hit (`TokenPrefixManager.ledger`)."""
     for manager in managers:
-        if rule is None:
+        if not rule.binds:
             _RULES.pop(manager, None)
         else:
             _RULES[manager] = rule
@@ -45,14 +45,14 @@ def rule_of(manager) -> GrowthReserve | None:
     return _RULES.get(manager)
 
 
-def attach(scheduler) -> GrowthReserve | None:
+def attach(scheduler) -> GrowthReserve | StockAdmission:
     """After vLLM's Scheduler.__init__ (in `KVEvictScheduler`): the growth reserve for head-mask
-    policies, the ledger for token-eviction ones, None for `full` (stock vLLM)."""
+    policies, the ledger for token-eviction ones, vLLM's own answers for `full`."""
     served = served_policy(scheduler.vllm_config)
     cfg, kind = served.config, served.kind
     reserve_growth = cfg.admission == "reserve"
     if kind == "full":
-        return None
+        return StockAdmission()
     if kind == "head_mask":
         rule = GrowthReserve(reserve_growth=reserve_growth)
         rule.canonical_chunk = canonical_chunk(scheduler.vllm_config)

@@ -19,12 +19,11 @@ from vllm_kvevict.integration.core import kv_cache_coordinator
 from vllm_kvevict.integration.core.kv_cache_manager import attach, bind
 from vllm_kvevict.integration.kv_stats.stats_connector import on_rule_attached, on_step_output
 from vllm_kvevict.integration.plugins.composition import install_over, resolve
-from vllm_kvevict.overrides import request_prompt_len
 
 
 class KVEvictScheduler(Scheduler):
-    # the admission rule (`admission.GrowthReserve`, or the token ledger, its subclass: one
-    # interface); None: stock vLLM
+    # the admission rule (`admission.GrowthReserve`, the token ledger, its subclass, or
+    # `StockAdmission` for `full`: one interface), set in __init__
     kv_reserve = None
     # a head mask's quiet decode steps answered once for all KV-cache groups
     # (kv_cache_coordinator.py; False: vLLM's per-group path, as tests compare)
@@ -44,17 +43,10 @@ class KVEvictScheduler(Scheduler):
         """Apply last step's evictions first; afterwards record prompt chunks (for exact
         replay) and the chunks this step will compress."""
         rule = self.kv_reserve
-        if rule is None:
-            return super().schedule(*args, **kwargs)
         rule.before_schedule()
         if self.cache_config.enable_prefix_caching:
-            # a teacher-forced tail is decode for the policy: a hit reaching into it would be
-            # prompt K/V (and caching stops at the policy's prompt, sink_window.cached_tokens);
-            # token eviction: a request with policy overrides keeps other counts than the
-            # cached rows (prefix_cache.py)
             for request in self.waiting:
-                if (request_prompt_len(request) < request.num_prompt_tokens
-                        or rule.skips_prefix_cache(request)):
+                if rule.skips_prefix_cache(request):
                     request.skip_reading_prefix_cache = True
         output = super().schedule(*args, **kwargs)
         rule.record_chunks(output)
@@ -70,10 +62,7 @@ class KVEvictScheduler(Scheduler):
         (`ledger.cap_step_in_eviction_chunk`)."""
         num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens,
                                                             num_new_tokens)
-        rule = self.kv_reserve
-        if rule is None:
-            return num_new_tokens
-        return rule.step_cap(request, num_computed_tokens, num_new_tokens)
+        return self.kv_reserve.step_cap(request, num_computed_tokens, num_new_tokens)
 
     def update_from_output(self, scheduler_output, model_runner_output):
         on_step_output(self, scheduler_output)  # the stats connector times the step

@@ -221,9 +221,10 @@ class TokenEvictionLedger(GrowthReserve):
         self.reused.pop(req_id, None)
 
     def skips_prefix_cache(self, request) -> bool:
-        """A request with policy overrides keeps other counts than the cached rows
+        """Also a request with policy overrides: it keeps other counts than the cached rows
         (prefix_cache.py)."""
-        return self.request_policy(request) is not self.policy
+        return (super().skips_prefix_cache(request)
+                or self.request_policy(request) is not self.policy)
 
     def request_policy(self, request) -> KVPolicy:
         params = getattr(request, "sampling_params", None)

@@ -125,7 +125,7 @@ class RequestStatsTracker:
 
     def bind_rule(self, rule) -> None:
         """The scheduler's admission rule / token ledger, handed over by our scheduler once
-        built (None: stock vLLM); only the ledger reports prefix reuse."""
+        built; only the ledger reports prefix reuse."""
         self._reuse_of = getattr(rule, "reuse_of", None)
 
     def guard(self, fn, *args):

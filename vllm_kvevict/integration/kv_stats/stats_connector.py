@@ -130,7 +130,7 @@ def ours_in(connector) -> "KVEvictStatsConnector | None":
 
 
 def on_rule_attached(scheduler, rule) -> None:
-    """Our scheduler's `__init__`, its admission rule built (None: stock vLLM): to kv_stats."""
+    """Our scheduler's `__init__`, its admission rule built (`StockAdmission` for `full`): to kv_stats."""
     connector = ours_in(getattr(scheduler, "connector", None))
     if connector is not None:
         connector.bind_admission_rule(rule)
