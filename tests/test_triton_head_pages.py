@@ -90,9 +90,11 @@ def test_compiles_for_cuda(tmp_path):
 
 
 def run_step(kinds, requests, *, group=4, head_dim=32, page_size=8, sink=4, window=12,
-             dtype=torch.float32, seed=0, num_splits=None, block_n=16, block_m=64):
+             dtype=torch.float32, seed=0, num_splits=None, block_n=16, block_m=64,
+             starts=None):
     """One launch. kinds: per KV head FULL / STREAM / COMPACT; requests: (a, q_len, kept) with
-    a the chunk's first position and kept the past tokens a COMPACT head keeps (of [0, a)).
+    a the step's first position and kept the past tokens a COMPACT head keeps (of [0, a)).
+    starts: per request, each query's chunk start (passed as `chunk_start`; None: a).
     Returns max |kernel - reference| / (1 + |reference|)."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
@@ -101,8 +103,9 @@ def run_step(kinds, requests, *, group=4, head_dim=32, page_size=8, sink=4, wind
     tokens = sum(q_len for _, q_len, _ in requests)
     q = torch.randn(tokens, q_heads, head_dim, generator=gen).to(dtype)
     # Slots per (request, head): position held in each slot (None: must not be read).
+    starts = starts or [[a] * q_len for a, q_len, _ in requests]
     layouts, refs = [], []
-    for a, q_len, kept in requests:
+    for (a, q_len, kept), first in zip(requests, (min(s) for s in starts)):
         length = a + q_len
         hist_k = torch.randn(kv_heads, length, head_dim, generator=gen).to(dtype)
         hist_v = torch.randn(kv_heads, length, head_dim, generator=gen).to(dtype)
@@ -115,7 +118,7 @@ def run_step(kinds, requests, *, group=4, head_dim=32, page_size=8, sink=4, wind
                 pos = slots = list(range(length))
             else:
                 pos = list(range(length))
-                slots = [p if p < sink or p >= a - window else None for p in pos]
+                slots = [p if p < sink or p >= first - window else None for p in pos]
             per_head.append((pos, slots))
         layouts.append((hist_k, hist_v, per_head))
         refs.append((a, q_len, hist_k, hist_v, [pos for pos, _ in per_head]))
@@ -145,9 +148,13 @@ def run_step(kinds, requests, *, group=4, head_dim=32, page_size=8, sink=4, wind
                         v_cache[page, j] = hist_v[h, p]
     qsl = torch.tensor([0] + [q_len for _, q_len, _ in requests], dtype=torch.int32).cumsum(
         0).to(torch.int32)
+    chunk_start = torch.tensor([c for s in starts for c in s], dtype=torch.int32)
     out = head_pages_attention(q, k_cache, v_cache, table, lengths, qsl, streaming=streaming,
                                sink=sink, window=window, num_splits=num_splits,
-                               block_n=block_n, block_m=block_m)
+                               block_n=block_n, block_m=block_m,
+                               chunk_start=chunk_start if any(
+                                   s != [a] * q for s, (a, q, _) in zip(starts, requests))
+                               else None)
     assert out.shape == q.shape and out.dtype == dtype
 
     err = 0.0
@@ -161,10 +168,11 @@ def run_step(kinds, requests, *, group=4, head_dim=32, page_size=8, sink=4, wind
             key_pos[h, :len(pos)] = torch.tensor(pos)
             keys[h, :len(pos)] = hist_k[h, pos]
             values[h, :len(pos)] = hist_v[h, pos]
-        query_pos = torch.arange(a, a + q_len)
-        seen = visibility(query_pos, key_pos, a, streaming, sink, window)
         rows = slice(int(qsl[r]), int(qsl[r + 1]))
-        expect = attend(q[rows].transpose(0, 1), keys, values, seen, scale).float()
+        expect = torch.cat([  # each query over what its own chunk [c, ...) lets it see
+            attend(q[rows][i:i + 1].transpose(0, 1), keys, values,
+                   visibility(torch.tensor([a + i]), key_pos, c, streaming, sink, window),
+                   scale).float() for i, c in enumerate(starts[r])], dim=1)
         got = out[rows].transpose(0, 1).float()
         assert torch.isfinite(got).all(), f"request {r}: NaN/inf (a slot it must not read?)"
         err = max(err, float(((got - expect).abs() / (1 + expect.abs())).max()))
@@ -197,6 +205,19 @@ def test_full_and_streaming_heads_one_launch_gqa():
     reqs = [(0, 20, 0), (29, 13, 0), (45, 1, 0), (70, 1, 0)]
     check(run_step(kinds, reqs, sink=4, window=16, page_size=16))
     check(run_step(kinds, reqs, group=2, sink=6, window=10, page_size=4, seed=3))
+
+
+def test_chunk_starts_per_query():
+    # A canonical chunk begun in an earlier step (the step starts at 30, its chunk at 24), and
+    # decode queries each a chunk of its own (speculative drafts, a teacher-forced tail).
+    kinds = [FULL, STREAM, STREAM, FULL]
+    reqs = [(30, 9, 0), (57, 4, 0), (80, 1, 0)]
+    starts = [[24] * 9, [57, 58, 59, 60], [80]]
+    check(run_step(kinds, reqs, sink=5, window=11, page_size=8, starts=starts))
+    check(run_step([STREAM], [(41, 6, 0)], sink=3, window=7, page_size=4,
+                   starts=[[36, 36, 36, 44, 45, 46]], seed=4, num_splits=1))
+    check(run_step(kinds, [(90, 3, 0)], sink=4, window=9, page_size=8, starts=[[90, 91, 92]],
+                   num_splits=4, seed=5))
 
 
 def test_compacted_heads_and_hybrid():

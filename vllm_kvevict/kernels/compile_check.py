@@ -29,7 +29,7 @@ def _signature(fn, q: str, kv: str, splits: int) -> dict[str, str]:
             sig[n] = f"*{q}"
         elif n in ("K", "V"):
             sig[n] = f"*{kv}"
-        elif n in ("TBL", "LENS", "KIND", "QSL"):
+        elif n in ("TBL", "LENS", "KIND", "QSL", "CS"):
             sig[n] = "*i32"
         elif n in ("ACC", "MAXS", "SUMS"):
             sig[n] = "*fp32" if splits > 1 else f"*{q}"
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
         const = dict(PAGE_SIZE=16, GROUP=group, GROUP_P2=group, BLOCK_Q=block_q, BLOCK_N=64,
                      HEAD_DIM=128, HEAD_DIM_P2=128, NUM_SPLITS=splits,
                      IS_FP8=kv.startswith("fp8"), DOT_PREC="ieee" if q == "fp32" else "tf32",
-                     DOT_F32=False)
+                     DOT_F32=False, HAS_CS=splits == 1)  # (both branches compiled)
         name = f"fwd q={q} kv={kv} group={group} block_q={block_q} splits={splits}"
         try:
             k = triton.compile(ASTSource(fwd, _signature(fwd, q, kv, splits), const),

@@ -26,14 +26,14 @@ _FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8
                                           "float8_e5m2fnuz") if hasattr(torch, n))
 
 
-def _fwd(Q, K, V, TBL, LENS, KIND, QSL, OUT, ACC, MAXS, SUMS, KSCALE, VSCALE,
+def _fwd(Q, K, V, TBL, LENS, KIND, QSL, CS, OUT, ACC, MAXS, SUMS, KSCALE, VSCALE,
          qk_scale, sink, window, q_tiles,
          s_qt, s_qh, s_kp, s_ks, s_vp, s_vs, s_tr, s_th, s_lr, s_lh, s_kr, s_kh,
          s_ot, s_oh, s_at, s_ah, s_as, s_mt, s_mh,
          PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
          BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
          HEAD_DIM_P2: tl.constexpr, NUM_SPLITS: tl.constexpr, IS_FP8: tl.constexpr,
-         DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
+         DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, HAS_CS: tl.constexpr):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P2
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -48,9 +48,16 @@ def _fwd(Q, K, V, TBL, LENS, KIND, QSL, OUT, ACC, MAXS, SUMS, KSCALE, VSCALE,
         past = length - q_len  # slots before the chunk; a streaming head's chunk start a
         # The last slot any row of this tile may see (causal), plus one.
         hi = past + tl.minimum(q_len, i0 + BLOCK_Q)
+        # A streaming head's chunk start a: the step's first slot, or per query (CS: a
+        # canonical chunk begun in an earlier step, or decode queries each a chunk of its own);
+        # the tile's first row has the smallest.
+        if HAS_CS:
+            a0 = tl.load(CS + q_start + i0)
+        else:
+            a0 = past
         # Visited slots: [0, s_end) then [w_start, hi). A causal head: [0, hi) as part two.
         s_end = tl.where(streaming, tl.minimum(sink, hi), 0)
-        w_start = tl.where(streaming, tl.maximum(past - window, s_end), 0)
+        w_start = tl.where(streaming, tl.maximum(a0 - window, s_end), 0)
         w_start = tl.minimum(w_start, hi)
         n_t1 = tl.cdiv(s_end, BLOCK_N)
         w_lo = (w_start // BLOCK_N) * BLOCK_N
@@ -64,6 +71,11 @@ def _fwd(Q, K, V, TBL, LENS, KIND, QSL, OUT, ACC, MAXS, SUMS, KSCALE, VSCALE,
         hq = kvh * GROUP + rows % GROUP_P2
         row_ok = (qi < q_len) & (rows % GROUP_P2 < GROUP)
         q_slot = past + qi
+        if HAS_CS:  # each row's own window start (streaming heads; 0 for the others)
+            a_row = tl.load(CS + q_start + qi, mask=row_ok, other=0)
+            lo_row = tl.where(streaming, tl.maximum(a_row - window, s_end), 0)
+        else:
+            lo_row = tl.zeros([BLOCK_M], tl.int32) + w_start
         dd = tl.arange(0, HEAD_DIM_P2)
         d_ok = dd < HEAD_DIM
         tok = (q_start + qi).to(tl.int64)  # 64-bit offsets: a long chunk's split partials
@@ -99,7 +111,8 @@ def _fwd(Q, K, V, TBL, LENS, KIND, QSL, OUT, ACC, MAXS, SUMS, KSCALE, VSCALE,
             else:
                 qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
             qk = qk * qk_scale
-            seen = n_ok[None, :] & (n[None, :] <= q_slot[:, None])
+            seen = n_ok[None, :] & (n[None, :] <= q_slot[:, None]) & (
+                (n[None, :] < s_end) | (n[None, :] >= lo_row[:, None]))
             qk = tl.where(seen, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp2(m_i - m_new)
@@ -186,6 +199,7 @@ def auto_splits(num_reqs: int, num_kv_heads: int, max_query_len: int, device) ->
 def head_pages_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          page_table: torch.Tensor, lengths: torch.Tensor,
                          query_start_loc: torch.Tensor, streaming: torch.Tensor | None = None,
+                         chunk_start: torch.Tensor | None = None,
                          sink: int = 0, window: int = 0, scale: float | None = None,
                          k_scale=None, v_scale=None, max_query_len: int | None = None,
                          num_splits: int | None = None, block_n: int = 64, block_m: int = 64,
@@ -199,7 +213,9 @@ def head_pages_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     v_scale (floats or one-element tensors). page_table int32 [reqs, kv_heads, max_pages];
     lengths int32 [reqs, kv_heads]: slots in use including the chunk (streaming heads: the
     sequence length, table by logical page). streaming: bool/int [kv_heads] or [reqs, kv_heads]
-    (None: no streaming head); sink, window: S and W of the streaming heads. Query head h reads
+    (None: no streaming head); sink, window: S and W of the streaming heads. chunk_start: int32
+    [tokens], each query's chunk start a (a streaming head sees the sink, [a - W, a) and its
+    chunk causally); None: each request's step is one chunk. Query head h reads
     KV head h // (q_heads // kv_heads). max_query_len: the longest chunk (None: read from
     query_start_loc, a host sync). num_splits: KV splits, a power of two (None: `auto_splits`).
     block_n: KV tokens a tile; block_m: query rows (tokens x GROUP padded to a power of two) a
@@ -222,8 +238,12 @@ def head_pages_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         raise ValueError(f"lengths {tuple(lengths.shape)} must be {(reqs, kv_heads)} and "
                          f"query_start_loc {tuple(query_start_loc.shape)} {(reqs + 1,)}, "
                          f"from page_table {tuple(page_table.shape)}")
+    if chunk_start is not None and (chunk_start.dim() != 1 or chunk_start.shape[0] < tokens):
+        raise ValueError(f"chunk_start must be [tokens] ({tokens}), got "
+                         f"{tuple(chunk_start.shape)}")
     for name, t in (("page_table", page_table), ("lengths", lengths),
-                    ("query_start_loc", query_start_loc)):
+                    ("query_start_loc", query_start_loc)) + (
+                        (("chunk_start", chunk_start),) if chunk_start is not None else ()):
         if t.dtype != torch.int32:
             raise TypeError(f"{name} must be int32, got {t.dtype}")
     if q_heads % kv_heads:
@@ -289,7 +309,8 @@ def head_pages_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages))
               if v is not None}
     fwd[(reqs * q_tiles, kv_heads, num_splits)](
-        q, k_cache, v_cache, page_table, lengths, streaming, query_start_loc, out, acc, maxs,
+        q, k_cache, v_cache, page_table, lengths, streaming, query_start_loc,
+        query_start_loc if chunk_start is None else chunk_start, out, acc, maxs,
         sums, ks, vs, scale * LOG2E, int(sink), int(window), q_tiles,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), page_table.stride(0), page_table.stride(1),
@@ -300,7 +321,8 @@ def head_pages_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         BLOCK_N=block_n, HEAD_DIM=head_dim, HEAD_DIM_P2=_pow2(max(16, head_dim)),
         NUM_SPLITS=num_splits, IS_FP8=is_fp8,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_F32=_interpreting() and q.dtype == torch.bfloat16, **launch)
+        DOT_F32=_interpreting() and q.dtype == torch.bfloat16, HAS_CS=chunk_start is not None,
+        **launch)
     if num_splits > 1:
         combine[(tokens, q_heads)](
             acc, maxs, sums, out, acc.stride(0), acc.stride(1), acc.stride(2),
