@@ -229,7 +229,7 @@ def test_flex_patched_caps_the_per_request_window():
 
 def test_importing_the_flex_module_leaves_torchs_compiler_config_alone():
     """Only the worker that serves the flex path raises torch's recompile limit
-    (`use_flex_backend`); importing the module changes nothing of torch's config."""
+    (`use_head_pages_backend`); importing the module changes nothing of torch's config."""
     code = ("import torch, vllm.v1.attention.backends.flex_attention\n"
             "before = torch._dynamo.config.recompile_limit\n"
             "import vllm_kvevict.integration.attention.flex_attention as f\n"

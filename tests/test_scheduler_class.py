@@ -187,7 +187,7 @@ for extra in json.loads(sys.argv[2]):
                                 args.async_scheduling,
                                 getattr(args.compilation_config.cudagraph_mode, "name", None)]))
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
-    print("FLEX", flex_attention.use_flex_backend(config, "cuda"),
+    print("FLEX", flex_attention.use_head_pages_backend(config, "cuda"),
           AttentionBackendEnum.FLEX_ATTENTION.get_path() == flex_attention.FLEX_BACKEND,
           AttentionBackendEnum.CPU_ATTN.get_path() != flex_attention.FLEX_BACKEND)
 """

@@ -28,7 +28,7 @@ EVICTION_MODES = ("patched", "naive")
 ADMISSION_MODES = ("reserve", "vllm")
 # the attention path: vLLM's CPU kernel (integration/attention/backend.py) or vLLM's FlexAttention
 # backend with block-sparse head masks (vllm_kvevict/flex/)
-ATTENTION_BACKENDS = ("cpu", "flex")
+ATTENTION_BACKENDS = ("cpu", "flex", "triton")
 # a head mask under tensor parallel: each layer's KV heads dealt so every rank holds its share of
 # the full heads (the weights permuted at load), or vLLM's contiguous order
 # (integration/worker/head_order.py)

@@ -94,7 +94,9 @@ FLAGS = {
                                "Attention path: cpu (vLLM's CPU attention kernel; the "
                                "default on the CPU platform) or flex (vLLM's FlexAttention "
                                "backend, streaming heads as block-sparse masks; the default, "
-                               "and the only path, on other platforms). One of "
+                               "and the only path, on other platforms) or triton (our Triton "
+                               "kernel over each head's pages; head masks and full, on the CPU "
+                               "under TRITON_INTERPRET=1 for now). One of "
                                f"{', '.join(ATTENTION_BACKENDS)}."),
     "--kv-tp-head-order": ("tp_head_order", str,
                            "A head mask under --tensor-parallel-size: balanced (default: each "

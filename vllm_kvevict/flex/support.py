@@ -62,7 +62,7 @@ def platform_error(cfg, platform: str, vllm_backend: str | None) -> str | None:
     `vllm_backend`: the user's `--attention-backend` (None: not chosen)."""
     if platform == "cpu" or cfg.policy == "full":
         return None
-    if cfg.attention_backend != "flex":
+    if cfg.attention_backend == "cpu":
         return (f"--kv-attention-backend {cfg.attention_backend} is vLLM's CPU attention "
                 f"kernel, which platform {platform!r} does not have; valid there: "
                 "--kv-attention-backend flex (the default off the CPU platform)")

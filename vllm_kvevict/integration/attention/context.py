@@ -35,7 +35,8 @@ class AttentionContext:
     head_dim: int
     block_size: int
     chunk: int = 0  # the canonical prefill chunk (sink_window.canonical_chunk; 0: the step)
-    flex: bool = False  # --kv-attention-backend flex (flex_attention.py)
+    # --kv-attention-backend flex or triton: a cache layer per KV head (kv_cache/head_pages.py)
+    head_pages: bool = False
     in_place: bool = False  # streaming decode in place over the pool (worker/state.in_place_hint)
     planner: StepSource | None = None  # the worker's, built once
 
@@ -51,6 +52,12 @@ class AttentionContext:
     def kind(self) -> str:
         return self.served.kind
 
+
+# the paths that keep a cache layer per KV head; each its backend class, registered by the
+# worker under vLLM's name (`flex_attention.use_head_pages_backend`)
+HEAD_PAGE_BACKENDS = {
+    "flex": "vllm_kvevict.integration.attention.flex_attention.KVEvictFlexBackend",
+    "triton": "vllm_kvevict.integration.attention.triton_attention.KVEvictTritonBackend"}
 
 _context: AttentionContext | None = None
 

@@ -3,7 +3,7 @@ policies' streaming heads as block-sparse masks (`vllm_kvevict/flex/block_mask.p
 
 Chosen with `--kv-attention-backend flex` (the default off the CPU platform); our worker
 registers it under CPU_ATTN on the CPU platform (which answers that whatever is asked) and under
-FLEX_ATTENTION elsewhere (`use_flex_backend`). Head masks keep one cache layer per KV head
+FLEX_ATTENTION elsewhere (`use_head_pages_backend`). Head masks keep one cache layer per KV head
 (`kv_cache/head_pages.py`): a layer's full heads attend over their group's pages, its streaming
 heads over their sink + window group's, and a streaming head's mask lists only the pages of
 sink + window + chunk, so its work follows those, not the prompt. `full` runs vLLM's
@@ -26,32 +26,31 @@ from vllm.v1.attention.backends.flex_attention import (FlexAttentionBackend, Fle
 from vllm_kvevict.flex import FLEX_RECOMPILE_LIMIT
 from vllm_kvevict.flex.block_mask import PagedQueries, chunk_starts, head_mask_block_mask
 from vllm_kvevict.integration.attention import flex_token, inductor_cache
-from vllm_kvevict.integration.attention.context import (attention_context, attention_kind,
-                                                        extend_metadata)
+from vllm_kvevict.integration.attention.context import (HEAD_PAGE_BACKENDS, attention_context,
+                                                        attention_kind, extend_metadata)
 from vllm_kvevict.integration.kv_cache.head_pages import HeadSlots, head_slots
 from vllm_kvevict.served import policy_config_of
 
-FLEX_BACKEND = "vllm_kvevict.integration.attention.flex_attention.KVEvictFlexBackend"
+FLEX_BACKEND = HEAD_PAGE_BACKENDS["flex"]
 TOKEN_PLANNED = ("token", "hybrid")  # the kinds whose flex path reads the worker's step plan
-
-
-def flex_selected(vllm_config) -> bool:
-    return policy_config_of(vllm_config).attention_backend == "flex"
 
 
 # -- from our worker class (kvevict_worker.KVEvictWorker) -------------------------------------
 
-def use_flex_backend(vllm_config, platform: str) -> bool:
-    """Before the worker builds its model: our backend is what vLLM's CPU_ATTN resolves to
-    on the CPU platform (which answers CPU_ATTN whatever backend is asked for), and
-    FLEX_ATTENTION elsewhere (start-up validation set the config's backend to it);
-    `register_backend` is vLLM's way to override a name. MLA models get vLLM's MLA backends."""
-    if not flex_selected(vllm_config):
+def use_head_pages_backend(vllm_config, platform: str) -> bool:
+    """Before the worker builds its model, for `--kv-attention-backend flex` or `triton` (the
+    triton path is this one with our kernel for vLLM's flex_attention): our backend is what
+    vLLM's CPU_ATTN resolves to on the CPU platform (which answers CPU_ATTN whatever backend is
+    asked for), and FLEX_ATTENTION elsewhere (start-up validation set the config's backend to
+    it); `register_backend` is vLLM's way to override a name. MLA models get vLLM's MLA
+    backends."""
+    backend = HEAD_PAGE_BACKENDS.get(policy_config_of(vllm_config).attention_backend)
+    if backend is None:
         return False
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     name = "CPU_ATTN" if platform == "cpu" else "FLEX_ATTENTION"
-    register_backend(AttentionBackendEnum[name], FLEX_BACKEND)
+    register_backend(AttentionBackendEnum[name], backend)
     allow_flex_recompiles()
     inductor_cache.guard()
     return True

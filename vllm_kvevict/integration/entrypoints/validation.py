@@ -23,6 +23,7 @@ from vllm_kvevict.integration.kv_cache.sink_window import canonical_chunk
 from vllm_kvevict.integration.kv_stats.kv_transfer import inject_config, user_connectors
 from vllm_kvevict.integration.plugins.support import platform_name, unlocked_dtype_error
 from vllm_kvevict.integration.plugins.versions import uses_v2_runner, v2_runner_expected
+from vllm_kvevict.kernels.support import triton_error
 from vllm_kvevict.served import ADDITIONAL_CONFIG_KEY, policy_config_of, settle_config
 
 logger = logging.getLogger("vllm.kvevict")  # under vLLM's logger: its handler and format
@@ -85,6 +86,7 @@ def feature_errors(vllm_config, served, platform: str, chosen: str | None,
     embeds = bool(getattr(getattr(vllm_config, "model_config", None),
                           "enable_prompt_embeds", False))
     return (platform_error(cfg, platform, chosen), flex_error(cfg, vllm_config),
+            triton_error(cfg, vllm_config, platform, os.environ.get("TRITON_INTERPRET") == "1"),
             parallel_error(cfg, sizes, served.shape.num_kv_heads),
             kv_cache_dtype_error(cfg, str(cache_dtype)),
             speculative_error(cfg, method), connector_error(cfg, users),

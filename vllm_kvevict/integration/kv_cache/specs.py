@@ -138,7 +138,7 @@ def declare_head_mask_specs(runner, stock_specs, state) -> dict:
     """A head mask's specs (`HeadMaskPlanner`): its streaming heads in their companions'
     groups and its full heads in each layer's paged spec (flex path: a cache layer per head)."""
     layers, index = _attention_layers(runner)
-    if state.flex:
+    if state.head_pages:
         return declare_head_page_specs(runner, stock_specs, state, layers, index)
     return _declare_pool_specs(runner, stock_specs, state, layers, index)
 

@@ -27,11 +27,12 @@ from vllm_kvevict.integration.worker.state import WorkerState, build_state
 
 class KVEvictWorker(Worker):
     kv_state: WorkerState  # this process's (init_device); `full` too (its planner plans nothing)
-    flex = False  # --kv-attention-backend flex (flex_attention.py)
+    head_pages = False  # --kv-attention-backend flex or triton (flex_attention.py)
 
     def __init__(self, vllm_config, *args, **kwargs) -> None:
         super().__init__(vllm_config, *args, **kwargs)
-        self.flex = flex_attention.use_flex_backend(vllm_config, support.platform_name())
+        self.head_pages = flex_attention.use_head_pages_backend(vllm_config,
+                                                                support.platform_name())
 
     def init_device(self) -> None:
         """The state is built once vLLM's distributed set-up is done (a tensor-parallel rank's

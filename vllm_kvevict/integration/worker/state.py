@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_kvevict.integration.attention.context import AttentionContext
+from vllm_kvevict.integration.attention.context import HEAD_PAGE_BACKENDS, AttentionContext
 from vllm_kvevict.integration.attention.step_plan import StepPlan, build_step_plan
 from vllm_kvevict.integration.attention.token_step import TokenStepPlan
 from vllm_kvevict.integration.kv_cache.head_split import layer_heads
@@ -154,7 +154,7 @@ class HeadMaskPlanner(StepPlanner):
 
     def __init__(self, state: WorkerState, vllm_config, rank: int, world: int) -> None:
         super().__init__(state, vllm_config, rank, world)
-        if not state.flex and rank == 0:
+        if not state.head_pages and rank == 0:
             cfg = state.config
             for line in (in_place_hint(cfg.sink, cfg.window, state.block_size),
                          full_block_hint(state.block_size, cfg, world)):
@@ -296,7 +296,8 @@ def build_state(vllm_config) -> WorkerState:
     state = WorkerState(
         served=served, heads=layer_heads(streaming, served.shape.queries_per_kv, rank, world),
         head_order=order, head_dim=served.shape.head_dim, block_size=block_size,
-        chunk=canonical_chunk(vllm_config), flex=served.config.attention_backend == "flex",
+        chunk=canonical_chunk(vllm_config),
+        head_pages=served.config.attention_backend in HEAD_PAGE_BACKENDS,
         in_place=in_place_hint(served.config.sink, served.config.window, block_size) is None)
     state.planner = PLANNERS[served.kind](state, vllm_config, rank, world)
     return state

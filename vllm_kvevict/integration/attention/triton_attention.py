@@ -1,0 +1,117 @@
+"""The Triton path (`--kv-attention-backend triton`): the FlexAttention path's pool storage (a
+cache layer per KV head, `kv_cache/head_pages.py`), its metadata builder (the step's per-token
+chunk starts) and its KV write, with our kernel for attention (`kernels/head_pages.py`): every
+KV head of a layer, full or streaming, in one launch over only the pages it keeps. vLLM lays
+every cache layer out in one allocation, so a head's page is a page of the whole pool and the
+page table holds pool page numbers. What it serves so far: `kernels/support.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.forward_context import get_forward_context
+
+from vllm_kvevict.integration.attention.context import attention_kind
+from vllm_kvevict.integration.attention.flex_attention import (FlexHeadMaskImpl,
+                                                               KVEvictFlexBackend,
+                                                               KVEvictFlexImpl)
+from vllm_kvevict.kernels.head_pages import head_pages_attention
+
+
+def pool_pages(cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(K, V, page): the whole pool under `cache` (a [blocks, heads, block_size, 2 * head_size]
+    view of vLLM's one allocation) as [pages, block_size, head_size] K and V views, and the
+    elements of one head's page."""
+    block_size, token = cache.shape[2], cache.stride(2)
+    page = token * block_size
+    total = cache.untyped_storage().nbytes() // cache.element_size() // page
+    shape, strides = (total, block_size, head_size), (page, token, 1)
+    return (cache.as_strided(shape, strides, 0), cache.as_strided(shape, strides, head_size),
+            page)
+
+
+def page_table(cache: torch.Tensor, block_table: torch.Tensor, page: int) -> torch.Tensor:
+    """int32 [reqs, heads, width]: the pool page (`pool_pages`) of each request's logical block
+    of each head of `cache`."""
+    offset, s_block, s_head = cache.storage_offset(), cache.stride(0), cache.stride(1)
+    if offset % page or s_block % page or (cache.shape[1] > 1 and s_head % page):
+        raise RuntimeError("vllm-kvevict: a cache layer is not whole pages of vLLM's KV "
+                           "allocation; the Triton path cannot address it")
+    heads = offset // page + torch.arange(cache.shape[1], device=block_table.device) * (
+        s_head // page)
+    return (block_table.long().unsqueeze(1) * (s_block // page)
+            + heads.view(1, -1, 1)).to(torch.int32)
+
+
+class TritonMixin:
+    """The kernel call shared by `full` and the head masks: `groups` is, per kind of head, (the
+    layer's cache of those heads, their KV-head indices, the group's metadata)."""
+
+    def _attend(self, query, output, groups, streaming_of: dict[int, bool]):
+        meta = groups[0][2]
+        n, reqs = meta.num_actual_tokens, meta.num_reqs
+        num_kv = self.num_kv_heads
+        widths = [m.block_table.shape[1] for _, _, m in groups]
+        table = torch.zeros(reqs, num_kv, max(widths), dtype=torch.int32,
+                            device=query.device)
+        lengths = torch.zeros(reqs, num_kv, dtype=torch.int32, device=query.device)
+        k_pool, v_pool, page = pool_pages(groups[0][0], self.head_size)
+        for (cache, kv_heads, m), width in zip(groups, widths):
+            table[:, kv_heads, :width] = page_table(cache[:, :len(kv_heads)],
+                                                    m.block_table[:reqs], page)
+            lengths[:, kv_heads] = m.seq_lens[:reqs].to(torch.int32).unsqueeze(1)
+        streaming = torch.tensor([streaming_of.get(h, False) for h in range(num_kv)],
+                                 dtype=torch.int32, device=query.device)
+        cfg = self.kv_state.config
+        # (Triton's interpreter on the CPU: fewer, larger programs; the splits buy nothing)
+        tiles = {"num_splits": 1, "block_n": 128, "block_m": 128} \
+            if query.device.type == "cpu" else {}
+        head_pages_attention(
+            query[:n], k_pool, v_pool, table, lengths,
+            meta.query_start_loc[:reqs + 1].to(torch.int32), streaming=streaming,
+            chunk_start=meta.kvevict_queries.chunk_start[:n].to(torch.int32),
+            sink=cfg.sink, window=cfg.window, scale=self.scale,
+            max_query_len=int(meta.max_query_len), out=output[:n], **tiles)
+        return output
+
+
+class TritonFullImpl(TritonMixin, KVEvictFlexImpl):
+    """`full` on the Triton path: the layer's own cache, every head full."""
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        if attn_metadata is None:  # (a profile run: the flex path's answer)
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
+        heads = torch.arange(self.num_kv_heads, device=query.device)
+        return self._attend(query, output, [(kv_cache, heads, attn_metadata)], {})
+
+
+class TritonHeadMaskImpl(TritonMixin, FlexHeadMaskImpl):
+    """A head mask on the Triton path: each kind of head in its own KV-cache group of the pool
+    (the flex path's storage and KV write), all of a layer's heads in one launch."""
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        if attn_metadata is None:  # (a profile run: the flex path's answer)
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
+        context = get_forward_context()
+        groups, streaming_of = [], {}
+        for slots in self.head_slots(layer):
+            groups.append((slots.cache(context), slots.kv_heads.to(query.device),
+                           slots.metadata(context)))
+            streaming_of.update({int(h): slots.streaming for h in slots.kv_heads})
+        return self._attend(query, output, groups, streaming_of)
+
+
+# The attention path of each kind of policy the Triton path serves (`kernels/support.py`).
+IMPLS = {"full": TritonFullImpl, "head_mask": TritonHeadMaskImpl}
+
+
+class KVEvictTritonBackend(KVEvictFlexBackend):
+    """The flex backend's metadata and storage, our kernel's attention."""
+
+    @staticmethod
+    def get_impl_cls():
+        return IMPLS[attention_kind()]
