@@ -4,10 +4,13 @@ against dense attention and the device's bandwidth.
 
     python -m vllm_kvevict.gpu_check [--device cuda] [--budget-s 480] [--out DIR]
 
-Checked (`cells.py`, `layer.py`): full, streaming, duo (the bundled Llama-3.1-8B mask),
+Checked (`cells.py`; `kernel_path.py`: the head-pages Triton kernel, bfloat16 / float16 /
+float32; `layer.py`: FlexAttention, float32 / bfloat16, eager and compiled): full, streaming, duo (the bundled Llama-3.1-8B mask),
 prulong at 0.5 / 0.7 (the bundled SmolLM2 masks and a seeded Llama-3.1-8B-shaped one),
 snapkv / pyramidkv naive and patched, and head mask + token policy hybrids, over prefill chunks
-and decode steps of a mixed batch, in float32 and bfloat16, flex_attention eager and compiled.
+and decode steps of a mixed batch. On a CPU the kernel runs in Triton's interpreter (slow: its
+cells are not run by default there, `--paths kernel` runs them). A decode step of the kernel is
+captured in a CUDA graph and replayed equal to the eager step (CUDA only).
 Not covered (they import vLLM): vLLM's metadata, the step plans and ledgers of
 `integration/` (`compress_chunks` itself: its score / select / keep steps are run here through
 the same policy calls), the streaming heads' pool pages (a null page where vLLM freed one),
@@ -22,7 +25,9 @@ trainer's run) fails; skipped cells are not failures but are printed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import tempfile
 import time
@@ -30,7 +35,12 @@ from pathlib import Path
 
 import torch
 
-from vllm_kvevict.gpu_check import cells, report, timing
+if __name__ == "__main__" and not torch.cuda.is_available() and "triton" not in sys.modules:
+    # no CUDA: the head-pages kernel's cells run in Triton's interpreter, which Triton must
+    # know when it is first imported (below, through kernel_path)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from vllm_kvevict.gpu_check import cells, kernel_path, report, timing  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,7 +51,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-s", type=float, default=480.0,
                    help="wall-clock budget (default fits one 10-minute command with start-up)")
     p.add_argument("--out", help="directory for results.json and timing.png")
-    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--paths", default=None, help="comma list of checked paths: kernel (the "
+                   "head-pages Triton kernel), flex (FlexAttention); default: kernel,flex on "
+                   "CUDA, flex on CPU")
+    p.add_argument("--dtypes", default=None, help="default: bfloat16,float16,float32 for the "
+                   "kernel, float32,bfloat16 for flex")
+    p.add_argument("--kernel-options", default="", help="the kernel's launch options, e.g. "
+                   "block_n=64,block_m=64,num_warps=4,num_stages=2,num_splits=16 (num_splits: "
+                   "decode steps; default: auto)")
+    p.add_argument("--timing-kinds", default=None, help="comma list of "
+                   f"{', '.join(timing.KINDS)} (default: all on CUDA; on CPU "
+                   f"{', '.join(timing.CPU_KINDS)})")
+    p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph replay check")
     p.add_argument("--modes", default=None, help="compiled,eager (default: both on CUDA, "
                    "eager on CPU, where compiling flex_attention takes minutes)")
     p.add_argument("--policies", default=None, help="comma list of cells.CASES names")
@@ -62,29 +83,45 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def cell_plan(args) -> list[tuple[str, str, str, str]]:
+    """(path, mode, dtype, policy) of every correctness cell, in the order they run: the
+    kernel's first, then flex_attention's per mode."""
+    cuda = args.device.startswith("cuda")
+    paths = (args.paths or ("kernel,flex" if cuda else "flex")).split(",")
+    if set(paths) - set(cells.PATHS):
+        raise SystemExit(f"--paths: unknown {sorted(set(paths) - set(cells.PATHS))}; known: "
+                         f"{', '.join(cells.PATHS)}")
+    modes = (args.modes or ("compiled,eager" if cuda else "eager")).split(",")
+    names = args.policies.split(",") if args.policies else list(cells.CASES)
+    plan = []
+    for path in (p for p in cells.PATHS if p in paths):
+        dtypes = (args.dtypes or ("bfloat16,float16,float32" if path == "kernel" else
+                                  "float32,bfloat16")).split(",")
+        for mode in (["kernel"] if path == "kernel" else modes):
+            plan += [(path, mode, dtype, name) for dtype in dtypes for name in names]
+    return plan
+
+
 def check_cells(args, deadline: float) -> list[dict]:
-    """Every (policy, dtype, mode) cell until `deadline`, printed as it ends."""
+    """Every (path, mode, dtype, policy) cell until `deadline`, printed as it ends."""
     cuda = args.device.startswith("cuda")
     sizes = cells.CUDA_SIZES if cuda else cells.CPU_SIZES
     if args.layers:
         sizes = cells.Sizes(**{**vars(sizes), "layers": args.layers})
-    modes = (args.modes or ("compiled,eager" if cuda else "eager")).split(",")
-    names = args.policies.split(",") if args.policies else list(cells.CASES)
+    options = kernel_path.parse_options(args.kernel_options)
     out = []
-    for mode in modes:
-        for dtype in args.dtypes.split(","):
-            for name in names:
-                base = {"policy": name, "dtype": dtype, "mode": mode}
-                if time.monotonic() > deadline:
-                    out.append(dict(base, status="skipped: budget", passed=None))
-                    continue
-                try:
-                    out.append(cells.run_case(name, sizes, args.device, dtype,
-                                              mode == "compiled", args.perturb))
-                except Exception as exc:  # (reported as a failed cell; the run goes on)
-                    out.append(dict(base, status=f"error: {type(exc).__name__}: {exc}"[:300],
-                                    passed=False))
-                print(report.correctness_table(out[-1:]).splitlines()[-1], flush=True)
+    for path, mode, dtype, name in cell_plan(args):
+        base = {"policy": name, "dtype": dtype, "mode": mode}
+        if time.monotonic() > deadline:
+            out.append(dict(base, status="skipped: budget", passed=None))
+            continue
+        try:
+            out.append(cells.run_case(name, sizes, args.device, dtype, mode == "compiled",
+                                      args.perturb, path, options))
+        except Exception as exc:  # (reported as a failed cell; the run goes on)
+            out.append(dict(base, status=f"error: {type(exc).__name__}: {exc}"[:300],
+                            passed=False))
+        print(report.correctness_table(out[-1:]).splitlines()[-1], flush=True)
     return out
 
 
@@ -94,6 +131,15 @@ def main(argv=None) -> int:
         results = json.loads(Path(args.plot).read_text())
         print(report.plot(results, Path(args.out or ".") / "timing.png"))
         return 0
+    log = report.tee(Path(args.out) / LOG_NAME) if args.out else contextlib.nullcontext()
+    with log:
+        return _run(args)
+
+
+LOG_NAME = "gpu_check.log"  # under --out: everything the run printed
+
+
+def _run(args) -> int:
     start = time.monotonic()
     if args.threads or not args.device.startswith("cuda"):
         torch.set_num_threads(args.threads or 1)
@@ -104,18 +150,36 @@ def main(argv=None) -> int:
     print(report.correctness_table([]), flush=True)
     checked = [] if args.no_correctness else check_cells(args, start + 0.5 * args.budget_s)
     results = {"environment": env, "argv": sys.argv[1:], "correctness": checked}
+    if not args.no_graph:
+        results["graph"] = _graph(args)
     if not args.no_train:
         results["trainer"] = _trainer(args)
     if not args.no_timing:
         cuda = args.device.startswith("cuda")
         grid = timing.CUDA_GRID if cuda else timing.CPU_GRID
         compiled = "compiled" in (args.modes or ("compiled" if cuda else "eager"))
+        kinds = args.timing_kinds or ",".join(timing.KINDS if cuda else timing.CPU_KINDS)
         results["timing"] = timing.run_timing(grid, args.device, torch.bfloat16 if cuda
                                               else torch.float32, compiled,
                                               start + args.budget_s - 10, log=_progress,
-                                              parts=tuple(args.timing_parts.split(",")))
+                                              parts=tuple(args.timing_parts.split(",")),
+                                              kinds=tuple(kinds.split(",")),
+                                              options=kernel_path.parse_options(
+                                                  args.kernel_options))
         print(report.timing_table(results["timing"]["cells"]))
+        print("\n".join(report.kernel_targets(results["timing"]["cells"])), flush=True)
     return _finish(args, results, time.monotonic() - start)
+
+
+def _graph(args) -> dict:
+    try:
+        got = kernel_path.graph_replay(args.device,
+                                       kernel_path.parse_options(args.kernel_options))
+    except Exception as exc:
+        got = {"check": "cuda-graph decode replay", "passed": False,
+               "status": f"error: {type(exc).__name__}: {exc}"[:300]}
+    print(report.graph_line(got), flush=True)
+    return got
 
 
 def _trainer(args) -> dict:
@@ -142,19 +206,20 @@ def _finish(args, results: dict, seconds: float) -> int:
     timed = results.get("timing", {}).get("cells", [])
     skipped_t = [c for c in timed if c.get("status", "").startswith("skipped")]
     trainer_failed = results.get("trainer", {}).get("passed") is False
+    graph_failed = results.get("graph", {}).get("passed") is False
     results["summary"] = {"seconds": round(seconds, 1), "cells": len(checked),
                           "failed": len(failed), "skipped": len(skipped),
                           "timing_cells": len(timed), "timing_skipped": len(skipped_t),
-                          "trainer_failed": trainer_failed}
+                          "trainer_failed": trainer_failed, "graph_failed": graph_failed}
     print(f"correctness: {len(checked) - len(failed) - len(skipped)} of {len(checked)} cells "
           f"within tolerance, {len(failed)} failed, {len(skipped)} skipped (budget); timing: "
           f"{len(timed) - len(skipped_t)} cells, {len(skipped_t)} skipped (budget or memory); "
-          f"{seconds:.1f} s", flush=True)
+          f"CUDA graph: {report.graph_word(results.get('graph'))}; {seconds:.1f} s", flush=True)
     if args.out:
         for line in report.write(Path(args.out), results):
             print(f"wrote {line}" if not line.endswith(")") and "not drawn" not in line
                   else line)
-    return 1 if failed or trainer_failed else 0
+    return 1 if failed or trainer_failed or graph_failed else 0
 
 
 if __name__ == "__main__":

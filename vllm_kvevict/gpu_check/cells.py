@@ -1,5 +1,6 @@
-"""Correctness cells: every policy's checked path (`layer.py`) against the reference, per
-dtype and flex_attention mode, over mixed steps (prefill chunks of two requests of different
+"""Correctness cells: every policy's checked path (`layer.py`: FlexAttention, per
+flex_attention mode; `kernel_path.py`: the head-pages Triton kernel) against the reference, per
+dtype, over mixed steps (prefill chunks of two requests of different
 prompt lengths, then decode steps; the shorter request decodes while the longer one still
 prefills), on random q, k, v over scattered pages.
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_kvevict.config import KVPolicyConfig
+from vllm_kvevict.gpu_check import kernel_path
 from vllm_kvevict.gpu_check.layer import (PAGE, CheckedLayer, LayerSetup, Row,
                                           compile_counter, kernel, kv_heads_to_q,
                                           reference_step)
@@ -32,8 +34,10 @@ LLAMA_8B = (32, 8, 4, 128)
 SMOLLM2 = (30, 3, 3, 64)  # the bundled model, whose masks head_masks/ ships
 # per dtype: max |checked - reference| / (1 + |reference|); bfloat16's is 2^-6, two of its
 # rounding steps (its outputs are rounded once on either side)
-TOLERANCE = {"float32": 1e-4, "bfloat16": 1.6e-2}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# float16 (the kernel's cells): 2^-8, as the kernel's own tests
+TOLERANCE = {"float32": 1e-4, "bfloat16": 1.6e-2, "float16": 2.0 ** -8}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PATHS = ("kernel", "flex")  # the checked attention paths: the head-pages kernel, FlexAttention
 
 
 @dataclass(frozen=True)
@@ -156,11 +160,12 @@ def new_checked(setup: LayerSetup, sizes: Sizes, shape, gen, device: str, dtype)
 
 
 def simulate_layer(ref_setup: LayerSetup, setup: LayerSetup, sizes: Sizes, shape, run,
-                   device: str, dtype, seed: int) -> dict:
+                   device: str, dtype, seed: int, new_layer=new_checked) -> dict:
     """The largest error (`_error`) of one layer's steps, prefill and decode rows apart, and
-    the (request, head) pairs whose kept positions differ."""
+    the (request, head) pairs whose kept positions differ. `new_layer`: the checked path's
+    state (`new_checked`: FlexAttention's; `kernel_path.new_kernel_layer`: the kernel's)."""
     gen = torch.Generator().manual_seed(seed)
-    checked = new_checked(setup, sizes, shape, gen, device, dtype)
+    checked = new_layer(setup, sizes, shape, gen, device, dtype)
     refs = [LayerKV.empty(shape[1], shape[3], dtype, device) for _ in sizes.prompts]
     worst = {"prefill": 0.0, "decode": 0.0, "kept_mismatch": 0, "ties": 0}
     evict_q = kv_heads_to_q(setup.evicting.nonzero().flatten(), shape[2])
@@ -203,22 +208,32 @@ def _kept_mismatch(ref: LayerKV, checked: CheckedLayer, row: int, setup: LayerSe
 
 
 def run_case(name: str, sizes: Sizes, device: str, dtype: str, compiled: bool,
-             perturb: bool = False) -> dict:
-    """One correctness cell: the policy `name` over its checked layers."""
+             perturb: bool = False, path: str = "flex", options: dict | None = None) -> dict:
+    """One correctness cell: the policy `name` over its checked layers, on the checked `path`
+    ("flex": flex_attention, compiled or eager; "kernel": the head-pages Triton kernel with
+    `options`, `kernel_path.OPTION_NAMES`)."""
     started = time.perf_counter()
+    if path == "kernel" and (problem := kernel_path.interpreter_problem(device)):
+        return {"policy": name, "dtype": dtype, "mode": "kernel", "status": problem,
+                "passed": None}
     policy, shape = build_case(name, sizes)
-    run = kernel(device, compiled)
+    if path == "kernel":
+        run, new_layer = kernel_path.kernel_run(device, options), kernel_path.new_kernel_layer
+    else:
+        run, new_layer = kernel(device, compiled), new_checked
     worst = {"prefill": 0.0, "decode": 0.0, "kept_mismatch": 0, "ties": 0}
     layers = checked_layers(shape[0], sizes.layers)
-    compiles = compile_counter() if compiled else None
+    compiles = compile_counter() if compiled and path == "flex" else None
     for layer in layers:
         ref, checked = layer_setups(policy, layer, shape, device, sizes, perturb)
-        got = simulate_layer(ref, checked, sizes, shape, run, device, DTYPES[dtype], layer)
+        got = simulate_layer(ref, checked, sizes, shape, run, device, DTYPES[dtype], layer,
+                             new_layer)
         worst = {k: worst[k] + got[k] if k in ("kept_mismatch", "ties") else
                  max(worst[k], got[k]) for k in worst}
     tol = TOLERANCE[dtype]
     ok = worst["prefill"] <= tol and worst["decode"] <= tol and worst["kept_mismatch"] == 0
-    return {"policy": name, "dtype": dtype, "mode": "compiled" if compiled else "eager",
+    mode = "kernel" if path == "kernel" else "compiled" if compiled else "eager"
+    return {"policy": name, "dtype": dtype, "mode": mode,
             "layers": layers, **worst, "tolerance": tol, "passed": ok,
             "compiles": compiles() if compiles else None,
             "seconds": round(time.perf_counter() - started, 2)}

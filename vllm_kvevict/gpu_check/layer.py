@@ -215,12 +215,18 @@ class CheckedLayer:
         k_kept = torch.gather(r.k[heads, :c], 1, gather)
         v_kept = torch.gather(r.v[heads, :c], 1, gather)
         where = before + torch.arange(idx.shape[1], device=device)
-        slots = self.table[r.index].long()[where // PAGE] * PAGE + where % PAGE
-        self.compact[0][slots[:, None], heads], self.compact[1][slots[:, None], heads] = \
-            k_kept.transpose(0, 1), v_kept.transpose(0, 1)
+        self._store_kept(r.index, heads, where, k_kept, v_kept)
         self.physical[r.index] = before + idx.shape[1]
         self.kept[r.index] = torch.cat([self.kept[r.index], r.start + idx], 1)
         self.last_choice[r.index] = idx
+
+
+    def _store_kept(self, row: int, heads: torch.Tensor, where: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor) -> None:
+        """The kept K/V [He, n, d] of the evicting `heads` at compacted slots `where` [n]."""
+        slots = self.table[row].long()[where // PAGE] * PAGE + where % PAGE
+        self.compact[0][slots[:, None], heads], self.compact[1][slots[:, None], heads] = \
+            k.transpose(0, 1), v.transpose(0, 1)
 
 
 def _to(batch, device):

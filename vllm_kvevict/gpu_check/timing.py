@@ -20,14 +20,18 @@ import torch
 
 from vllm_kvevict.config import DEFAULT_SINK, DEFAULT_WINDOW, KVPolicyConfig
 from vllm_kvevict.flex.block_mask import head_mask_block_mask, paged_queries
+from vllm_kvevict.gpu_check import kernel_path
 from vllm_kvevict.gpu_check.cells import LLAMA_8B, Sizes, build_case
 from vllm_kvevict.gpu_check.layer import PAGE, Q_BLOCK, _to, kernel
 from vllm_kvevict.policies import build_policy
 
-KINDS = ("sdpa", "flex-dense", "streaming", "prulong-0.7", "snapkv-0.7", "prulong-0.7+snapkv",
+FLEX_KINDS = ("flex-dense", "streaming", "prulong-0.7", "snapkv-0.7", "prulong-0.7+snapkv",
          # experiments after the first H200 run (docs/results/gpu/): where does decode lose?
          "prulong-0.7-one-call",     # one call, a per-head mask (served: one call per kind)
          "flex-dense-torch-kernel")  # flex-dense with torch's kernel choice, not vLLM's options
+# in this order: SDPA, the head-pages kernel's kinds (one launch a layer), FlexAttention's
+KINDS = ("sdpa",) + kernel_path.KINDS + FLEX_KINDS
+CPU_KINDS = ("sdpa",) + FLEX_KINDS  # the kernel's kinds run in Triton's interpreter on a CPU
 KEEP = 0.3  # token eviction at sparsity 0.7: the compacted past holds 30% of the context
 
 
@@ -115,6 +119,7 @@ def step_bytes(step: Step, layers: int, kind: str, full_kv: list[int]) -> int:
     near = min(n, DEFAULT_SINK + DEFAULT_WINDOW + c)
     keys = 0
     for f in full_kv[:layers]:
+        kind = kind.replace("kernel-dense", "flex-dense").removeprefix("kernel-")
         full_keys = {"sdpa": n, "flex-dense": n, "streaming": near, "prulong-0.7": n,
                      "snapkv-0.7": compact, "prulong-0.7+snapkv": compact,
                      "prulong-0.7-one-call": n, "flex-dense-torch-kernel": n}[kind]
@@ -231,28 +236,33 @@ def cell_groups(grid: Grid, parts: tuple[str, ...] = PARTS):
 
 
 def fits(phase: str, context: int, batch: int, layers: int, grid: Grid, device: str,
-         elem: int) -> bool:
-    """Whether the caches (every token, the compacted 30%, SDPA's contiguous copy) fit in 80%
-    of the free device memory (CPU: 2 GiB)."""
+         elem: int, kinds: tuple[str, ...] = KINDS) -> bool:
+    """Whether the caches (every token, the compacted 30%, SDPA's contiguous copy; the
+    kernel's pools where its kinds run) fit in 80% of the free device memory (CPU: 2 GiB)."""
     tokens = batch * (context + (grid.chunk if phase == "prefill" else 1) + 2 * PAGE)
-    need = layers * tokens * (2 + KEEP + 1) * 2 * LLAMA_8B[1] * LLAMA_8B[3] * elem
+    pools = (1 + KEEP) * any(k in kernel_path.KINDS for k in kinds)
+    need = layers * tokens * (2 + KEEP + 1 + pools) * 2 * LLAMA_8B[1] * LLAMA_8B[3] * elem
     free = torch.cuda.mem_get_info()[0] if device.startswith("cuda") else 2 << 30
     return need < 0.8 * free
 
 
 def run_group(scope: str, phase: str, context: int, batch: int, grid: Grid, device: str,
-              dtype, run, deadline: float, bandwidth: float, run_torch=None) -> list[dict]:
-    """Every kind's cell of one (scope, phase, context, batch)."""
+              dtype, run, deadline: float, bandwidth: float, run_torch=None,
+              kinds: tuple[str, ...] = KINDS, options: dict | None = None) -> list[dict]:
+    """Every kind's cell of one (scope, phase, context, batch); `options`: the kernel's
+    (`kernel_path.OPTION_NAMES`)."""
     layers = grid.layers if scope == "model" else 1
     base = {"scope": scope, "phase": phase, "context": context, "batch": batch,
             "layers": layers}
     if not fits(phase, context, batch, layers, grid, device, torch.empty(0, dtype=dtype)
-                .element_size()):
-        return [dict(base, kind=k, status="skipped: memory") for k in KINDS]
+                .element_size(), kinds):
+        return [dict(base, kind=k, status="skipped: memory") for k in kinds]
     cache = batch * (context + grid.chunk + 2 * PAGE) * LLAMA_8B[1] * LLAMA_8B[3]
-    if cache >= INT32_ELEMENTS:  # the first H200 run: an illegal address, the context lost
-        return [dict(base, kind=k, status="skipped: cache over 2^31 elements") for k in KINDS]
+    big = cache >= INT32_ELEMENTS  # flex: the first H200 run's illegal address (64-bit: kernel)
     step = make_step(phase, context, batch, grid, layers, device, dtype)
+    ks = (kernel_path.make_kernel_step(step.q, batch, context, step.tokens, LLAMA_8B[1],
+                                       layers, KEEP)
+          if any(k in kernel_path.KINDS for k in kinds) else None)
     t0 = time.perf_counter()
     masks = step_masks(step, device)
     _sync(device)
@@ -262,16 +272,25 @@ def run_group(scope: str, phase: str, context: int, batch: int, grid: Grid, devi
     full_kv = _full_kv_per_layer(scope)
     masks["mixed"] = mixed_masks(step, device, full_kv[:layers])
     out = []
-    for kind in KINDS:
+    for kind in kinds:
         if time.monotonic() > deadline:
             out.append(dict(base, kind=kind, status="skipped: budget"))
             continue
+        if big and kind in FLEX_KINDS:
+            out.append(dict(base, kind=kind, status="skipped: cache over 2^31 elements"))
+            continue
         try:
-            fn = sdpa_call(step, layers) if kind == "sdpa" else \
-                kind_call(kind, step, masks, full_kv, layers, run, policy, run_torch)
+            if kind in kernel_path.KINDS:
+                fn = kernel_path.KernelCall(kind, ks, full_kv, layers, options or {},
+                                            DEFAULT_SINK, DEFAULT_WINDOW, LLAMA_8B[3] ** -0.5)
+            else:
+                fn = sdpa_call(step, layers) if kind == "sdpa" else \
+                    kind_call(kind, step, masks, full_kv, layers, run, policy, run_torch)
             out.append(dict(base, kind=kind, mask_ms=mask_ms,
                             **_measure(fn, device, step_bytes(step, layers, kind, full_kv),
                                        bandwidth), status="ok"))
+            if kind in kernel_path.KINDS:
+                out[-1].update(_graph_ms(fn, device, phase))
         except Exception as exc:  # (a GPU run must report every cell, not stop at one)
             out.append(dict(base, kind=kind, status=f"error: {type(exc).__name__}: "
                                                     f"{str(exc)[:200]}"))
@@ -281,6 +300,18 @@ def run_group(scope: str, phase: str, context: int, batch: int, grid: Grid, devi
                 torch.cuda.empty_cache()
     _relate(out)
     return out
+
+
+def _graph_ms(call, device: str, phase: str) -> dict:
+    """A kernel kind's decode step as a CUDA-graph replay (as vLLM replays decode), and its
+    KV splits; CPU and prefill: the splits only."""
+    got = {"splits": call.splits}
+    if device.startswith("cuda") and phase == "decode":
+        try:
+            got["graph_ms"] = 1e3 * timed(call.capture(), device)
+        except Exception as exc:  # (reported, the eager time stands)
+            got["graph_status"] = f"error: {type(exc).__name__}: {str(exc)[:200]}"
+    return got
 
 
 def _sync(device: str) -> None:
@@ -322,8 +353,13 @@ def _relate(cells: list[dict]) -> None:
 
 
 def run_timing(grid: Grid, device: str, dtype, compiled: bool, deadline: float,
-               log=print, parts: tuple[str, ...] = PARTS) -> dict:
+               log=print, parts: tuple[str, ...] = PARTS, kinds: tuple[str, ...] = KINDS,
+               options: dict | None = None) -> dict:
     """Bandwidth, then the cells in order until `deadline` (the rest: skipped, said so)."""
+    unknown = set(kinds) - set(KINDS)
+    if unknown:
+        raise ValueError(f"unknown timing kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
+    kinds = tuple(k for k in KINDS if k in kinds)
     bandwidth = measure_bandwidth(device)
     log(f"measured copy bandwidth: {bandwidth / 1e9:.1f} GB/s")
     run, cells = kernel(device, compiled), []
@@ -331,18 +367,18 @@ def run_timing(grid: Grid, device: str, dtype, compiled: bool, deadline: float,
     for group in cell_groups(grid, parts):
         if time.monotonic() > deadline:
             cells += [dict(zip(("scope", "phase", "context", "batch"), group), kind=k,
-                           status="skipped: budget") for k in KINDS]
+                           status="skipped: budget") for k in kinds]
             continue
         try:
             cells += run_group(*group, grid, device, dtype, run, deadline, bandwidth,
-                               run_torch)
+                               run_torch, kinds, options)
         except Exception as exc:  # a lost device context: what ran so far is still written
             status = f"error: {type(exc).__name__}: {exc}"[:200]
             cells += [dict(zip(("scope", "phase", "context", "batch"), group), kind=k,
-                           status=status) for k in KINDS]
-            log(_line(cells[-len(KINDS):]))
+                           status=status) for k in kinds]
+            log(_line(cells[-len(kinds):]))
             break
-        log(_line(cells[-len(KINDS):]))
+        log(_line(cells[-len(kinds):]))
     return {"bandwidth_bytes_per_s": bandwidth, "cells": cells}
 
 

@@ -183,6 +183,32 @@ def _scale_tensor(scale, device) -> torch.Tensor:
     return torch.tensor([float(scale)], device=device, dtype=torch.float32)
 
 
+def split_workspace(tokens: int, q_heads: int, head_dim: int, num_splits: int,
+                    device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The split-KV partials of up to `tokens` query rows: fp32 (acc [tokens, q_heads,
+    num_splits, head_dim], maxs and sums [tokens, q_heads, num_splits]); pass them as
+    `head_pages_attention(..., workspace=)` to allocate once (a CUDA graph's fixed buffers)."""
+    acc = torch.empty(tokens, q_heads, num_splits, head_dim, dtype=torch.float32, device=device)
+    maxs = torch.empty(tokens, q_heads, num_splits, dtype=torch.float32, device=device)
+    return acc, maxs, torch.empty_like(maxs)
+
+
+def _check_workspace(workspace, tokens: int, q_heads: int, num_splits: int, head_dim: int,
+                     device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    acc, maxs, sums = workspace
+    want = (q_heads, num_splits)
+    if (acc.dim() != 4 or tuple(acc.shape[1:]) != want + (head_dim,) or acc.shape[0] < tokens
+            or acc.stride(3) != 1 or maxs.shape != sums.shape or maxs.dim() != 3
+            or tuple(maxs.shape[1:]) != want or maxs.shape[0] < tokens
+            or maxs.stride() != sums.stride() or maxs.stride(2) != 1
+            or any(t.dtype != torch.float32 or t.device != device for t in workspace)):
+        raise ValueError(f"workspace must be split_workspace({tokens} or more, {q_heads}, "
+                         f"{head_dim}, {num_splits}) on {device}: fp32 acc [tokens, {q_heads}, "
+                         f"{num_splits}, {head_dim}], maxs and sums [tokens, {q_heads}, "
+                         f"{num_splits}]; got {[tuple(t.shape) for t in workspace]}")
+    return acc, maxs, sums
+
+
 def auto_splits(num_reqs: int, num_kv_heads: int, max_query_len: int, device) -> int:
     """Decode (max_query_len 1): enough (request, KV head, split) programs to fill the device
     twice over, a power of two up to MAX_SPLITS; each program's share of the tiles is decided
@@ -204,7 +230,9 @@ def head_pages_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          k_scale=None, v_scale=None, max_query_len: int | None = None,
                          num_splits: int | None = None, block_n: int = 64, block_m: int = 64,
                          num_warps: int | None = None, num_stages: int | None = None,
-                         out: torch.Tensor | None = None) -> torch.Tensor:
+                         out: torch.Tensor | None = None,
+                         workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                         ) -> torch.Tensor:
     """Attention of every request's chunk over its heads' pages; returns [tokens, q_heads, d].
 
     q: [tokens, q_heads, d], the requests' chunks packed in order; query_start_loc int32
@@ -220,6 +248,10 @@ def head_pages_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     query_start_loc, a host sync). num_splits: KV splits, a power of two (None: `auto_splits`).
     block_n: KV tokens a tile; block_m: query rows (tokens x GROUP padded to a power of two) a
     prefill tile; num_warps, num_stages: Triton's launch options (None: its defaults).
+    workspace: the split partials (`split_workspace`, at least `tokens` rows), preallocated so
+    that a decode step can be captured in a CUDA graph (None: allocated per call when
+    num_splits > 1). With max_query_len and num_splits given (and a bool/int32 `streaming` on
+    the device, or None), the call makes no host sync.
     Rows of q after query_start_loc[-1] (padding) get no defined output.
     """
     if q.dim() != 3 or k_cache.dim() != 3 or v_cache.dim() != 3:
@@ -299,10 +331,9 @@ def head_pages_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     block_q = max(block_q, 16 // group_p2)  # tl.dot wants 16 rows at least
     q_tiles = triton.cdiv(max(1, max_query_len), block_q)
     if num_splits > 1:
-        acc = torch.empty(tokens, q_heads, num_splits, head_dim, dtype=torch.float32,
-                          device=device)
-        maxs = torch.empty(tokens, q_heads, num_splits, dtype=torch.float32, device=device)
-        sums = torch.empty_like(maxs)
+        acc, maxs, sums = (_check_workspace(workspace, tokens, q_heads, num_splits, head_dim,
+                                            device) if workspace is not None else
+                           split_workspace(tokens, q_heads, head_dim, num_splits, device))
     else:
         acc = maxs = sums = out
     fwd, combine = _kernels()
