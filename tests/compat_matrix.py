@@ -348,6 +348,19 @@ ROWS = [
                                 f"_tokens[{HYBRID}]"),
                       "full heads evicting tokens in their head slots, streaming heads "
                       "block-sparse, patched scoring's question rows on both; TP 2 too")}),
+    Row("Triton path (`--kv-attention-backend triton`, Triton's interpreter on the CPU)",
+        {**{c: Cell("exact", (("" if c == "prulong 0.7" else "(s)")
+                              + f"tests/test_triton_vllm.py::test_triton_matches_reference"
+                                f"[{COLUMNS[c]}]",),
+                    "our head-pages kernel (docs/kernels.md) over the flex path's storage, one "
+                    "launch per layer; 300-token prompts in 256-token steps, then a "
+                    "prefix-cache hit")
+            for c in ("full", "streaming", "duo 0.3", "prulong 0.7")},
+         **{c: Cell("refused", ("tests/test_triton_vllm.py::test_triton_refusals_name_the_flag"
+                                f"[{'hybrid' if c == HYBRID else 'snapkv'}]",),
+                    "token eviction on the kernel's compacted pages is the next slice "
+                    "(docs/kernels.md)")
+            for c in COLUMNS if c not in ("full", "streaming", "duo 0.3", "prulong 0.7")}}),
     Row("tensor parallel (`--tensor-parallel-size 2`)",
         {**{c: Cell("exact", (("" if c in TP_CI else "(s)")
                               + "tests/test_tensor_parallel.py::"

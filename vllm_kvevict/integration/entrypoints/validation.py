@@ -59,7 +59,7 @@ def validate_against_model(vllm_config, prefix_caching_requested: bool | None = 
             if error:
                 raise KVPolicyError(error)
         if serves_on_flex(cfg, platform, chosen):
-            # our backend is registered under vLLM's name (flex_attention.use_flex_backend)
+            # our backend is registered under vLLM's name (flex_attention.use_head_pages_backend)
             from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
             attention.backend = AttentionBackendEnum.FLEX_ATTENTION
