@@ -26,12 +26,18 @@ import os
 from dataclasses import dataclass, field
 
 import torch
-import triton
-from triton.runtime.interpreter import InterpretedFunction
 
 from vllm_kvevict.gpu_check.layer import PAGE, CheckedLayer, LayerSetup, Row, kv_heads_to_q
-from vllm_kvevict.kernels.head_pages import (auto_splits, head_pages_attention,
-                                             split_workspace)
+
+try:
+    import triton
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from vllm_kvevict.kernels.head_pages import (auto_splits, head_pages_attention,
+                                                 split_workspace)
+    NO_TRITON = None
+except ImportError as exc:  # a box with torch alone (.venv-torch): the rest of gpu_check runs
+    NO_TRITON = f"skipped: Triton is not installed here ({exc})"
 
 OPTION_NAMES = ("block_n", "block_m", "num_warps", "num_stages", "num_splits")
 CPU_DECODE_SPLITS = 4  # on the CPU, decode steps exercise the split-KV path and its combine
@@ -53,6 +59,8 @@ def parse_options(text: str | None) -> dict:
 
 def interpreter_problem(device: str) -> str | None:
     """Why the kernel cannot run on `device` in this process (None: it can)."""
+    if NO_TRITON:
+        return NO_TRITON
     if device.startswith("cuda"):
         return None
     if os.environ.get("TRITON_INTERPRET") != "1" or not isinstance(
