@@ -7,6 +7,7 @@ included; and the start-up refusal of what the Triton path does not serve yet
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import start_server
 from test_policies_vllm import CASES as POLICY_CASES
 from test_policies_vllm import (LOGPROB_TOL, flags, reference, served, source_prompts)
@@ -67,3 +68,26 @@ def test_triton_refusals_name_the_flag(policy, where, named):
     assert error and named in error and "supported:" in error, error
     assert triton_error(KVPolicyConfig.from_dict({"policy": "duo", **TRITON}), _config(),
                         "cpu", True) is None
+
+
+@pytest.mark.parametrize("layout", ["head-pages", "layer-outer"])
+def test_pool_pages_address_every_heads_block(layout):
+    """The kernel's pool page of each (head, block) holds exactly that head's block of the
+    layer: one head per cache layer (the head-pages layout), or a layer's heads side by side in
+    each token's row (vLLM's layer-outer layout, `full`)."""
+    from vllm_kvevict.integration.attention.triton_attention import page_table, pool_pages
+
+    layers, blocks, size, heads, hs = 3, 5, 4, 2, 8
+    buf = torch.randn(layers * blocks * size * heads * 2 * hs)
+    for layer in range(layers):
+        flat = buf[layer * blocks * size * heads * 2 * hs:][:blocks * size * heads * 2 * hs]
+        cache = (flat.view(blocks, size, heads, 2 * hs).transpose(1, 2)
+                 if layout == "layer-outer" else flat.view(blocks, 1, size * heads, 2 * hs))
+        k, v, unit = pool_pages(cache, hs)
+        order = [3, 1, 4]
+        table = page_table(cache, torch.tensor([order], dtype=torch.int32), unit)
+        for h in range(cache.shape[1]):
+            for j, b in enumerate(order):
+                page = int(table[0, h, j])
+                assert torch.equal(k[page], cache[b, h, :, :hs])
+                assert torch.equal(v[page], cache[b, h, :, hs:])

@@ -19,20 +19,23 @@ from vllm_kvevict.kernels.head_pages import head_pages_attention
 
 
 def pool_pages(cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(K, V, page): the whole pool under `cache` (a [blocks, heads, block_size, 2 * head_size]
-    view of vLLM's one allocation) as [pages, block_size, head_size] K and V views, and the
-    elements of one head's page."""
-    block_size, token = cache.shape[2], cache.stride(2)
-    page = token * block_size
-    total = cache.untyped_storage().nbytes() // cache.element_size() // page
-    shape, strides = (total, block_size, head_size), (page, token, 1)
+    """(K, V, unit): the whole pool under `cache` (a [blocks, heads, block_size, 2 * head_size]
+    view of vLLM's one allocation) as [pages, block_size, head_size] K and V views, page p
+    starting `unit` elements after page p - 1: a head's page where each cache layer holds one
+    head (the head-pages layout), its slot in a token's row where a layer's heads sit side by
+    side in each token (layer-outer, `full`), the pages then interleaved."""
+    block_size, token, s_head = cache.shape[2], cache.stride(2), cache.stride(1)
+    unit = s_head if cache.shape[1] > 1 and s_head < token else token * block_size
+    numel = cache.untyped_storage().nbytes() // cache.element_size()
+    total = (numel - (block_size - 1) * token - 2 * head_size) // unit + 1
+    shape, strides = (total, block_size, head_size), (unit, token, 1)
     return (cache.as_strided(shape, strides, 0), cache.as_strided(shape, strides, head_size),
-            page)
+            unit)
 
 
 def page_table(cache: torch.Tensor, block_table: torch.Tensor, page: int) -> torch.Tensor:
-    """int32 [reqs, heads, width]: the pool page (`pool_pages`) of each request's logical block
-    of each head of `cache`."""
+    """int32 [reqs, heads, width]: the pool page (`pool_pages`, `page` its unit) of each
+    request's logical block of each head of `cache`."""
     offset, s_block, s_head = cache.storage_offset(), cache.stride(0), cache.stride(1)
     if offset % page or s_block % page or (cache.shape[1] > 1 and s_head % page):
         raise RuntimeError("vllm-kvevict: a cache layer is not whole pages of vLLM's KV "
@@ -57,6 +60,9 @@ class TritonMixin:
         lengths = torch.zeros(reqs, num_kv, dtype=torch.int32, device=query.device)
         k_pool, v_pool, page = pool_pages(groups[0][0], self.head_size)
         for (cache, kv_heads, m), width in zip(groups, widths):
+            if cache.stride(2) != k_pool.stride(1):  # (one launch reads one token stride)
+                raise RuntimeError("vllm-kvevict: a layer's head groups lay their tokens out "
+                                   "differently; the Triton path reads one layout a launch")
             table[:, kv_heads, :width] = page_table(cache[:, :len(kv_heads)],
                                                     m.block_table[:reqs], page)
             lengths[:, kv_heads] = m.seq_lens[:reqs].to(torch.int32).unsqueeze(1)
