@@ -43,9 +43,10 @@ def test_installing_into_an_environment_with_vllm_changes_nothing_else():
 
 SIMULATED = textwrap.dedent("""
     import contextlib, io
-    from vllm_kvevict.integration.plugins import registration
-    registration.vllm_version = lambda: {version!r}
-    registration.platform_name = lambda: {platform!r}
+    from vllm_kvevict.integration.plugins import registration, support
+    # (where the activation gate asks, once per process: support.current_activation)
+    support.vllm_version = lambda: {version!r}
+    support.platform_name = lambda: {platform!r}
     registration.register()
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
