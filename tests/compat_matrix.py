@@ -429,7 +429,10 @@ def render() -> str:
         "reference doing the same (greedy; log-probs within 2e-3 where compared). **refused**: "
         "the server stops at start-up with one line naming the flag. **n/a**: see the note. "
         "Cells marked ° are checked by slow-tier tests (`pytest -m slow`) or a script run "
-        "(`docs/results/policy_matrix-compiled/`), not in CI; the rest run in CI (`make test`).",
+        "(`docs/results/policy_matrix-compiled/`), not in CI; the rest run in CI (`make test`). "
+        "The Triton path's row: its slow cells ran on e809b9e (streaming, duo) and 4a6fa58 "
+        "(full), prulong in CI (`pytest tests/test_triton_vllm.py -m '' -k matches`); each "
+        "other row's cells as of the commit its tests last ran on.",
         "",
         "Policies as tested: streaming sink 16 / window 64; duo and prulong at sparsity 0.3 / 0.7 "
         "with the shipped masks; snapkv at 0.5; pyramidkv naive at 0.5 with 3 tiers, patched "

@@ -11,7 +11,6 @@ runs this file in a pytest process of its own.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
@@ -19,20 +18,9 @@ import sys
 
 import pytest
 import torch
+import triton_interpreter
 
-if "triton" not in sys.modules:
-    _saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        importlib.import_module("triton.language")
-    except ImportError:
-        pytest.skip("no Triton", allow_module_level=True)
-    finally:
-        if _saved is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = _saved
-triton = pytest.importorskip("triton")
+triton = triton_interpreter.import_interpreted_triton()
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from vllm_kvevict.gpu_check import cells, kernel_path, report, timing  # noqa: E402

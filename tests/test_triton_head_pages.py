@@ -18,7 +18,6 @@ the kernels for sm_90 (no GPU needed) in a process without the interpreter.
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import random
@@ -27,20 +26,9 @@ import sys
 
 import pytest
 import torch
+import triton_interpreter
 
-if "triton" not in sys.modules:
-    _saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        importlib.import_module("triton.language")
-    except ImportError:
-        pytest.skip("no Triton", allow_module_level=True)
-    finally:
-        if _saved is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = _saved
-triton = pytest.importorskip("triton")
+triton = triton_interpreter.import_interpreted_triton()
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from vllm_kvevict.kernels.head_pages import head_pages_attention  # noqa: E402

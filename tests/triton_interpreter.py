@@ -51,3 +51,26 @@ def runners_in(log: str) -> tuple[int, int]:
     first rank only: one per engine core)."""
     return (len(re.findall(r"\[model_runner\.py:\d+\] Loading model from scratch", log)),
             len(re.findall(r"\[cpu_model_runner\.py:\d+\] Starting to load model", log)))
+
+
+def import_interpreted_triton():
+    """Triton for a test module of our kernel: imported in its interpreter when nothing in this
+    process imported Triton yet (TRITON_INTERPRET is restored after); a module that found
+    Triton imported without it reruns its tests in a fresh process. Skips without Triton."""
+    import importlib
+
+    import pytest
+
+    if "triton" not in sys.modules:
+        saved = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1"
+        try:
+            importlib.import_module("triton.language")
+        except ImportError:
+            pytest.skip("no Triton", allow_module_level=True)
+        finally:
+            if saved is None:
+                del os.environ["TRITON_INTERPRET"]
+            else:
+                os.environ["TRITON_INTERPRET"] = saved
+    return pytest.importorskip("triton")
