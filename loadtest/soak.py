@@ -104,8 +104,9 @@ def _text(rng: random.Random, n_words: int) -> str:
 class Soak:
     def __init__(self, base_url: str, model: str = MODEL, seed: int = 0,
                  xargs: list[dict] | None = None, long_tokens: int = 1500,
-                 timeout_s: float = 900.0) -> None:
+                 timeout_s: float = 900.0, salts: tuple[str, ...] = ()) -> None:
         self.base_url, self.model, self.seed = base_url.rstrip("/"), model, seed
+        self.salts = salts  # tenants: each well-formed request under one of their cache_salts
         self.xargs = xargs or [{"kv_teacher_forced": 4}]
         self.long_tokens, self.timeout_s = long_tokens, timeout_s
         rng = random.Random(seed)
@@ -160,6 +161,8 @@ class Soak:
     async def one(self, client: httpx.AsyncClient, kind: str, rng: random.Random) -> None:
         r = self.result
         path, body, how = self.body(kind, rng)
+        if self.salts and isinstance(body, dict) and "bad" not in how:
+            body["cache_salt"] = rng.choice(self.salts)
         url = self.base_url + path
         raw = body if isinstance(body, bytes) else json.dumps(body).encode()
         headers = {"content-type": "application/json"}
@@ -231,9 +234,14 @@ class Soak:
             r.without_kv_stats.append(f"{kind}:{(last or {}).get('id')}")
 
     # -- the run and its checks -----------------------------------------------------------------
-    async def run(self, num_requests: int, concurrency: int, progress: bool = True) -> SoakResult:
+    async def run(self, num_requests: int, concurrency: int, progress: bool = True,
+                  every_kind: bool = False) -> SoakResult:
+        """`every_kind`: one request of each kind first (a short soak's few requests would
+        otherwise miss some), the rest drawn by weight."""
         rng = random.Random(self.seed + 1)
-        kinds = rng.choices(list(KINDS), weights=list(KINDS.values()), k=num_requests)
+        first = list(KINDS)[:num_requests] if every_kind else []
+        kinds = first + rng.choices(list(KINDS), weights=list(KINDS.values()),
+                                    k=num_requests - len(first))
         self.result.requests = num_requests
         self.result.by_kind = dict(Counter(kinds))
         sem = asyncio.Semaphore(concurrency)
@@ -305,15 +313,17 @@ def wait_idle(base_url: str, timeout_s: float = 120.0) -> tuple[float | None, li
 
 def run_soak(base_url: str, num_requests: int, concurrency: int, seed: int = 0,
              xargs: list[dict] | None = None, long_tokens: int = 1500,
-             progress: bool = True, side_requests: int = 0) -> SoakResult:
+             progress: bool = True, side_requests: int = 0,
+             every_kind: bool = False, salts: tuple[str, ...] = ()) -> SoakResult:
     """The soak and its checks; `result.failures` lists every check that did not hold.
     `side_requests`: whole requests the caller sends to the server meanwhile (counted among
-    the recorded ones)."""
+    the recorded ones); `every_kind`: each kind of request at least once (`Soak.run`);
+    `salts`: tenants' cache_salts, one on each well-formed request."""
     before_probe = probe(base_url)
     before = aggregates(base_url)["aggregates"]
     m0 = metrics(base_url)
-    soak = Soak(base_url, seed=seed, xargs=xargs, long_tokens=long_tokens)
-    result = asyncio.run(soak.run(num_requests, concurrency, progress))
+    soak = Soak(base_url, seed=seed, xargs=xargs, long_tokens=long_tokens, salts=salts)
+    result = asyncio.run(soak.run(num_requests, concurrency, progress, every_kind))
     result.side_requests = side_requests
     # every completed response's engine requests, and at most one per cancel, get recorded
     # (a cancel's stats come with the engine step that handles the abort)

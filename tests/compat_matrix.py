@@ -69,12 +69,12 @@ DP_IDS = {column: test_id.removeprefix("kv4-") for column, test_id in TP_IDS.ite
 DP_CI = ("snapkv patched",)
 FP8_CI = ("prulong 0.7", "snapkv patched")  # tests/test_fp8.py: the same model and ids
 FP8_IDS = {c: i for c, i in TP_IDS.items() if c != DECODE}  # (refused with a decode budget)
-FLEX_CI = ("prulong 0.7", "pyramidkv patched")  # tests/test_flex_vllm.py
+FLEX_CI = ("prulong 0.7",)  # tests/test_flex_vllm.py (and its soak)
 # tests/test_v2_runner.py, (parameter id, attention backend): CI serves a head mask on the
 # portable path (the CUDA combination: V2 runner + FlexAttention) and patched token eviction
 # (question rows) on the CPU path; the slow tier every other column
-V2_CI = [("prulong-0.7", "flex"), ("snapkv-patched-0.5", "cpu")]
-V2_SLOW = [("full", "cpu"), ("streaming", "cpu"), ("duo-0.3", "cpu"), ("prulong-0.7", "cpu"),
+V2_CI = []  # (CI's budget: V2 in CI is the fast layout's case, tests/test_v2_runner.py)
+V2_SLOW = [("prulong-0.7", "flex"), ("snapkv-patched-0.5", "cpu"), ("full", "cpu"), ("streaming", "cpu"), ("duo-0.3", "cpu"), ("prulong-0.7", "cpu"),
            ("snapkv-naive-0.5", "cpu"), ("pyramidkv-naive-0.5-tiers3", "cpu"),
            ("pyramidkv-patched-0.7", "cpu"), ("pyramidkv-patched-0.7", "flex"),
            ("hybrid-prulong-0.5-snapkv-patched-0.5", "cpu"), ("snapkv-naive-0.5-decode", "cpu")]
@@ -82,9 +82,9 @@ V2_COMPILED = ("prulong-0.7", "snapkv-patched-0.5")  # without --enforce-eager (
 # tensor and data parallel under V2 (tests/test_tensor_parallel.py, test_data_parallel.py):
 # every column; CI a head mask's TP (the balanced head order) and token eviction's DP
 V2_TP = tuple(TP_IDS)
-V2_TP_CI = ("prulong 0.7",)
+V2_TP_CI = ()  # (CI's budget: TP 2's CI case and its soak run the V1 runner)
 V2_DP = [(c, "cpu") for c in DP_IDS] + [("prulong 0.7", "flex"), ("snapkv patched", "flex")]
-V2_DP_CI = (("snapkv patched", "cpu"),)
+V2_DP_CI = ()  # (CI's budget: DP 2's CI case and its soak run the V1 runner)
 # forced preemption under V2 (`--kv-admission vllm`): column -> test id; CI token eviction's
 V2_PREEMPTION = {"snapkv patched": "snapkv-patched", "prulong 0.7": "prulong"}
 
@@ -123,8 +123,8 @@ ADMISSION_IDS = {"full": "full", "streaming": "streaming", "duo 0.3": "duo",
                  "pyramidkv patched": "pyramidkv-patched", HYBRID: "prulong-snapkv"}
 TESTED_ADMISSION = ("prulong 0.7", "snapkv patched")  # both modes tested; the rest: stock only
 RESERVE_IN_CI = ()  # reserve mode (the default) under pressure: slow tier (CI's budget)
-FORCED_IN_CI = ("prulong 0.7",)  # CI: forced preemption under a head mask (prefix caching on;
-# token eviction preempts in CI's soak, tests/test_reliability.py); the rest: slow
+FORCED_IN_CI = ("prulong 0.7",)  # CI: forced preemption under a head mask (prefix caching on)
+# and its short soak (tests/test_admission.py); the rest: slow (CI's budget)
 
 HYBRID_TEST = "tests/test_hybrid.py::"
 HYBRID_UNTESTED = ("not yet tested with a token policy on a head mask, so refused at start-up "
@@ -228,7 +228,7 @@ ROWS = [
                "test_tp2_prefix_caching_with_naive_token_eviction",
                "(s)tests/test_data_parallel.py::"
                "test_dp2_prefix_caching_with_naive_token_eviction",
-               "tests/test_token_prefix_cache.py::test_prefix_hits_with_a_lora_adapter")
+               "(s)tests/test_token_prefix_cache.py::test_prefix_hits_with_a_lora_adapter")
               if c == "snapkv naive" else ())),
             "a hit at a chunk boundary (`--kv-eviction-chunk`, by default the step budget) "
             "reuses the compacted blocks; tensor and data parallel (each replica its own "
@@ -300,7 +300,7 @@ ROWS = [
                                 if (COLUMNS[c], b) in V2_CI + V2_SLOW)
                  + (("(s)tests/test_v2_runner.py::test_v2_runner_compiled_serves_the_"
                      f"reference[{COLUMNS[c]}]",) if COLUMNS[c] in V2_COMPILED else ())
-                 + ((("" if c == "snapkv patched" else "(s)")
+                 + (("(s)"  # (CI's budget)
                      + "tests/test_v2_runner.py::test_v2_runner_preemption_replays_exactly"
                        f"[{V2_PREEMPTION[c]}]",) if c in V2_PREEMPTION else ())
                  + ((("" if c in V2_TP_CI else "(s)") + "tests/test_tensor_parallel.py::test_tp2_"
@@ -367,10 +367,10 @@ ROWS = [
                               f"test_tp2_serves_the_reference_tokens[{TP_IDS[c]}]",
                               *(("(s)tests/test_tensor_parallel.py::test_tp2_serves_the_reference"
                                  "_tokens[kv1-replicated-prulong-0.7]",
-                                 "tests/test_tensor_parallel.py::test_tp2_fast_layout_serves_the_"
-                                 "reference_tokens[v1]")
+                                 "(s)tests/test_tensor_parallel.py::test_tp2_fast_layout_serves_"
+                                 "the_reference_tokens[v1]")
                                 if c == "prulong 0.7" else ()),
-                              *(("tests/test_tensor_parallel.py::test_tp2_serves_the_reference"
+                              *(("(s)tests/test_tensor_parallel.py::test_tp2_serves_the_reference"
                                  "_tokens[kv1-replicated-snapkv-patched-0.5]",)
                                 if c == "snapkv patched" else ())),
                     "when the ranks split the KV heads evenly, a head mask's heads in the "

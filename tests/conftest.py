@@ -139,14 +139,20 @@ def hf_model(bundled_model_dir):
 
 
 def start_server(model_dir: Path, extra_args: list[str], env: dict | None = None,
-                 eager: bool = True) -> VLLMServer:
+                 eager: bool = True, reuse: bool = False) -> VLLMServer:
     """Start a server after stopping any other (two cores: one server at a time). The port
     `free_port` found can be taken before vLLM binds it (the other pytest worker's servers and
-    engine processes bind ports too; seen once in a dry run): then again on a new port."""
+    engine processes bind ports too; seen once in a dry run): then again on a new port.
+    `reuse`: the running server if it was started with these very arguments and is alive (a
+    file's short soak runs on the server its previous test started: no second start)."""
+    key = (str(model_dir), tuple(extra_args), tuple(sorted((env or {}).items())), eager)
+    if reuse and _current and _current[0].key == key and _current[0].proc.poll() is None:
+        return _current[0]
     while _current:
         _current.pop().stop()
     for attempt in range(3):
         server = VLLMServer(model_dir, extra_args, env, eager=eager)
+        server.key = key
         _current.append(server)
         try:
             return server.wait_ready(300.0 if eager else 900.0)

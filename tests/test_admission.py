@@ -19,6 +19,7 @@ import asyncio
 import httpx
 import pytest
 from conftest import SERVED_NAME, start_server
+from mechanism_soak import bundled_reference, short_soak
 from test_policies_vllm import flags, reference, source_prompts
 
 pytestmark = pytest.mark.server
@@ -79,11 +80,16 @@ def test_no_preemption_and_exact_outputs_under_pressure(bundled_model_dir, token
 SLOW = pytest.mark.slow  # the rest of the compatibility matrix's preemption row
 
 
+def forced_flags(policy: dict, pool_mib: int, max_len: int, more=()) -> list[str]:
+    return [*flags(policy, 256), "--kv-admission", "vllm", "--max-model-len", str(max_len),
+            "--kv-cache-memory-bytes", str(pool_mib << 20), *more]
+
+
 @pytest.mark.parametrize("policy, pool_mib, max_len", [
     # 11 blocks (vLLM's minimum for 1024 tokens is 8): several requests preempted, in
     # prefill and in decode
-    # (slow tier, with decode-time eviction's: CI's budget; test_reliability's token-eviction
-    # soak preempts in CI)
+    # (slow tier, with decode-time eviction's: CI's budget; CI forces preemption under the
+    # head mask below)
     pytest.param({"policy": "snapkv", "sparsity": 0.9, "eviction": "patched"}, 64, 1024,
                  id="snapkv", marks=SLOW),
     # decode-time eviction: a preempted request's recompute compresses at the same generated
@@ -123,10 +129,7 @@ def test_forced_preemption_replays_exactly(request, bundled_model_dir, tokenizer
     """Stock admission in the same pools: vLLM preempts, and a preempted request's output is
     still the reference oracle's (its recompute follows its first run's chunks)."""
     nopc = ["--no-enable-prefix-caching"] if request.node.callspec.id.endswith("-nopc") else []
-    server = start_server(bundled_model_dir, [*flags(policy, 256), "--kv-admission", "vllm",
-                                              "--max-model-len", str(max_len),
-                                              "--kv-cache-memory-bytes", str(pool_mib << 20),
-                                              *nopc])
+    server = start_server(bundled_model_dir, forced_flags(policy, pool_mib, max_len, nopc))
     # real text: a plain recompute (new chunk boundaries, generated tokens as one chunk)
     # changes these outputs; synthetic id runs are continued the same way whatever the KV
     prompts = source_prompts(tokenizer, [PROMPT_LEN] * NUM_REQUESTS)
@@ -142,3 +145,14 @@ def test_forced_preemption_replays_exactly(request, bundled_model_dir, tokenizer
         ends = served["kv_stats"]["chunk_boundaries"]
         ref = reference(hf_model, bundled_model_dir, policy, ids, ends, MAX_TOKENS)
         assert served["choices"][0]["text"] == tokenizer.decode(ref.token_ids), ends
+
+
+FORCED_SOAK = {"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64}
+
+
+def test_short_soak_under_forced_preemption(bundled_model_dir, tokenizer, hf_model):
+    """Forced preemption's short soak (`mechanism_soak.py`) on the server of the CI case above
+    (prulong 0.7 under vLLM's admission in 64 MiB, prefix caching on)."""
+    server = start_server(bundled_model_dir, forced_flags(FORCED_SOAK, 64, 2048), reuse=True)
+    short_soak(server, bundled_reference(hf_model, bundled_model_dir, FORCED_SOAK),
+               source_prompts(tokenizer, (300, 600)), xargs=[{"kv_teacher_forced": 4}])

@@ -104,6 +104,28 @@ def test_dp2_serves_the_reference_tokens_per_replica(column, backend, v2, tiny_q
                              policy["policy"])
 
 
+@pytest.mark.server
+@pytest.mark.serial
+def test_dp2_short_soak(tiny_qwen3, tokenizer, one_torch_thread):
+    """DP 2's short soak (`mechanism_soak.py`) on the CI case's server above (patched snapkv
+    0.5, vLLM's default two API servers sharing one kv_stats log): both replicas take its
+    traffic; its samples equal the reference's."""
+    from transformers import AutoModelForCausalLM
+
+    from mechanism_soak import short_soak
+
+    model_dir = tiny_qwen3(4)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    policy = TP_POLICIES[DP_CI[0]]
+    server = start_server(model_dir, [*flags(policy, CHUNK), "--data-parallel-size", "2"],
+                          env=DP_ENV, reuse=True)
+    short_soak(server, lambda prompt, ends, _: reference(model, model_dir, policy, prompt,
+                                                         ends).token_ids,
+               source_prompts(tokenizer, (300, 340)), new_tokens=NEW_TOKENS,
+               xargs=[{"kv_sparsity": 0.3}, {"kv_obs_window": 16}, {"kv_teacher_forced": 4}])
+
+
 def assert_api_servers_agree(base_url: str, response_ids: list[str], policy: str) -> None:
     """Each new connection may reach either API server (vLLM shares one listening socket):
     every one serves the engines' policy (its own config, built from the launcher's args),

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from conftest import SERVED_NAME, start_server
+from mechanism_soak import bundled_reference, short_soak
 from test_policies_vllm import flags, reference, source_prompts
 from vllm_kvevict.config import KVPolicyConfig
 from vllm_kvevict.ledger import LayerGroups, decode_group_budgets
@@ -41,6 +42,10 @@ CASES = {
 }
 
 
+def server_flags(policy: dict) -> list[str]:
+    return [*flags(policy, 256), "--block-size", str(BLOCK)]
+
+
 async def complete_all(base_url: str, prompts: list[list[int]], xargs: list[dict]) -> list[dict]:
     async with httpx.AsyncClient(timeout=600) as client:
         async def one(ids, extra):
@@ -59,7 +64,7 @@ async def complete_all(base_url: str, prompts: list[list[int]], xargs: list[dict
                                   else pytest.param(c, marks=pytest.mark.slow) for c in CASES])
 def test_decode_eviction_matches_reference(case, bundled_model_dir, tokenizer, hf_model):
     policy = CASES[case]
-    server = start_server(bundled_model_dir, [*flags(policy, 256), "--block-size", str(BLOCK)])
+    server = start_server(bundled_model_dir, server_flags(policy))
     prompts = source_prompts(tokenizer, (300, 700, 500, 400))
     # the fourth request sets its own budget and interval (vllm_xargs; a head mask's server
     # takes no per-request KV keys)
@@ -97,6 +102,18 @@ def test_decode_eviction_matches_reference(case, bundled_model_dir, tokenizer, h
         assert all(n <= b + tail for n, b in zip(per_group, budgets)), (per_group, budgets)
         assert stats["blocks_held_end"] == sum(-(-n // BLOCK) for n in per_group), stats
         assert stats["blocks_freed"] > 0
+
+
+def test_short_soak(bundled_model_dir, tokenizer, hf_model):
+    """Decode-time eviction's short soak (`mechanism_soak.py`) on the server above (snapkv
+    naive 0.5, a 64-token decode budget every 32 tokens), per-request budgets among the
+    overrides; its samples decode 40 tokens: a compression in each."""
+    policy = CASES["snapkv-naive-0.5"]
+    server = start_server(bundled_model_dir, server_flags(policy), reuse=True)
+    short_soak(server, bundled_reference(hf_model, bundled_model_dir, policy),
+               source_prompts(tokenizer, (300, 600)), new_tokens=40,
+               xargs=[{"kv_sparsity": 0.3}, {"kv_decode_budget": 40, "kv_decode_interval": 24},
+                      {"kv_teacher_forced": 4}])
 
 
 @pytest.mark.slow  # CI's budget (140 s on this machine)

@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import start_server
+from mechanism_soak import bundled_reference, short_soak
 from test_policies_vllm import CASES as POLICY_CASES
 
 from vllm_kvevict.integration.attention import inductor_cache
@@ -32,10 +33,10 @@ PROMPT_LENGTHS = (1100,)  # five 256-token chunks (one prompt: CI's budget)
 
 
 @pytest.mark.server
-@pytest.mark.parametrize("case", [  # CI: one per mechanism; the rest in the slow tier (and
-    "prulong-0.7", "pyramidkv-patched-0.7",  # docs/results/flex's policy matrix)
+@pytest.mark.parametrize("case", [  # CI: a head mask (and its soak below); the rest in the
+    "prulong-0.7",  # slow tier (and docs/results/flex's policy matrix)
     *(pytest.param(c, marks=pytest.mark.slow) for c in (
-        "full", "streaming", "duo-0.3", "snapkv-naive-0.5", "snapkv-patched-0.5",
+        "pyramidkv-patched-0.7", "full", "streaming", "duo-0.3", "snapkv-naive-0.5", "snapkv-patched-0.5",
         "pyramidkv-naive-0.5-tiers3", "hybrid-prulong-0.5-snapkv-naive-0.5",
         "hybrid-prulong-0.5-snapkv-patched-0.5"))])
 def test_flex_matches_reference(case, bundled_model_dir, tokenizer, hf_model):
@@ -55,6 +56,15 @@ def test_flex_matches_reference(case, bundled_model_dir, tokenizer, hf_model):
     assert marks.is_dir() and marks.stat().st_mtime >= started, marks
     pids = {str(p.pid) for p in psutil.Process(server.pid).children(recursive=True)}
     assert not [m for m in marks.glob("*") if m.name in pids], list(marks.glob("*"))
+
+
+@pytest.mark.server
+def test_short_soak(bundled_model_dir, tokenizer, hf_model):
+    """The flex path's short soak (`mechanism_soak.py`) on the prulong 0.7 server above."""
+    policy, chunk = CASES["prulong-0.7"]
+    server = start_server(bundled_model_dir, flags({**policy, **FLEX}, chunk), reuse=True)
+    short_soak(server, bundled_reference(hf_model, bundled_model_dir, policy),
+               source_prompts(tokenizer, (300, 600)), xargs=[{"kv_teacher_forced": 4}])
 
 
 @pytest.mark.server

@@ -15,6 +15,7 @@ import openai
 import pytest
 import torch
 from conftest import SERVED_NAME, pool_width, skip_without_fp8_kv_cache, start_server
+from mechanism_soak import bundled_reference, short_soak
 from test_model_families_vllm import NEW_TOKENS, random_mask
 from test_policies_vllm import flags, source_prompts
 
@@ -101,7 +102,7 @@ def test_hybrid_footprint_is_below_both_parts():
 PROMPT_LENGTHS = (300, 340)
 SERVED = [  # (id, policy, chunk, CI)
     ("snapkv-patched-h0.5-t0.5-c128", {"token_policy": "snapkv", "eviction": "patched"}, 128,
-     True),
+     False),  # (CI: the shipped mask's hybrid below and its soak: CI's budget)
     ("pyramidkv-naive-h0.5-t0.7-c96",
      {"token_policy": "pyramidkv", "eviction": "naive", "token_sparsity": 0.7}, 96, False),
     ("snapkv-naive-h0.3-t0.5-c128",
@@ -173,9 +174,13 @@ def test_hybrid_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_tor
     assert all(differs), "the hybrid equals one of its parts here: the test checked nothing"
 
 
+SHIPPED_HYBRID = {"policy": "prulong", "sparsity": 0.5, "token_policy": "snapkv",
+                  "token_sparsity": 0.5, "eviction": "patched"}
+
+
 @pytest.mark.server
-@pytest.mark.parametrize("streaming", [{"sink": 16, "window": 64}, {}],
-                         ids=["sink16-window64", "defaults"])
+@pytest.mark.parametrize("streaming", [pytest.param({"sink": 16, "window": 64}, marks=pytest.mark.slow),
+                                       {}], ids=["sink16-window64", "defaults"])
 def test_hybrid_on_the_bundled_model_with_its_shipped_mask(streaming, bundled_model_dir,
                                                           tokenizer, hf_model, one_torch_thread):
     """The real user's path: SmolLM2's shipped PruLong mask at head sparsity 0.5 (6 of its 30
@@ -185,8 +190,7 @@ def test_hybrid_on_the_bundled_model_with_its_shipped_mask(streaming, bundled_mo
     blocks, decode reads the streaming heads' window back; at the mask's defaults (sink 64,
     window 256) the plugin picks 64-token blocks for every group (the fast layout), and decode
     reads the streaming heads in place."""
-    policy = {"policy": "prulong", "sparsity": 0.5, **streaming,
-              "token_policy": "snapkv", "token_sparsity": 0.5, "eviction": "patched"}
+    policy = {**SHIPPED_HYBRID, **streaming}
     cfg = KVPolicyConfig.from_dict(policy)
     full_heads, _ = resolve_full_heads(cfg, str(bundled_model_dir), 30, 3)
     counts = full_heads.sum(dim=1)
@@ -210,3 +214,12 @@ def test_hybrid_on_the_bundled_model_with_its_shipped_mask(streaming, bundled_mo
         ends = r.model_extra["kv_stats"]["chunk_boundaries"]
         ref = runner.generate(prompt, NEW_TOKENS, ends)
         assert r.choices[0].model_extra["token_ids"] == ref.token_ids, len(prompt)
+
+
+@pytest.mark.server
+def test_short_soak(bundled_model_dir, tokenizer, hf_model):
+    """The hybrid's short soak (`mechanism_soak.py`) on the server above (the shipped mask at
+    0.5, patched snapkv 0.5 on its full heads, the fast layout)."""
+    server = start_server(bundled_model_dir, flags(SHIPPED_HYBRID, 256), reuse=True)
+    short_soak(server, bundled_reference(hf_model, bundled_model_dir, SHIPPED_HYBRID),
+               source_prompts(tokenizer, (300, 600)), xargs=[{"kv_teacher_forced": 4}])

@@ -91,6 +91,7 @@ def served(base_url: str, prompt, with_stats: bool = False):
 
 # The other cases' baseline runs in test_compat.py (one server per policy column, shared with
 # the compatibility matrix's per-request rows); post-fill eviction (one 4096-token chunk) here.
+@pytest.mark.slow  # CI's budget (93 s on CI; naive snapkv's chunked eviction runs in CI)
 @pytest.mark.parametrize("case", ["snapkv-postfill-0.7"])
 def test_policy_matches_reference(case, bundled_model_dir, tokenizer, hf_model):
     policy, chunk = CASES[case]

@@ -155,6 +155,7 @@ def test_pool_storage_without_prefix_caching_holds_the_windows_only(bundled_mode
     assert _usage(server.base_url) == 0.0
 
 
+@pytest.mark.slow  # CI's budget (86 s on CI)
 def test_full_heads_in_larger_blocks_match_reference(bundled_model_dir, tokenizer, hf_model):
     """`--kv-full-block-size 128` beside `--block-size 32`: the full heads' groups hold
     128-token blocks (a full head counts 4 head pages in the group plan), the streaming heads

@@ -1,16 +1,17 @@
 """No request can stop the server, and every response carries its kv_stats (issue 44):
-- 30 concurrent chats, half ending on a stop string, on a saturated engine (once in CI, three
-  rounds in the slow tier): every
-  completed response carries kv_stats (a stop-string request's stats come with the engine step
+- 30 concurrent chats, half ending on a stop string, on a saturated engine (three rounds, slow
+  tier): every completed response carries kv_stats (a stop-string request's stats come with the engine step
   that handles its abort, many seconds later under load; before, a 1 s wait ran out);
 - a soak of mixed traffic per mechanism (`loadtest/soak.py`: cancels, stop strings, n = 2,
   overrides, seeded long prompts, bad requests, shared prefixes, a small pool): no 5xx, bad
   requests 4xx naming the field, stats for every response, each request counted once, the pool
-  empty afterwards in every KV-cache group, a probe answering as before;
+  empty afterwards in every KV-cache group, a probe answering as before. CI: the short soak
+  (`mechanism_soak.py`) of the head mask and of token eviction here, of every other mechanism
+  in its own file on the server its reference test started; the slow tier: 1,000 requests each;
 - faults: a client that disconnects during prefill frees its blocks; SIGTERM under load drains
   (`--shutdown-timeout`) and exits 0; a killed engine process ends the server, not a hang;
-- property tests (hypothesis) over request bodies and `vllm_xargs`: 2xx or a 4xx that names
-  what is wrong, never a 5xx;
+- property tests (hypothesis) over request bodies and `vllm_xargs`, on a head-mask and a
+  token-eviction server: 2xx or a 4xx that names what is wrong, never a 5xx;
 - `cache_salt`: a prompt sent with another salt hits no block of the first, in every group.
 The seeded-sampling crash has its exact test per policy column in test_compat.py.
 """
@@ -33,8 +34,10 @@ import httpx
 import pytest
 
 from conftest import SERVED_NAME, start_server
+import mechanism_soak
 from loadtest.soak import metric_sum, metrics, run_soak, wait_idle
-from test_policies_vllm import reference, source_prompts
+from mechanism_soak import bundled_reference, greedy_sample, short_soak
+from test_policies_vllm import source_prompts
 from vllm_kvevict.launch import policy_flags
 
 pytestmark = pytest.mark.server
@@ -44,18 +47,22 @@ SMALL_POOL = str(384 << 20)
 HEAD_MASK = ["--kv-policy", "prulong", "--kv-sparsity", "0.7", "--max-num-batched-tokens", "2048",
              "--max-num-seqs", "16", "--kv-cache-memory-bytes", SMALL_POOL]
 STATS_ENV = {"VLLM_KVEVICT_STATS_CAPACITY": "5000"}
-
-
-_head_mask: list = []
+TOKEN_MAX_LEN = 1024  # the token-eviction server's context (its 64 MiB pool holds 1,400 tokens)
 
 
 @pytest.fixture
 def head_mask_server(bundled_model_dir):
     """prulong 0.7 in a small pool, shared by the tests below (its tests come first: a test
     that starts another server stops this one, and a later one starts it again)."""
-    if not _head_mask or _head_mask[0].proc.poll() is not None:
-        _head_mask[:] = [start_server(bundled_model_dir, HEAD_MASK, env=STATS_ENV)]
-    return _head_mask[0]
+    return start_server(bundled_model_dir, HEAD_MASK, env=STATS_ENV, reuse=True)
+
+
+@pytest.fixture
+def token_server(bundled_model_dir):
+    """Patched snapkv 0.7 under vLLM's admission in a 64 MiB pool (the token-eviction soak's
+    server): the file's last tests share it."""
+    return start_server(bundled_model_dir, server_flags(SOAKS["token-eviction"]), env=STATS_ENV,
+                        reuse=True)
 
 
 def kv_stats_summary(server) -> dict:
@@ -109,9 +116,8 @@ async def chat_burst(base_url: str, rng: random.Random, n: int = 30) -> tuple[in
     return n, missing
 
 
-# (one round of 30 in CI; three rounds of 20 took 286 s on CI, so rounds 2 and 3 are slow-tier)
-@pytest.mark.parametrize("round_", [1, pytest.param(2, marks=pytest.mark.slow),
-                                    pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.slow  # CI's budget (249 s on CI); every mechanism's short soak checks kv_stats
+@pytest.mark.parametrize("round_", [1, 2, 3])
 def test_every_response_carries_kv_stats_on_a_saturated_engine(head_mask_server, round_):
     server = head_mask_server
     before = kv_stats_summary(server)["aggregates"].get("requests_per_finish_reason", {})
@@ -228,7 +234,7 @@ SOAKS = {
         ["--max-num-batched-tokens", "512", "--max-num-seqs", "16",
          "--kv-cache-memory-bytes", str(64 << 20),
          # (vLLM's start-up check wants full attention's worst case in the pool)
-         "--max-model-len", "1024"],
+         "--max-model-len", str(TOKEN_MAX_LEN)],
         [{"kv_sparsity": 0.3}, {"kv_sparsity": 0.9, "kv_obs_window": 16},
          {"kv_teacher_forced": 4}], 900, (500, 700, 900)),
     "hybrid": SoakCase({"policy": "prulong", "sparsity": 0.5, "token_policy": "snapkv",
@@ -271,7 +277,7 @@ SOAKS = {
                               [{"kv_teacher_forced": 4}], 1500, (700, 1300, 1900),
                               env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}),
 }
-CI_SOAK_REQUESTS, SLOW_SOAK_REQUESTS = 40, 1000
+SLOW_SOAK_REQUESTS = 1000
 RESULTS = REPO / "docs" / "results" / "soak"
 
 
@@ -279,7 +285,7 @@ def server_flags(case: SoakCase) -> list:
     return [*policy_flags(case.policy), *case.server]
 
 
-def soak(mechanism, bundled_model_dir, request, num_requests: int, seed: int):
+def soak(mechanism, bundled_model_dir, request, num_requests: int, seed: int):  # (the long soak)
     """The mechanism's server (the shared head-mask one, or its own), then the soak on it, with
     greedy requests of real text sent among its traffic (each twice: the second may hit the
     prefix cache); returns (the soak's result, the samples' responses)."""
@@ -299,43 +305,20 @@ def soak(mechanism, bundled_model_dir, request, num_requests: int, seed: int):
         return result, [f.result() for f in samples]
 
 
-def greedy_sample(base_url: str, prompt: list[int], new_tokens: int, delay_s: float) -> dict:
-    time.sleep(delay_s)  # (spread through the soak's first seconds)
-    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": new_tokens,
-            "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-    r = httpx.post(base_url + "/v1/completions", json=body, timeout=1800, trust_env=False)
-    assert r.status_code == 200, r.text
-    return {"prompt": prompt, **r.json()}
-
-
 def reference_mismatches(case: SoakCase, samples: list[dict], bundled_model_dir,
                          hf_model) -> list[str]:
-    """Each sample's served tokens against the reference's at its served chunks: a token
-    policy's eviction chunks E (`--kv-eviction-chunk`, pinned to the step budget under prefix
-    caching: every multiple of E, those a prefix hit skipped too), else the chunk boundaries
-    kv_stats gives (vLLM's steps; a head mask's canonical chunks)."""
-    out = []
-    for sample in samples:
-        stats, n = sample["kv_stats"], len(sample["prompt"])
-        chunk = stats["params"].get("eviction_chunk")
-        ends = list(range(chunk, n, chunk)) + [n] if chunk else stats["chunk_boundaries"]
-        ref = reference(hf_model, bundled_model_dir, case.policy, sample["prompt"], ends,
-                        case.new_tokens)
-        if sample["choices"][0]["token_ids"] != ref.token_ids:
-            out.append(f"{len(sample['prompt'])} tokens (cached {stats.get('cached_tokens')}, "
-                       f"boundaries {stats['chunk_boundaries']}): served != reference")
-    return out
+    """Each sample's served tokens against the reference's at its served chunks
+    (`mechanism_soak.served_chunk_ends`)."""
+    return mechanism_soak.reference_mismatches(
+        samples, bundled_reference(hf_model, bundled_model_dir, case.policy), case.new_tokens)
 
 
-# (CI soaks token eviction, ~200 s on a CI machine; the other mechanisms' soaks are in the
-# slow tier: CI's budget)
-@pytest.mark.parametrize("mechanism", [m if m == "token-eviction" else
-                                       pytest.param(m, marks=pytest.mark.slow) for m in SOAKS])
-def test_soak(mechanism, bundled_model_dir, request, hf_model):
-    result, samples = soak(mechanism, bundled_model_dir, request, CI_SOAK_REQUESTS, seed=1)
-    assert result.failures == [], result.failures
-    assert result.cancelled > 0 and result.bad > 0 and result.completed > 0
-    assert reference_mismatches(SOAKS[mechanism], samples, bundled_model_dir, hf_model) == []
+def test_soak_head_mask(head_mask_server, tokenizer, bundled_model_dir, hf_model):
+    """The head mask's short soak at the README's defaults (prulong 0.7: the fast layout,
+    quiet steps; `mechanism_soak.py`), on the shared head-mask server."""
+    case = SOAKS["head-mask"]
+    short_soak(head_mask_server, bundled_reference(hf_model, bundled_model_dir, case.policy),
+               source_prompts(tokenizer, (300, 700)), xargs=case.xargs, long_tokens=600)
 
 
 @pytest.mark.slow
@@ -513,7 +496,7 @@ def test_killed_engine_process_ends_the_server_with_an_error_status(process, mec
 
 # -- property tests: any request body gets a 2xx or a 4xx naming what is wrong -------------------
 
-def _strategies():
+def _strategies(token_keys: bool):
     from hypothesis import strategies as st
 
     junk = st.one_of(st.none(), st.booleans(), st.integers(-10**20, 10**20),
@@ -550,13 +533,14 @@ def _strategies():
                      st.fixed_dictionaries({"messages": mostly(st.lists(message, min_size=1,
                                                                           max_size=3))}),
                      optional)
-    return _valid_strategies(st), st.one_of(completion, chat)
+    return _valid_strategies(st, token_keys), st.one_of(completion, chat)
 
 
-def _valid_strategies(st):
+def _valid_strategies(st, token_keys: bool):
     """Bodies every field of which is in range: each must be served (2xx) with its kv_stats.
-    (every sampling field, logprobs, n, stop, streaming, each per-request KV key a head-mask
-    server takes: kv_teacher_forced; the token-eviction keys are refused there by design)"""
+    (every sampling field, logprobs, n, stop, streaming, each per-request KV key the server
+    takes: kv_teacher_forced everywhere; `token_keys`, a token-eviction server: kv_sparsity and
+    kv_obs_window too, refused on a head-mask server by design)"""
     text = st.text(st.characters(codec="utf-8", exclude_categories=["Cs", "Cc"]), min_size=1,
                    max_size=40)
     sampling = {
@@ -574,7 +558,9 @@ def _valid_strategies(st):
         "ignore_eos": st.booleans(),
         "stream": st.booleans(),
         "vllm_xargs": st.fixed_dictionaries({}, optional={
-            "kv_teacher_forced": st.integers(0, 4)}),
+            "kv_teacher_forced": st.integers(0, 4),
+            **({"kv_sparsity": st.floats(0, 1),
+                "kv_obs_window": st.integers(1, TOKEN_MAX_LEN - 1)} if token_keys else {})}),
     }
     completion = st.fixed_dictionaries(
         {"prompt": st.one_of(text, st.lists(st.integers(0, 49151), min_size=1, max_size=60))},
@@ -634,10 +620,13 @@ def names(key: str, message: str) -> bool:
 VLLM_NAMES_VALUE = ("is out of vocabulary",)  # "Token id 55000 is out of vocabulary"
 
 
-def test_any_request_body_gets_2xx_or_a_4xx_that_says_why(head_mask_server, capsys):
+@pytest.mark.parametrize("mechanism", ["head-mask", "token-eviction"])
+def test_any_request_body_gets_2xx_or_a_4xx_that_says_why(mechanism, request, capsys):
     """115 generated bodies (derandomized: the same in every run), at least half of them valid
     in every field (`_valid_strategies`: each must be served, its kv_stats agreeing with its
-    usage). Never a 5xx; a 4xx always
+    usage; a stream's last chunk carrying them before its `[DONE]`), on the head-mask server
+    and on the token-eviction one (there every per-request KV key is valid). Never a 5xx; a 4xx
+    always
     carries a message that names a field of the body (or, for vLLM's out-of-vocabulary check,
     the value); a refused `vllm_xargs` (ours to check) names the key. `messages` that is not a
     list is ours too (server/responses.py `shape_error`: vLLM 0.32 said "'NoneType' object is
@@ -646,7 +635,10 @@ def test_any_request_body_gets_2xx_or_a_4xx_that_says_why(head_mask_server, caps
 
     from vllm_kvevict.overrides import check_vllm_xargs
 
-    base_url = head_mask_server.base_url
+    token = mechanism == "token-eviction"
+    server = request.getfixturevalue("token_server" if token else "head_mask_server")
+    policy, max_model_len = ("snapkv", TOKEN_MAX_LEN) if token else ("prulong", 8192)
+    base_url = server.base_url
     seen: dict[int, int] = {}
     kinds: dict[bool, int] = {}  # valid -> bodies sent
     unnamed: set[str] = set()
@@ -668,7 +660,7 @@ def test_any_request_body_gets_2xx_or_a_4xx_that_says_why(head_mask_server, caps
             assert r.status_code == 200, (body, text[:500])
             if body.get("stream") is not True:
                 check_kv_stats(body, json.loads(text))
-        ours = check_vllm_xargs(body.get("vllm_xargs"), "prulong", 8192)
+        ours = check_vllm_xargs(body.get("vllm_xargs"), policy, max_model_len)
         if ours is not None:  # (or the shape refusal, checked first: a body it cannot read)
             shape = isinstance(body.get("messages", []), list) is False
             assert r.status_code == 400 and (ours in text or shape), (body, text[:500])
@@ -682,9 +674,12 @@ def test_any_request_body_gets_2xx_or_a_4xx_that_says_why(head_mask_server, caps
                 unnamed.add(message[:120])
         elif body.get("stream") is True:
             assert "data: [DONE]" in text and '"error"' not in text, (body, text[-500:])
+            chunks = [line[5:].strip() for line in text.splitlines() if line.startswith("data:")]
+            assert chunks[-1] == "[DONE]" and "kv_stats" in json.loads(chunks[-2]), \
+                (body, text[-500:])
 
     # two runs, not one_of: hypothesis weighs one_of's branches unevenly (39 % valid seen)
-    for bodies, examples in zip(_strategies(), (60, 55)):
+    for bodies, examples in zip(_strategies(token), (60, 55)):
         settings(max_examples=examples, deadline=None, derandomize=True, database=None,
                  suppress_health_check=list(HealthCheck))(given(bodies)(one))()
     assert seen.get(200) and sum(v for k, v in seen.items() if 400 <= k < 500), seen
@@ -694,3 +689,11 @@ def test_any_request_body_gets_2xx_or_a_4xx_that_says_why(head_mask_server, caps
     with capsys.disabled():
         print(f"\nstatuses {seen}; valid bodies {kinds.get(True, 0)} of {sum(kinds.values())} "
               f"({share:.0%}); 4xx messages naming a value, not a field: {sorted(unnamed)}")
+
+
+def test_soak_token_eviction(token_server, tokenizer, bundled_model_dir, hf_model):
+    """Token eviction's short soak (patched snapkv 0.7, vLLM's admission, 64 MiB) on the server
+    the fuzz above ran on, every token override among its requests."""
+    case = SOAKS["token-eviction"]
+    short_soak(token_server, bundled_reference(hf_model, bundled_model_dir, case.policy),
+               source_prompts(tokenizer, (300, 600)), xargs=case.xargs, long_tokens=600)

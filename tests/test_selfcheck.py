@@ -35,6 +35,7 @@ def table_rows(stdout: str) -> list[str]:
 
 @pytest.mark.server
 @pytest.mark.served_release
+@pytest.mark.slow  # CI's budget (300 s on CI); CI runs the refusal below (two cells)
 def test_selfcheck_passes_here_and_records_the_pass(tmp_path):
     proc = run_selfcheck(tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -17,6 +17,7 @@ import time
 import httpx
 import pytest
 from conftest import SERVED_NAME, start_server
+from mechanism_soak import bundled_reference, short_soak
 from test_policies_vllm import flags, source_prompts
 from test_tensor_parallel import TP_ENV, TP_POLICIES
 
@@ -83,19 +84,34 @@ def check_sequence(base_url: str, prompt: list[int], sequence) -> list[int]:
     return cached
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+def mode_flags(mode: str) -> list[str]:
+    return [*flags(MODES[mode], CHUNK), "--enable-prefix-caching"]
+
+
+# (CI: naive snapkv and its soak below; the other modes: slow tier, CI's budget)
+@pytest.mark.parametrize("mode", [m if m == "snapkv-naive" else
+                                  pytest.param(m, marks=pytest.mark.slow) for m in MODES])
 def test_salts_isolate_token_eviction_prefix_cache(mode, bundled_model_dir, tokenizer):
     """Every single-engine mode on the bundled model: SEQUENCE's cached counts exactly."""
-    server = start_server(bundled_model_dir, [*flags(MODES[mode], CHUNK),
-                                              "--enable-prefix-caching"])
+    server = start_server(bundled_model_dir, mode_flags(mode))
     (prompt,) = source_prompts(tokenizer, (PROMPT,))
     check_sequence(server.base_url, prompt, SEQUENCE)
+
+
+def test_short_soak_under_two_tenants(bundled_model_dir, tokenizer, hf_model):
+    """Token eviction's prefix cache, short soak (`mechanism_soak.py`) on the server above: its
+    traffic under two tenants' salts, then a prompt cached under one reads 0 under the other."""
+    server = start_server(bundled_model_dir, mode_flags("snapkv-naive"), reuse=True)
+    short_soak(server, bundled_reference(hf_model, bundled_model_dir, MODES["snapkv-naive"]),
+               source_prompts(tokenizer, (300, 600)), tenants=True,
+               xargs=[{"kv_sparsity": 0.3}, {"kv_obs_window": 16}, {"kv_teacher_forced": 4}])
 
 
 TINY_CHUNK, TINY_PROMPT, TINY_HIT = 128, 340, 256  # tests/test_tensor_parallel.py's sizes
 
 
 @pytest.mark.serial  # one rank per core: no other server may hold a core meanwhile
+@pytest.mark.slow  # CI's budget (the DP 2 soak runs under salts, tests/test_data_parallel.py)
 def test_salts_isolate_under_tensor_parallel(tiny_qwen3, tokenizer):
     """TP 2, naive snapkv: both ranks key the same boundaries; the same exact sequence."""
     server = start_server(tiny_qwen3(4), [*flags(TP_POLICIES["snapkv naive"], TINY_CHUNK),
@@ -107,6 +123,7 @@ def test_salts_isolate_under_tensor_parallel(tiny_qwen3, tokenizer):
 
 
 @pytest.mark.serial
+@pytest.mark.slow  # CI's budget (the DP 2 soak runs under salts, tests/test_data_parallel.py)
 def test_salts_isolate_under_data_parallel(tiny_qwen3, tokenizer):
     """DP 2, naive snapkv: each replica keeps its own cache, so a repeat hits only where it
     meets a replica that served its salt before. A salt's first request, or the unsalted

@@ -128,7 +128,7 @@ CASES.append(pytest.param((2, TP_POLICIES["prulong 0.7"]), id="kv2-prulong-0.7",
 # (token eviction: each replica scores with its half of the head's queries, the halves gathered;
 # CI's replicated-heads case)
 CASES.append(pytest.param((1, TP_POLICIES["snapkv patched"]),
-                          id="kv1-replicated-snapkv-patched-0.5"))
+                          id="kv1-replicated-snapkv-patched-0.5", marks=pytest.mark.slow))
 CASES.append(pytest.param((1, TP_POLICIES["snapkv naive + decode eviction"]),
                           id="kv1-replicated-snapkv-decode", marks=pytest.mark.slow))
 CASES.append(pytest.param((1, TP_POLICIES["prulong 0.7"]), id="kv1-replicated-prulong-0.7",
@@ -155,7 +155,8 @@ def clustered_mask(model_dir):
     return path
 
 
-def _tp2_server(policy: dict, num_kv_heads: int, tiny_qwen3, env: dict | None = None):
+def _tp2_server(policy: dict, num_kv_heads: int, tiny_qwen3, env: dict | None = None,
+                reuse: bool = False):
     """A TP 2 server of `policy` on the tiny Qwen3 with `num_kv_heads` KV heads (a head mask:
     a random one saved beside the model, for prulong 0.7 on 4 KV heads the clustered one):
     (server, HF model, model dir, served policy)."""
@@ -171,7 +172,7 @@ def _tp2_server(policy: dict, num_kv_heads: int, tiny_qwen3, env: dict | None = 
         policy["mask_path"] = str(clustered_mask(model_dir) if clustered
                                   else random_mask(model_dir, model.config))
     server = start_server(model_dir, [*flags(policy, CHUNK), "--tensor-parallel-size", "2"],
-                          env={**TP_ENV, **(env or {})})
+                          env={**TP_ENV, **(env or {})}, reuse=reuse)
     log = server.log_tail(10 ** 7)
     assert "Worker_TP0" in log and "Worker_TP1" in log  # two worker processes, one per rank
     return server, model, model_dir, policy
@@ -239,7 +240,22 @@ def test_tp2_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_torch_
 
 @pytest.mark.server
 @pytest.mark.serial
-@pytest.mark.parametrize("v2", [pytest.param(False, id="v1"),
+def test_tp2_short_soak(tiny_qwen3, tokenizer, one_torch_thread):
+    """TP 2's short soak (`mechanism_soak.py`) on the CI case's server above (prulong 0.7, the
+    clustered mask, balanced head order, 4 KV heads): its samples equal the reference's."""
+    from mechanism_soak import short_soak
+
+    server, model, model_dir, policy = _tp2_server(TP_POLICIES["prulong 0.7"], 4, tiny_qwen3,
+                                                   reuse=True)
+    short_soak(server, lambda prompt, ends, _: reference(model, model_dir, policy, prompt,
+                                                         ends).token_ids,
+               source_prompts(tokenizer, (300, 340)), new_tokens=NEW_TOKENS,
+               xargs=[{"kv_teacher_forced": 4}])
+
+
+@pytest.mark.server
+@pytest.mark.serial
+@pytest.mark.parametrize("v2", [pytest.param(False, id="v1", marks=pytest.mark.slow),
                                 pytest.param(True, id="v2", marks=pytest.mark.slow)])
 def test_tp2_fast_layout_serves_the_reference_tokens(v2, tiny_qwen3, tokenizer,
                                                      one_torch_thread):

@@ -312,6 +312,7 @@ def test_prefix_hits_match_the_reference(case, bundled_model_dir, tokenizer, hf_
 
 
 @pytest.mark.server
+@pytest.mark.slow  # CI's budget (76 s on CI; LoRA's prefix hits under a head mask: test_compat)
 def test_prefix_hits_with_a_lora_adapter(bundled_model_dir, tokenizer, hf_model, lora_adapter,
                                          lora_model):
     """Naive snapkv with `--enable-prefix-caching --enable-lora`: vLLM's block hashes, and so

@@ -141,7 +141,7 @@ def test_v2_runner_refuses_untested_features(bundled_model_dir):
 @pytest.mark.parametrize("policy, max_len, pool_mib, new_tokens", [
     # token eviction: its blocks as the V2 runner's tables hold them (`runners.V2Blocks`)
     pytest.param({"policy": "snapkv", "sparsity": 0.9, "eviction": "patched"}, 640, 40, 100,
-                 id="snapkv-patched"),
+                 id="snapkv-patched", marks=slow),  # (CI's budget: 250 s on CI)
     # a head mask, prefix caching on: the recompute may hit the request's own prompt blocks
     pytest.param({"policy": "prulong", "sparsity": 0.7, "sink": 16, "window": 64}, 2048, 64,
                  200, id="prulong", marks=slow),
