@@ -58,6 +58,7 @@ def main(argv=None) -> int:
         parts.append((family, (out / family / "summary.md").read_text()))
     lines = ["# Model-family matrix: `vllm serve` vs the plain-PyTorch reference", "",
              f"Command: `python scripts/model_matrix.py {' '.join(sys.argv[1:])}`", "",
+             f"Commit: {_commit()} (the code served)", "",
              "Tiny random models (tests/tiny_models.py: 4 layers, 2 KV heads, head_dim 64, the "
              "bundled tokenizer), random head gates for duo / prulong; one prompt per cell.", "",
              "Sink 64 and window 256 (the defaults) keep every token of a prompt up to 320 "
@@ -69,6 +70,13 @@ def main(argv=None) -> int:
         lines += [f"## {family}", ""] + text.splitlines()[2:] + [""]
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     return status
+
+
+def _commit() -> str:
+    import subprocess
+
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, cwd=Path(__file__).resolve().parents[1]).stdout.strip()
 
 
 if __name__ == "__main__":

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kvevict.integration.plugins.versions import vllm_release
-from vllm_kvevict.launch import ServerProcess, free_port
+pytest.register_assert_rewrite("mechanism_soak")  # (its asserts explain themselves too)
+
+from vllm_kvevict.integration.plugins.versions import vllm_release  # noqa: E402
+from vllm_kvevict.launch import ServerProcess, free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent

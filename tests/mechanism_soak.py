@@ -72,14 +72,15 @@ def short_soak(server, reference: Reference, prompts: list[list[int]], *, xargs:
     salt check (the server must have prefix caching on)."""
     salts = TENANTS if tenants else ()
     with cf.ThreadPoolExecutor(2 * len(prompts)) as pool:
-        futures = [pool.submit(greedy_sample, server.base_url, prompt, new_tokens, 2.0 * i,
+        # (after run_soak's probe and baseline: a sample done before them would go uncounted)
+        futures = [pool.submit(greedy_sample, server.base_url, prompt, new_tokens, 4.0 + 2.0 * i,
                                salts[i % 2] if salts else None)
                    for i, prompt in enumerate(prompts + prompts)]
         result = run_soak(server.base_url, requests, CONCURRENCY, seed=1, xargs=xargs,
                           long_tokens=long_tokens, progress=False, side_requests=len(futures),
                           every_kind=True, salts=salts)
         samples = [f.result() for f in futures]
-    assert result.failures == [], result.failures
+    assert result.failures == [], result
     assert set(result.by_kind) == set(KINDS), result.by_kind
     assert result.cancelled > 0 and result.bad > 0 and result.completed > 0, result
     assert reference_mismatches(samples, reference, new_tokens) == []

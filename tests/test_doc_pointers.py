@@ -284,3 +284,45 @@ def test_backticked_pointers_in_the_docs_name_code_that_exists():
     bad, checked = unresolved()
     assert checked > 100, checked  # the scan finds the docs' pointers
     assert not bad, "pointers in docs/ that name nothing in the code:\n" + "\n".join(bad)
+
+
+# -- the results the README quotes name the commit they ran on (issue 87) ------------------------
+
+HEX = re.compile(r"\b[0-9a-f]{7,40}\b")
+
+
+def quoted_results() -> dict[str, Path]:
+    """Each `docs/results/...` pointer in README.md -> the page that describes it: the file if
+    it is a page, else its folder's README.md (or its one summary page)."""
+    out = {}
+    for pointer in sorted(set(re.findall(r"`(docs/results/[^`\s]*)`", (REPO / "README.md")
+                                         .read_text()))):
+        path = REPO / pointer
+        folder = path if path.is_dir() else path.parent
+        page = path if path.suffix == ".md" else next(
+            (folder / name for name in ("README.md", "summary.md") if (folder / name).is_file()),
+            folder / "README.md")
+        out[pointer] = page
+    return out
+
+
+def names_a_commit(text: str) -> bool:
+    """A word of the page that git resolves as a commit of this repository (a shallow clone,
+    which may lack it: a word that looks like one, with a letter among its hex digits)."""
+    import subprocess
+
+    words = [w for w in HEX.findall(text) if re.search("[a-f]", w)]
+    shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=REPO,
+                             capture_output=True, text=True).stdout.strip() != "false"
+    if shallow:
+        return bool(words)
+    return any(subprocess.run(["git", "cat-file", "-e", f"{w}^{{commit}}"], cwd=REPO,
+                              capture_output=True).returncode == 0 for w in words)
+
+
+def test_every_results_page_the_readme_quotes_names_its_commit():
+    pages = quoted_results()
+    assert len(pages) >= 8, pages  # (the README's results paragraph and its feature notes)
+    missing = [f"{pointer} ({page.relative_to(REPO)})" for pointer, page in pages.items()
+               if not page.is_file() or not names_a_commit(page.read_text())]
+    assert missing == [], f"results the README quotes without the commit they ran on: {missing}"
