@@ -64,7 +64,8 @@ def test_short_soak(bundled_model_dir, tokenizer, hf_model):
     policy, chunk = CASES["prulong-0.7"]
     server = start_server(bundled_model_dir, flags({**policy, **FLEX}, chunk), reuse=True)
     short_soak(server, bundled_reference(hf_model, bundled_model_dir, policy),
-               source_prompts(tokenizer, (300, 600)), xargs=[{"kv_teacher_forced": 4}])
+               source_prompts(tokenizer, (300, 600)), xargs=[{"kv_teacher_forced": 4}],
+               requests=12, long_tokens=400)  # (one of each kind, and one more: flex is slow here)
 
 
 @pytest.mark.server

@@ -130,3 +130,42 @@ def test_fp8_serves_the_reference_tokens(case, tiny_qwen3, tokenizer, one_torch_
         fp8_differs |= unquantized.token_ids != ref.token_ids or not torch.allclose(
             unquantized.first_token_logprobs, ref.first_token_logprobs, atol=1e-4)
     assert fp8_differs, "fp8 changed nothing on this model: the test checked nothing"
+
+
+@pytest.mark.server
+@pytest.mark.serial  # one rank per core
+@pytest.mark.parametrize("column", ["prulong 0.7", "snapkv patched"])
+def test_fp8_under_tensor_parallel_serves_the_reference_tokens(column, tiny_qwen3, tokenizer,
+                                                               one_torch_thread):
+    """fp8 KV x TP 2 (issue 87): each rank quantizes its own heads' pages with the layer's one
+    scale; the served tokens equal the fp8 reference's (a head mask at the defaults: the fast
+    layout; patched snapkv, whose scores each rank gathers). Where vLLM's CPU attention has no
+    fp8 (AVX2 only), vLLM refuses the server, and the test says so."""
+    from transformers import AutoModelForCausalLM
+
+    from test_tensor_parallel import TP_ENV
+
+    skip_without_fp8_kv_cache("fp8")
+    model_dir = tiny_qwen3(4)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    policy = ({"policy": "prulong", "sparsity": 0.7} if column == "prulong 0.7"
+              else dict(TP_POLICIES[column]))
+    full_heads = None
+    if policy["policy"] in HEAD_MASK_POLICIES:
+        policy["mask_path"] = str(random_mask(model_dir, model.config))
+        full_heads, _ = resolve_full_heads(KVPolicyConfig.from_dict(policy), str(model_dir), 4, 4)
+    cfg = KVPolicyConfig.from_dict(policy)
+    runner = ReferenceRunner(model, build_policy(cfg, 4, 4, full_heads=full_heads),
+                             kv_cache_dtype="fp8")
+    server = start_server(model_dir, [*flags(policy, CHUNK), "--kv-cache-dtype", "fp8",
+                                      "--tensor-parallel-size", "2"], env=TP_ENV)
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
+    for prompt in source_prompts(tokenizer, PROMPT_LENGTHS):
+        r = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=NEW_TOKENS,
+                                      temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+        stats = r.model_extra["kv_stats"]
+        ref = runner.generate(prompt, NEW_TOKENS, stats["chunk_boundaries"])
+        assert r.choices[0].model_extra["token_ids"] == ref.token_ids, (column, len(prompt))
+        assert stats["tensor_parallel_size"] == 2
