@@ -24,8 +24,8 @@ from loadtest.plots import plot_all
 from loadtest.report import comparison_markdown, format_table, write_json
 from loadtest.run import add_workload_args, load_tokenizer, run_once
 from loadtest.runner import LoadSettings, run
-from vllm_kvevict.launch import (PolicySpec, ServerProcess, build_server_command, parse_policy,
-                             port_in_use)
+from vllm_kvevict.launch import (VLLM, PolicySpec, ServerProcess, build_server_command,
+                                  parse_policy, port_in_use)
 from loadtest.workloads import Shape, build_prompts, make_shapes
 
 HOST = "127.0.0.1"  # the comparison's servers are always local
@@ -52,7 +52,7 @@ def run_comparison(*, policies: list[PolicySpec], levels: list[int], model: str,
                    max_duration_s: float = 300.0, request_timeout_s: float | None = None,
                    ignore_eos: bool = True, scrape_metrics: bool = True, progress: bool = True,
                    health_timeout_s: float = 900.0, stop_timeout_s: float = 60.0,
-                   extra_server_args: tuple[str, ...] = (), executable: str = "vllm",
+                   extra_server_args: tuple[str, ...] = (), executable: str = VLLM,
                    command_fn: Callable[..., list[str]] = build_server_command,
                    extra_config: dict[str, Any] | None = None,
                    requests_per_level: list[int] | None = None,
@@ -177,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server-arg", action="append", default=[],
                    help="extra `vllm serve` argument, repeatable "
                         "(e.g. --server-arg=--max-model-len --server-arg=8192)")
-    p.add_argument("--vllm", default="vllm", help="vllm executable")
+    p.add_argument("--vllm", default=VLLM, help="vllm executable")
     p.add_argument("--requests-per-level", help="comma-separated request counts, one per "
                                                 "concurrency level (replaces --num-requests)")
     p.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",

@@ -11,6 +11,8 @@ import re
 import subprocess
 from typing import Any
 
+from vllm_kvevict.launch import VLLM
+
 # Anchored at line start: "Peak output token throughput" must not match the output line.
 _PATTERNS = {
     "successful_requests": r"^\s*Successful requests:\s*([\d.]+)",
@@ -25,7 +27,7 @@ COMPARED = ("requests_per_s", "input_tokens_per_s", "output_tokens_per_s", "tota
 def bench_serve_command(*, base_url: str, model: str, tokenizer: str, input_len: int,
                         output_len: int, num_prompts: int, concurrency: int | None = None,
                         rate: float | None = None, seed: int = 0, ignore_eos: bool = True,
-                        executable: str = "vllm") -> list[str]:
+                        executable: str = VLLM) -> list[str]:
     """argv of `vllm bench serve` matching one of our rag/cot runs."""
     argv = [executable, "bench", "serve", "--backend", "vllm", "--base-url", base_url,
             "--endpoint", "/v1/completions", "--model", model, "--tokenizer", tokenizer,

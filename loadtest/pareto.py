@@ -131,6 +131,9 @@ def summarize(point: str, fraction: float, pool: int, items: list[Item], results
     complete = bool(ok) and all(stats)
     held = sum(s["kv_bytes_peak"] for s in stats) if complete else None
     full = sum(s["full_kv_bytes_peak"] for s in stats) if complete else None
+    # without the pool plan's padding: what the heads hold (proof eviction ran even where a
+    # short request's reserved pages equal full attention's)
+    heads = sum(s["kv_bytes_peak_in_heads"] for s in stats) if complete else None
     tpot = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in (results[i] for i in ok)
             if r.ttft_s is not None and r.e2e_s is not None and r.output_tokens > 1]
     return {
@@ -147,6 +150,8 @@ def summarize(point: str, fraction: float, pool: int, items: list[Item], results
         "preemptions": gauges.get("preemptions"),
         "kv_bytes_peak_sum": held, "full_kv_bytes_peak_sum": full,
         "kv_bytes_vs_full": held / full if held and full else None,
+        "kv_bytes_in_heads_sum": heads,
+        "kv_heads_vs_full": heads / full if heads and full else None,
     }
 
 
@@ -207,10 +212,25 @@ def frontier(rows: list[dict]) -> list[dict]:
 
 
 def evicted_nothing(row: dict) -> bool:
-    """A policy whose kv_stats held as much as full attention's (or said nothing)."""
+    """A policy whose kv_stats held as much pool as full attention's (or said nothing)."""
     if row["point"] in (STOCK, "full"):
         return False
     return row["kv_bytes_vs_full"] is None or row["kv_bytes_vs_full"] >= 1.0 - 1e-9
+
+
+def eviction_ran(row: dict) -> bool:
+    """The heads held fewer bytes than full attention's: tokens were evicted, whatever the
+    pool's page rounding made of it."""
+    heads = row.get("kv_heads_vs_full")
+    return heads is not None and heads < 1.0 - 1e-9
+
+
+def _eviction_cell(row: dict) -> str:
+    if row["point"] in (STOCK, "full"):
+        return "stock"
+    if not eviction_ran(row):
+        return "no: **no bytes saved**"
+    return "yes, but **no bytes saved** (page rounding)" if evicted_nothing(row) else "yes"
 
 
 def _ratio(a, b) -> str:
@@ -229,7 +249,7 @@ def table(rows: list[dict]) -> str:
         lines += [f"### Pool: {fraction:g} x the burst's full-attention KV", "",
                   "| point | accuracy [95 % CI] | vs stock | output tok/s | x stock | requests at "
                   "once (peak / mean) | mean output tokens | x stock | TTFT ms p50/p99 | "
-                  "TPOT ms p50/p99 | preemptions | KV held / full's | eviction ran |",
+                  "TPOT ms p50/p99 | preemptions | KV held / full's (in heads) | eviction ran |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(here, key=lambda r: (r["point"] != STOCK, r["point"])):
             acc = "n/a" if r["accuracy"] is None else f"{r['accuracy']:.3f}" + (
@@ -237,9 +257,7 @@ def table(rows: list[dict]) -> str:
                 if r["accuracy_ci"] else "")
             delta = ("n/a" if stock is None or r["accuracy"] is None or stock["accuracy"] is None
                      else f"{r['accuracy'] - stock['accuracy']:+.3f}")
-            ran = ("stock" if r["point"] in (STOCK, "full") else
-                   "**no bytes saved**" if evicted_nothing(r) else "yes")
-            held = r["kv_bytes_vs_full"]
+            held, heads = r["kv_bytes_vs_full"], r.get("kv_heads_vs_full")
             failed = f" ({len(r['failed'])} failed)" if r["failed"] else ""
             lines.append(
                 f"| {r['point']}{failed} | {acc} | {delta} | {r['out_tok_s']:.1f} | "
@@ -248,7 +266,8 @@ def table(rows: list[dict]) -> str:
                 f"{r['mean_output_tokens'] or 0:.1f} | "
                 f"{_ratio(r['mean_output_tokens'], stock and stock['mean_output_tokens'])} | "
                 f"{_ms(r['ttft_ms'])} | {_ms(r['tpot_ms'])} | {r['preemptions']} | "
-                f"{'n/a' if held is None else f'{held:.2f}'} | {ran} |")
+                f"{'n/a' if held is None else f'{held:.2f}'}"
+                f"{'' if heads is None else f' ({heads:.2f})'} | {_eviction_cell(r)} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -20,6 +20,7 @@ from loadtest.loopback import RemoteURLError, check_base_url
 from loadtest.report import build_result, format_table, write_json
 from loadtest.runner import LoadSettings, run
 from loadtest.workloads import WORKLOADS, Shape, build_prompts, make_shapes
+from vllm_kvevict.launch import VLLM
 
 
 def load_tokenizer(path: str):
@@ -82,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cross-check", action="store_true",
                    help="then run `vllm bench serve` with the same load and compare throughput")
     p.add_argument("--tolerance", type=float, default=0.10, help="cross-check tolerance")
-    p.add_argument("--vllm", default="vllm", help="vllm executable for --cross-check")
+    p.add_argument("--vllm", default=VLLM, help="vllm executable for --cross-check")
     return p
 
 

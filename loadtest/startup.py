@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from vllm_kvevict.launch import STOCK, STOCK_ENV
+from vllm_kvevict.launch import STOCK, STOCK_ENV, VLLM
 
 PHASES = {  # vLLM's own log lines -> seconds (the last match in a log)
     "weights": re.compile(r"Loading weights took ([\d.]+) seconds"),
@@ -34,7 +34,7 @@ PHASES = {  # vLLM's own log lines -> seconds (the last match in a log)
 def serve_argv(model: str, variant: str, port: int, compiled: bool) -> list[str]:
     from vllm_kvevict.launch import policy_flags
 
-    argv = [str(Path(sys.executable).parent / "vllm"), "serve", model, "--served-model-name",
+    argv = [VLLM, "serve", model, "--served-model-name",
             "m", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
             "--max-model-len", "8192", "--kv-cache-memory-bytes", str(512 << 20)]
     argv += [] if compiled else ["--enforce-eager"]

@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     import httpx
     from transformers import AutoTokenizer
 
-    from vllm_kvevict.launch import ServerProcess, policy_flags
+    from vllm_kvevict.launch import VLLM, ServerProcess, policy_flags
     from vllm_kvevict.model import ensure_bundled_model
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
         env = {"VLLM_PLUGINS": "no-such-plugin"} if policy == "stock" else {}
         if args.reserved_cpus != "":
             env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = args.reserved_cpus
-        argv_ = [str(Path(sys.executable).parent / "vllm"), "serve", model,
+        argv_ = [VLLM, "serve", model,
                  "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(args.port),
                  "--enforce-eager", "--dtype", "float32", "--max-model-len", "8192",
                  "--seed", "0", "--kv-cache-memory-bytes", str(512 << 20),

@@ -43,10 +43,10 @@ FIELDS = ("kv_bytes_peak", "full_kv_bytes_peak", "footprint",
 def serve_and_query(model_dir: Path, policy: dict, dtype: str, prompts) -> list[dict]:
     import httpx
 
-    from vllm_kvevict.launch import ServerProcess, free_port, policy_flags
+    from vllm_kvevict.launch import VLLM, ServerProcess, free_port, policy_flags
 
     port = free_port()
-    argv = [str(Path(sys.executable).parent / "vllm"), "serve", str(model_dir),
+    argv = [VLLM, "serve", str(model_dir),
             "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port),
             "--enforce-eager", "--max-model-len", "8192", "--dtype", "float32", "--seed", "0",
             "--kv-cache-memory-bytes", str(512 << 20), "--max-num-batched-tokens", str(CHUNK),

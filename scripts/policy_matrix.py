@@ -141,7 +141,7 @@ def run_served(args, model_dir: str, jobs, prompts, out: Path) -> None:
     import httpx
     from tqdm import tqdm
 
-    from vllm_kvevict.launch import ServerProcess, port_in_use
+    from vllm_kvevict.launch import VLLM, ServerProcess, port_in_use
 
     done = {(r["cell"], r["prompt"]) for r in read_jsonl(out)}
     todo = [(c, i) for c, i in jobs if (c.name, i) not in done]
@@ -153,7 +153,7 @@ def run_served(args, model_dir: str, jobs, prompts, out: Path) -> None:
     while port_in_use("127.0.0.1", port):
         port += 1
     for key, group in groups.items():
-        argv = [str(Path(sys.executable).parent / "vllm"), "serve", model_dir,
+        argv = [VLLM, "serve", model_dir,
                 "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
                 *([] if args.compiled else ["--enforce-eager"]), "--dtype", "float32",
                 "--max-model-len", "8192", "--seed", "0",

@@ -41,10 +41,10 @@ POLICIES = {
 def serve_and_query(model_dir: Path, policy: dict, tp: int, prompts, log_dir: Path) -> dict:
     import httpx
 
-    from vllm_kvevict.launch import ServerProcess, free_port, policy_flags
+    from vllm_kvevict.launch import VLLM, ServerProcess, free_port, policy_flags
 
     port = free_port()
-    argv = [str(Path(sys.executable).parent / "vllm"), "serve", str(model_dir),
+    argv = [VLLM, "serve", str(model_dir),
             "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port),
             "--enforce-eager", "--max-model-len", "2048", "--dtype", "float32", "--seed", "0",
             "--kv-cache-memory-bytes", str(64 << 20), "--max-num-batched-tokens", str(CHUNK),

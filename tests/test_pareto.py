@@ -18,10 +18,11 @@ from vllm_kvevict.launch import free_port
 
 
 def result(tokens: int, ttft: float = 0.1, e2e: float = 0.5, held: int = 50,
-           full: int = 100) -> RequestResult:
+           full: int = 100, heads: int | None = None) -> RequestResult:
     return RequestResult(index=0, kind="pareto", outcome="ok", output_tokens=tokens,
                          ttft_s=ttft, e2e_s=e2e,
-                         kv_stats={"kv_bytes_peak": held, "full_kv_bytes_peak": full})
+                         kv_stats={"kv_bytes_peak": held, "full_kv_bytes_peak": full,
+                                   "kv_bytes_peak_in_heads": held if heads is None else heads})
 
 
 ITEMS = [pareto.Item((1, 2, 3), 8, ("blue",)), pareto.Item((4, 5), 8, ("green",))]
@@ -29,7 +30,7 @@ ITEMS = [pareto.Item((1, 2, 3), 8, ("blue",)), pareto.Item((4, 5), 8, ("green",)
 
 def test_a_point_counts_accuracy_throughput_length_and_the_bytes_evicted():
     rows = pareto.summarize("prulong:0.7", 0.5, 1 << 20, ITEMS,
-                            [result(5, held=30), result(3, held=20)],
+                            [result(5, held=30, heads=25), result(3, held=20, heads=15)],
                             ["the sky is blue", "red"], {"running_peak": 2, "running_mean": 1.5,
                                                         "preemptions": 1}, wall=2.0)
     assert rows["accuracy"] == 0.5 and rows["scores"] == [1.0, 0.0]
@@ -37,24 +38,31 @@ def test_a_point_counts_accuracy_throughput_length_and_the_bytes_evicted():
     assert rows["out_tok_s"] == 4.0 and rows["mean_output_tokens"] == 4.0
     assert rows["tpot_ms"]["p50"] == pytest.approx(150)  # (0.4 s over 4 and over 2 tokens)
     assert rows["kv_bytes_vs_full"] == 0.25 and not pareto.evicted_nothing(rows)
+    assert rows["kv_heads_vs_full"] == 0.2 and pareto.eviction_ran(rows)
     assert rows["preemptions"] == 1 and rows["failed"] == []
 
 
 def test_a_policy_that_saved_no_byte_is_flagged_and_stock_is_the_baseline():
-    def row(point, tok_s, acc, held=0.5, pool=0.25):
+    def row(point, tok_s, acc, held=0.5, pool=0.25, heads=None):
         return {"point": point, "pool_fraction": pool, "out_tok_s": tok_s, "accuracy": acc,
                 "accuracy_ci": None, "mean_output_tokens": 10.0, "running_peak": 2,
                 "running_mean": 1.0, "ttft_ms": {"p50": 1, "p99": 2},
                 "tpot_ms": {"p50": 1, "p99": 2}, "preemptions": 0, "kv_bytes_vs_full": held,
-                "failed": []}
+                "kv_heads_vs_full": held if heads is None else heads, "failed": []}
     rows = [row("stock", 10.0, 0.9, held=1.0), row("prulong:0.7", 14.0, 0.85),
-            row("snapkv:0.7:patched", 12.0, 0.8), row("duo:0.7", 13.0, 0.9, held=1.0)]
+            row("snapkv:0.7:patched", 12.0, 0.8), row("duo:0.7", 13.0, 0.9, held=1.0),
+            row("streaming:0.5", 9.0, 0.5, held=1.02, heads=0.9)]
     assert pareto.evicted_nothing(rows[3]) and not pareto.evicted_nothing(rows[0])
     assert [r["point"] for r in pareto.frontier(rows)] == ["duo:0.7", "prulong:0.7"]
     text = pareto.table(rows)
     assert "| stock | 0.900 | +0.000 | 10.0 | 1.00x |" in text
     assert "| prulong:0.7 | 0.850 | -0.050 | 14.0 | 1.40x |" in text
-    assert "**no bytes saved**" in text.split("| duo:0.7 |")[1].splitlines()[0]
+    assert text.split("| duo:0.7 |")[1].splitlines()[0].endswith(
+        "| 1.00 (1.00) | no: **no bytes saved** |")
+    # eviction ran (the heads held less) but the pool's page rounding gave nothing back
+    assert not pareto.evicted_nothing(rows[0]) and pareto.eviction_ran(rows[4])
+    assert text.split("| streaming:0.5 |")[1].splitlines()[0].endswith(
+        "| 1.02 (0.90) | yes, but **no bytes saved** (page rounding) |")
 
 
 def test_pool_sizes_are_fractions_of_the_bursts_full_attention_kv():
@@ -89,7 +97,8 @@ def fake_server() -> tuple[str, threading.Thread, object]:
             running["n"] -= 1
             yield "data: " + json.dumps({"choices": [], "usage": {
                 "prompt_tokens": len(body["prompt"]), "completion_tokens": 2},
-                "kv_stats": {"kv_bytes_peak": 30, "full_kv_bytes_peak": 100}}) + "\n\n"
+                "kv_stats": {"kv_bytes_peak": 30, "full_kv_bytes_peak": 100,
+                             "kv_bytes_peak_in_heads": 30}}) + "\n\n"
             yield "data: [DONE]\n\n"
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -167,7 +176,8 @@ def test_one_tiny_point_served_by_vllm(tmp_path, bundled_model_dir):
     """One real point (prulong 0.7, the pool at half the burst's full-attention KV): served,
     scored, and its kv_stats show the bytes a head mask saves."""
     prompts = tmp_path / "prompts.jsonl"
-    notes = " ".join(["The river runs past the old stone mill."] * 40)
+    # ~1,000 tokens: past a streaming head's sink + window, so its pages go back to the pool
+    notes = " ".join(["The river runs past the old stone mill."] * 100)
     prompts.write_text("\n".join(json.dumps({"prompt": f"{notes} The password is {w}. What is "
                                                        f"the password?", "answers": [w],
                                              "max_tokens": 8})
@@ -178,4 +188,5 @@ def test_one_tiny_point_served_by_vllm(tmp_path, bundled_model_dir):
     [row] = json.loads((out / "points.json").read_text())
     assert row["ok"] == 2 and row["failed"] == [] and row["accuracy"] is not None
     assert 0 < row["kv_bytes_vs_full"] < 1 and not pareto.evicted_nothing(row)
+    assert pareto.eviction_ran(row) and row["kv_heads_vs_full"] <= row["kv_bytes_vs_full"]
     assert row["running_peak"] is not None and row["mean_output_tokens"] > 0

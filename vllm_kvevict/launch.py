@@ -14,6 +14,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,10 @@ import httpx
 
 from vllm_kvevict.config import EVICTION_MODES
 from vllm_kvevict.flags import FLAG_OF_FIELD as FLAG_OF
+
+
+# the `vllm` installed beside this interpreter: a venv's tools run without activating it
+VLLM = str(Path(sys.executable).parent / "vllm")
 
 
 def policy_flags(policy: dict) -> list[str]:
@@ -128,7 +133,7 @@ def parse_policy(text: str) -> PolicySpec:
 def build_server_command(model: str, spec: PolicySpec, *, kv_cache_bytes: int,
                          max_batched_tokens: int, host: str = "127.0.0.1", port: int = 8000,
                          extra_args: list[str] | tuple[str, ...] = (),
-                         executable: str = "vllm", eager: bool = True) -> list[str]:
+                         executable: str = VLLM, eager: bool = True) -> list[str]:
     """argv of `vllm serve` for one policy; every policy gets the same pool and batch size."""
     policy = {"policy": spec.policy, "sparsity": spec.sparsity, "eviction": spec.eviction,
               "tiers": spec.tiers, "token_policy": spec.token_policy,

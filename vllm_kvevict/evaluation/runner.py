@@ -311,8 +311,7 @@ class LazyServer:
         extra += c.server_args
         return build_server_command(self.runner.model_dir, spec,
                                     kv_cache_bytes=self.runner.kv_cache_bytes,
-                                    max_batched_tokens=c.chunk, port=port, extra_args=extra,
-                                    executable=str(Path(sys.executable).parent / "vllm"))
+                                    max_batched_tokens=c.chunk, port=port, extra_args=extra)
 
     def ensure_started(self) -> str:
         if not self.enabled:
