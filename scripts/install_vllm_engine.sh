@@ -40,7 +40,7 @@ for line in requires("vllm"):
 PY
 quiet_pip install -q -r "$VENV/.kvevict-deps.txt" "torch==2.13.0"
 echo "[install] (pip's 'vllm $VERSION requires ...' lines name the GPU dependencies left out on purpose)"
-quiet_pip install -q -e ".[dev]"  # the project's dependencies beside vLLM's, without the cpu extra
+quiet_pip_editable -e ".[dev]"  # the project's dependencies beside vLLM's, without the cpu extra
 VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -c "import vllm; assert vllm.__version__.startswith('$VERSION'), vllm.__version__"
 mark_current
 echo "[install] vLLM $VERSION done"

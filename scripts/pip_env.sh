@@ -15,6 +15,12 @@ quiet_pip() {
   return "${PIPESTATUS[0]}"
 }
 
+# `pip install -e .` writes vllm_kvevict.egg-info in the checkout: one install at a time
+# (scripts/install_all.sh runs two environments' installs at once)
+quiet_pip_editable() {
+  ( flock 9; quiet_pip install -q "$@" ) 9>"$(pwd)/.install.lock"
+}
+
 mark_current() {
   echo "$want" > "$STAMP"
 }
