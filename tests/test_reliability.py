@@ -679,7 +679,8 @@ def test_any_request_body_gets_2xx_or_a_4xx_that_says_why(mechanism, request, ca
                 (body, text[-500:])
 
     # two runs, not one_of: hypothesis weighs one_of's branches unevenly (39 % valid seen)
-    for bodies, examples in zip(_strategies(token), (60, 55)):
+    # (fewer on the token server: its invalid half is the head-mask server's, CI's budget)
+    for bodies, examples in zip(_strategies(token), (40, 25) if token else (60, 55)):
         settings(max_examples=examples, deadline=None, derandomize=True, database=None,
                  suppress_health_check=list(HealthCheck))(given(bodies)(one))()
     assert seen.get(200) and sum(v for k, v in seen.items() if 400 <= k < 500), seen
