@@ -186,17 +186,18 @@ def served_policy_builds(server: VLLMServer) -> dict[int, int]:
 # make test hands whole files to two pytest-xdist workers (--dist loadfile, in this order:
 # --no-loadscope-reorder), so the files that start servers go first, longest first (measured on
 # one worker in the dry run of 2026-11-29 after the CI tier's cuts: about 7 down to 1.5
-# minutes), and the many short files fill in at the end: both workers then finish within a few
-# minutes of each other.
+# minutes; the Triton, quiet-steps, token-prefix and pareto files placed by the durations of
+# 2026-12-07's run), and the many short files fill in at the end: both workers then finish
+# within a few minutes of each other.
 LONGEST_FIRST = ("test_reliability.py", "test_selfcheck.py", "test_compat.py",
                  "test_policies_vllm.py", "test_admission.py", "test_flex_vllm.py",
                  "test_v2_runner.py",
                  "test_pool_no_leak.py", "test_pool_storage.py", "test_serve_full.py",
                  "test_model_families_vllm.py", "test_tenant_isolation.py", "test_hybrid.py",
-                 "test_decode_eviction.py",
+                 "test_decode_eviction.py", "test_triton_vllm.py", "test_quiet_steps.py",
                  "test_kv_stats.py", "test_operator_view.py", "test_vllm_features.py",
                  "test_speculative.py", "test_evaluation.py", "test_offline_llm.py",
-                 "test_scheduler_class.py")
+                 "test_token_prefix_cache.py", "test_pareto.py", "test_scheduler_class.py")
 
 
 def pytest_collection_modifyitems(config, items):
