@@ -142,6 +142,8 @@ def summarize(point: str, fraction: float, pool: int, items: list[Item], results
         "accuracy": float(np.mean(scores)) if scores else None,
         "accuracy_ci": bootstrap_interval(scores), "scores": scores,
         "wall_s": wall, "out_tok_s": sum(results[i].output_tokens for i in ok) / wall,
+        # prompt and output: what a prefill-heavy burst (short answers) is bound by
+        "tok_s": sum(results[i].input_tokens + results[i].output_tokens for i in ok) / wall,
         "mean_output_tokens": float(np.mean([results[i].output_tokens for i in ok])) if ok
         else None,
         "ttft_ms": latency_stats_ms(results[i].ttft_s for i in ok),
@@ -237,6 +239,12 @@ def _ratio(a, b) -> str:
     return f"{a / b:.2f}x" if a is not None and b else "n/a"
 
 
+def _tok_s(row: dict, stock: dict | None) -> str:
+    if row.get("tok_s") is None:  # (a point measured before the column)
+        return "n/a"
+    return f"{row['tok_s']:.0f} ({_ratio(row['tok_s'], stock and stock.get('tok_s'))})"
+
+
 def _ms(stats: dict) -> str:
     return "/".join(f"{stats[k]:.0f}" if stats.get(k) is not None else "-" for k in ("p50", "p99"))
 
@@ -247,10 +255,11 @@ def table(rows: list[dict]) -> str:
         here = [r for r in rows if r["pool_fraction"] == fraction]
         stock = next((r for r in here if r["point"] == STOCK), None)
         lines += [f"### Pool: {fraction:g} x the burst's full-attention KV", "",
-                  "| point | accuracy [95 % CI] | vs stock | output tok/s | x stock | requests at "
+                  "| point | accuracy [95 % CI] | vs stock | output tok/s | x stock | "
+                  "prompt + output tok/s (x stock) | requests at "
                   "once (peak / mean) | mean output tokens | x stock | TTFT ms p50/p99 | "
                   "TPOT ms p50/p99 | preemptions | KV held / full's (in heads) | eviction ran |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(here, key=lambda r: (r["point"] != STOCK, r["point"])):
             acc = "n/a" if r["accuracy"] is None else f"{r['accuracy']:.3f}" + (
                 f" [{r['accuracy_ci'][0]:.2f}, {r['accuracy_ci'][1]:.2f}]"
@@ -262,6 +271,7 @@ def table(rows: list[dict]) -> str:
             lines.append(
                 f"| {r['point']}{failed} | {acc} | {delta} | {r['out_tok_s']:.1f} | "
                 f"{_ratio(r['out_tok_s'], stock and stock['out_tok_s'])} | "
+                f"{_tok_s(r, stock)} | "
                 f"{r['running_peak']} / {r['running_mean'] or 0:.1f} | "
                 f"{r['mean_output_tokens'] or 0:.1f} | "
                 f"{_ratio(r['mean_output_tokens'], stock and stock['mean_output_tokens'])} | "

@@ -20,6 +20,7 @@ from vllm_kvevict.launch import free_port
 def result(tokens: int, ttft: float = 0.1, e2e: float = 0.5, held: int = 50,
            full: int = 100, heads: int | None = None) -> RequestResult:
     return RequestResult(index=0, kind="pareto", outcome="ok", output_tokens=tokens,
+                         input_tokens=100,
                          ttft_s=ttft, e2e_s=e2e,
                          kv_stats={"kv_bytes_peak": held, "full_kv_bytes_peak": full,
                                    "kv_bytes_peak_in_heads": held if heads is None else heads})
@@ -36,6 +37,7 @@ def test_a_point_counts_accuracy_throughput_length_and_the_bytes_evicted():
     assert rows["accuracy"] == 0.5 and rows["scores"] == [1.0, 0.0]
     assert rows["accuracy_ci"] == (0.0, 1.0)
     assert rows["out_tok_s"] == 4.0 and rows["mean_output_tokens"] == 4.0
+    assert rows["tok_s"] == 104.0  # (200 prompt + 8 output tokens in 2 s)
     assert rows["tpot_ms"]["p50"] == pytest.approx(150)  # (0.4 s over 4 and over 2 tokens)
     assert rows["kv_bytes_vs_full"] == 0.25 and not pareto.evicted_nothing(rows)
     assert rows["kv_heads_vs_full"] == 0.2 and pareto.eviction_ran(rows)
@@ -45,6 +47,7 @@ def test_a_point_counts_accuracy_throughput_length_and_the_bytes_evicted():
 def test_a_policy_that_saved_no_byte_is_flagged_and_stock_is_the_baseline():
     def row(point, tok_s, acc, held=0.5, pool=0.25, heads=None):
         return {"point": point, "pool_fraction": pool, "out_tok_s": tok_s, "accuracy": acc,
+                "tok_s": 50.0 if point == "stock" else 60.0,
                 "accuracy_ci": None, "mean_output_tokens": 10.0, "running_peak": 2,
                 "running_mean": 1.0, "ttft_ms": {"p50": 1, "p99": 2},
                 "tpot_ms": {"p50": 1, "p99": 2}, "preemptions": 0, "kv_bytes_vs_full": held,
@@ -55,8 +58,8 @@ def test_a_policy_that_saved_no_byte_is_flagged_and_stock_is_the_baseline():
     assert pareto.evicted_nothing(rows[3]) and not pareto.evicted_nothing(rows[0])
     assert [r["point"] for r in pareto.frontier(rows)] == ["duo:0.7", "prulong:0.7"]
     text = pareto.table(rows)
-    assert "| stock | 0.900 | +0.000 | 10.0 | 1.00x |" in text
-    assert "| prulong:0.7 | 0.850 | -0.050 | 14.0 | 1.40x |" in text
+    assert "| stock | 0.900 | +0.000 | 10.0 | 1.00x | 50 (1.00x) |" in text
+    assert "| prulong:0.7 | 0.850 | -0.050 | 14.0 | 1.40x | 60 (1.20x) |" in text
     assert text.split("| duo:0.7 |")[1].splitlines()[0].endswith(
         "| 1.00 (1.00) | no: **no bytes saved** |")
     # eviction ran (the heads held less) but the pool's page rounding gave nothing back
