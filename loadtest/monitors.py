@@ -26,6 +26,8 @@ VLLM_METRICS = {
     "vllm:num_requests_waiting": ("waiting", sum),
     "vllm:prefix_cache_queries_total": ("prefix_cache_queries", sum),  # tokens looked up
     "vllm:prefix_cache_hits_total": ("prefix_cache_hits", sum),  # tokens found cached
+    # each finished request's first scheduling -> last token, summed (vLLM's histogram)
+    "vllm:request_inference_time_seconds_sum": ("inference_seconds", sum),
     # ours (server/metrics.py): blocks the running requests hold, over KV-cache groups
     "vllm_kvevict_pool_blocks_used": ("kvevict_blocks_used", sum),
     "vllm_kvevict_pool_blocks": ("kvevict_pool_blocks", max),
@@ -109,9 +111,15 @@ class MetricsSampler(_Sampler):
         queries, hits = ([r[k] for r in self.timeline if k in r]
                          for k in ("prefix_cache_queries", "prefix_cache_hits"))
         looked_up = queries[-1] - queries[0] if queries else 0
+        busy = [(r["t"], r["inference_seconds"]) for r in self.timeline
+                if "inference_seconds" in r]
         return {
             "running_peak": max(running) if running else None,
             "running_mean": sum(running) / len(running) if running else None,
+            # requests scheduled at once, averaged over the run from vLLM's per-request
+            # times (first scheduled -> last token), not from the gauge's 1 s samples
+            "running_time_mean": (busy[-1][1] - busy[0][1]) / (busy[-1][0] - busy[0][0])
+            if len(busy) > 1 and busy[-1][0] > busy[0][0] else None,
             # vLLM's own count over the run: prompt tokens found in the prefix cache / looked up
             "prefix_cache_hit_rate": (hits[-1] - hits[0]) / looked_up
             if hits and looked_up > 0 else None,

@@ -52,6 +52,9 @@ vllm:num_requests_waiting{{engine="0",model_name="fake"}} 1.0
 # HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.
 # TYPE vllm:num_preemptions_total counter
 vllm:num_preemptions_total{{engine="0",model_name="fake"}} {3.0 + step}
+# HELP vllm:request_inference_time_seconds Histogram of time spent in RUNNING phase for request.
+# TYPE vllm:request_inference_time_seconds histogram
+vllm:request_inference_time_seconds_sum{{engine="0",model_name="fake"}} {1.5 * time.perf_counter()}
 """
 
 
@@ -448,6 +451,8 @@ def test_metrics_and_memory_sampling(server):
     m = data.metrics
     assert m["scrapes"] >= 3  # before, every second during, after
     assert m["preemptions"] == m["scrapes"] - 1  # fake counter grows by one per scrape
+    # the fake's summed request times grow 1.5 s a second: 1.5 requests at once
+    assert m["running_time_mean"] == pytest.approx(1.5, rel=0.1)
     assert 0 < m["kv_cache_usage_peak"] <= 1
     assert data.memory["peak_rss_bytes"] > 0 and len(data.memory["timeline"]) >= 3
 
