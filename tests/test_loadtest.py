@@ -315,7 +315,8 @@ def test_kv_stats_aggregation_averages_every_numeric_leaf():
 def test_parse_vllm_metrics():
     row = parse_vllm_metrics(metrics_text(3))
     assert row == {"kv_cache_usage": pytest.approx(0.3), "running": 2.0, "waiting": 1.0,
-                   "preemptions": 6.0}
+                   "preemptions": 6.0, "inference_seconds": pytest.approx(row["inference_seconds"])}
+    assert row["inference_seconds"] > 0  # (the fake's summed request times: 1.5 x its clock)
     assert parse_vllm_metrics("other_metric 1\n") == {}
 
 
