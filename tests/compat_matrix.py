@@ -63,6 +63,10 @@ TP_IDS = {"full": "kv4-full", "streaming": "kv4-streaming", "duo 0.3": "kv4-duo-
           "pyramidkv patched": "kv4-pyramidkv-patched-0.7",
           DECODE: "kv4-snapkv-naive-0.5-decode",
           HYBRID: "kv4-hybrid-prulong-0.5-snapkv-patched-0.5"}
+# tests/test_triton_vllm.py's tiny-model cells (CI but TRITON_TINY_SLOW)
+TRITON_TINY = {"prulong 0.7": "prulong", DECODE: "snapkv-naive-decode",
+               HYBRID: "hybrid-patched", "pyramidkv patched": "pyramidkv-patched"}
+TRITON_TINY_SLOW = ("pyramidkv-patched",)
 TP_CI = ("prulong 0.7",)  # CI's budget: data parallelism runs token eviction in CI
 # tests/test_data_parallel.py: the same tiny model and policies as tensor parallel
 DP_IDS = {column: test_id.removeprefix("kv4-") for column, test_id in TP_IDS.items()}
@@ -349,18 +353,19 @@ ROWS = [
                       "full heads evicting tokens in their head slots, streaming heads "
                       "block-sparse, patched scoring's question rows on both; TP 2 too")}),
     Row("Triton path (`--kv-attention-backend triton`, Triton's interpreter on the CPU)",
-        {**{c: Cell("exact", (("" if c == "prulong 0.7" else "(s)")
-                              + f"tests/test_triton_vllm.py::test_triton_matches_reference"
-                                f"[{COLUMNS[c]}]",),
-                    "our head-pages kernel (docs/kernels.md) over the flex path's storage, one "
-                    "launch per layer; 300-token prompts in 256-token steps, then a "
-                    "prefix-cache hit")
-            for c in ("full", "streaming", "duo 0.3", "prulong 0.7")},
-         **{c: Cell("refused", ("tests/test_triton_vllm.py::test_triton_refusals_name_the_flag"
-                                f"[{'hybrid' if c == HYBRID else 'snapkv'}]",),
-                    "token eviction on the kernel's compacted pages is the next slice "
-                    "(docs/kernels.md)")
-            for c in COLUMNS if c not in ("full", "streaming", "duo 0.3", "prulong 0.7")}}),
+        {c: Cell("exact", ("(s)tests/test_triton_vllm.py::test_triton_matches_reference"
+                           f"[{COLUMNS[c]}]",)
+                 + ((("(s)" if TRITON_TINY[c] in TRITON_TINY_SLOW else "")
+                     + "tests/test_triton_vllm.py::test_triton_serves_the_reference_on_a_tiny_"
+                       f"model[{TRITON_TINY[c]}]",) if c in TRITON_TINY else ()),
+                 "our head-pages kernel (docs/kernels.md) over the flex path's storage: a head "
+                 "mask's full and streaming heads in one launch per layer; token eviction's "
+                 "heads over their kept pages at the step plan's slots, patched questions as "
+                 "extra rows (the hybrid's streaming heads: a second launch, their question rows "
+                 "dense); the bundled model's 300-token prompts in 256-token steps, then a "
+                 "repeat (a prefix hit where the policy caches); CI: each impl on a tiny random "
+                 "llama3 (4 layers, 2 KV heads), 300 tokens in 128-token steps")
+         for c in COLUMNS}),
     Row("tensor parallel (`--tensor-parallel-size 2`)",
         {**{c: Cell("exact", (("" if c in TP_CI else "(s)")
                               + "tests/test_tensor_parallel.py::"
@@ -430,9 +435,9 @@ def render() -> str:
         "the server stops at start-up with one line naming the flag. **n/a**: see the note. "
         "Cells marked ° are checked by slow-tier tests (`pytest -m slow`) or a script run "
         "(`docs/results/policy_matrix-compiled/`), not in CI; the rest run in CI (`make test`). "
-        "The Triton path's row: its slow cells ran on e809b9e (streaming, duo) and 4a6fa58 "
-        "(full), prulong in CI (`pytest tests/test_triton_vllm.py -m '' -k matches`); each "
-        "other row's cells as of the commit its tests last ran on.",
+        "The Triton path's row: its bundled-model cells ran on TRITON_COMMIT (`pytest "
+        "tests/test_triton_vllm.py -m ''`); each other row's cells as of the commit its tests "
+        "last ran on.",
         "",
         "Policies as tested: streaming sink 16 / window 64; duo and prulong at sparsity 0.3 / 0.7 "
         "with the shipped masks; snapkv at 0.5; pyramidkv naive at 0.5 with 3 tiers, patched "

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import torch
 from vllm.forward_context import get_forward_context
+from vllm.model_executor.models.utils import extract_layer_index
 
+from vllm_kvevict.integration.attention import flex_token
 from vllm_kvevict.integration.attention.context import attention_kind
 from vllm_kvevict.integration.attention.flex_attention import (FlexHeadMaskImpl,
+                                                               FlexTokenImpl,
                                                                KVEvictFlexBackend,
                                                                KVEvictFlexImpl)
 from vllm_kvevict.kernels.head_pages import head_pages_attention
@@ -47,10 +50,24 @@ def page_table(cache: torch.Tensor, block_table: torch.Tensor, page: int) -> tor
 
 
 class TritonMixin:
-    """The kernel call shared by `full` and the head masks: `groups` is, per kind of head, (the
-    layer's cache of those heads, their KV-head indices, the group's metadata)."""
+    """The kernel calls shared by every kind: `_attend` for heads at vLLM's block tables
+    (`full`, a head mask's groups), `_token_attend` for token eviction's heads at the step
+    plan's physical slots."""
+
+    def _launch(self, query, k_pool, v_pool, table, lengths, query_start_loc, max_query_len,
+                out, streaming=None, chunk_start=None):
+        cfg = self.kv_state.config
+        # (Triton's interpreter on the CPU: fewer, larger programs; the splits buy nothing)
+        tiles = {"num_splits": 1, "block_n": 128, "block_m": 128} \
+            if query.device.type == "cpu" else {}
+        head_pages_attention(query, k_pool, v_pool, table, lengths, query_start_loc,
+                             streaming=streaming, chunk_start=chunk_start, sink=cfg.sink,
+                             window=cfg.window, scale=self.scale, max_query_len=max_query_len,
+                             out=out, **tiles)
 
     def _attend(self, query, output, groups, streaming_of: dict[int, bool]):
+        """`groups`: per kind of head, (the layer's cache of those heads, their KV-head
+        indices, the group's metadata); one launch over all of them."""
         meta = groups[0][2]
         n, reqs = meta.num_actual_tokens, meta.num_reqs
         num_kv = self.num_kv_heads
@@ -68,16 +85,36 @@ class TritonMixin:
             lengths[:, kv_heads] = m.seq_lens[:reqs].to(torch.int32).unsqueeze(1)
         streaming = torch.tensor([streaming_of.get(h, False) for h in range(num_kv)],
                                  dtype=torch.int32, device=query.device)
-        cfg = self.kv_state.config
-        # (Triton's interpreter on the CPU: fewer, larger programs; the splits buy nothing)
-        tiles = {"num_splits": 1, "block_n": 128, "block_m": 128} \
-            if query.device.type == "cpu" else {}
-        head_pages_attention(
-            query[:n], k_pool, v_pool, table, lengths,
-            meta.query_start_loc[:reqs + 1].to(torch.int32), streaming=streaming,
-            chunk_start=meta.kvevict_queries.chunk_start[:n].to(torch.int32),
-            sink=cfg.sink, window=cfg.window, scale=self.scale,
-            max_query_len=int(meta.max_query_len), out=output[:n], **tiles)
+        self._launch(query[:n], k_pool, v_pool, table, lengths,
+                     meta.query_start_loc[:reqs + 1].to(torch.int32), int(meta.max_query_len),
+                     output[:n], streaming=streaming,
+                     chunk_start=meta.kvevict_queries.chunk_start[:n].to(torch.int32))
+        return output
+
+    def _token_attend(self, layer, plan, query, key, value, cache, output):
+        """Token eviction's heads (all of `cache`'s, `query`'s): attention over each row's
+        kept (compacted) past and its step at the plan's physical slots, patched scoring's
+        question rows as extra requests sharing their request's pages (the plan lays them out
+        so), then the step's chunks and decode-time jobs compressed (`flex_token._compress`:
+        the flex path's storage). `output` rows: the model's token axis."""
+        l, device = extract_layer_index(layer.layer_name), query.device
+        rows = plan.with_questions(query)
+        k_pool, v_pool, page = pool_pages(cache, self.head_size)
+        table = page_table(cache, plan.table(l).to(device), page)
+        lengths = plan.seq_lens[l].to(device=device, dtype=torch.int32).unsqueeze(1) \
+            .expand(-1, cache.shape[1])
+        q_start = plan.query_start_loc  # (built on the host: its longest chunk, no sync)
+        out = torch.empty(rows.shape, dtype=rows.dtype, device=device)
+        self._launch(rows if rows.stride(2) == 1 else rows.contiguous(), k_pool, v_pool, table,
+                     lengths, q_start.to(device=device, dtype=torch.int32),
+                     int((q_start[1:] - q_start[:-1]).max()), out)
+        n = plan.num_tokens
+        output[:n] = out[:n]
+        if plan.num_questions:
+            off = plan.question_offset
+            output[off:off + plan.num_questions] = out[n:]
+        if plan.valid and (plan.jobs or plan.decode):
+            flex_token._compress(self, l, plan, query, key, value, cache)
         return output
 
 
@@ -111,8 +148,60 @@ class TritonHeadMaskImpl(TritonMixin, FlexHeadMaskImpl):
         return self._attend(query, output, groups, streaming_of)
 
 
+class TritonTokenImpl(TritonMixin, FlexTokenImpl):
+    """snapkv / pyramidkv on the Triton path: the flex path's KV write at the step plan's
+    physical slots (its questions' rows included), our kernel over the kept pages."""
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        if attn_metadata is None:  # (a profile run: the flex path's answer)
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
+        return self._token_attend(layer, attn_metadata.plan, query, key, value, kv_cache,
+                                  output)
+
+
+class TritonHybridImpl(TritonMixin, FlexHeadMaskImpl):
+    """A head mask with `--kv-token-policy` on the Triton path: its full heads as token
+    eviction (`_token_attend`, questions included), its streaming heads over their group's
+    sink + window pages (a launch each), and patched scoring's question rows on the streaming
+    heads by dense attention (`flex_token.streaming_questions`: vLLM allocated the question's
+    pages in the full heads' group only)."""
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        if attn_metadata is None:  # (a profile run: the flex path's answer)
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
+        context = get_forward_context()
+        for slots in self.head_slots(layer):
+            meta, cache = slots.metadata(context), slots.cache(context)
+            impl = self._narrowed(len(slots.kv_heads))
+            q, k, v = query[:, slots.q_heads], key[:, slots.kv_heads], value[:, slots.kv_heads]
+            out = torch.empty_like(q)
+            plan = meta.plan
+            if not slots.streaming:
+                impl._token_attend(layer, plan, q, k, v, cache, out)
+            else:
+                heads = torch.arange(len(slots.kv_heads), device=query.device)
+                impl._attend(q, out, [(cache, heads, meta)], dict.fromkeys(range(len(heads)),
+                                                                            True))
+                if plan.num_questions:
+                    cfg, off = self.kv_state.config, plan.question_offset
+                    out[off:off + plan.num_questions] = flex_token.streaming_questions(
+                        plan, meta.kvevict_queries, q, k, v, self._slots(cache), self.scale,
+                        cfg.sink, cfg.window)
+            n = plan.num_tokens
+            output[:n, slots.q_heads] = out[:n]
+            if plan.num_questions:
+                rows = slice(plan.question_offset, plan.question_offset + plan.num_questions)
+                output[rows, slots.q_heads] = out[rows]
+        return output
+
+
 # The attention path of each kind of policy the Triton path serves (`kernels/support.py`).
-IMPLS = {"full": TritonFullImpl, "head_mask": TritonHeadMaskImpl}
+IMPLS = {"full": TritonFullImpl, "head_mask": TritonHeadMaskImpl, "token": TritonTokenImpl,
+         "hybrid": TritonHybridImpl}
 
 
 class KVEvictTritonBackend(KVEvictFlexBackend):
