@@ -66,7 +66,7 @@ TP_IDS = {"full": "kv4-full", "streaming": "kv4-streaming", "duo 0.3": "kv4-duo-
 # tests/test_triton_vllm.py's tiny-model cells (CI but TRITON_TINY_SLOW)
 TRITON_TINY = {"prulong 0.7": "prulong", DECODE: "snapkv-naive-decode",
                HYBRID: "hybrid-patched", "pyramidkv patched": "pyramidkv-patched"}
-TRITON_TINY_SLOW = ("pyramidkv-patched",)
+TRITON_TINY_SLOW = ("prulong", "pyramidkv-patched")
 TP_CI = ("prulong 0.7",)  # CI's budget: data parallelism runs token eviction in CI
 # tests/test_data_parallel.py: the same tiny model and policies as tensor parallel
 DP_IDS = {column: test_id.removeprefix("kv4-") for column, test_id in TP_IDS.items()}
@@ -353,8 +353,9 @@ ROWS = [
                       "full heads evicting tokens in their head slots, streaming heads "
                       "block-sparse, patched scoring's question rows on both; TP 2 too")}),
     Row("Triton path (`--kv-attention-backend triton`, Triton's interpreter on the CPU)",
-        {c: Cell("exact", ("(s)tests/test_triton_vllm.py::test_triton_matches_reference"
-                           f"[{COLUMNS[c]}]",)
+        {c: Cell("exact", (("" if c == "prulong 0.7" else "(s)")
+                           + f"tests/test_triton_vllm.py::test_triton_matches_reference"
+                             f"[{COLUMNS[c]}]",)
                  + ((("(s)" if TRITON_TINY[c] in TRITON_TINY_SLOW else "")
                      + "tests/test_triton_vllm.py::test_triton_serves_the_reference_on_a_tiny_"
                        f"model[{TRITON_TINY[c]}]",) if c in TRITON_TINY else ()),

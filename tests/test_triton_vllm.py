@@ -1,9 +1,9 @@
 """`--kv-attention-backend triton` served by `vllm serve` with our head-pages kernel in Triton's
 interpreter (`TRITON_INTERPRET=1`: this machine has no Triton CPU backend): greedy tokens
-identical to the reference, first-token log-prob close. CI serves each of the path's impls
-(head mask, token eviction with decode-time eviction, the hybrid with patched questions) on a
-tiny random model (the interpreter's cost grows with layers x heads); the bundled model's
-cells, a prefix-cache hit included, are the slow tier. And the start-up refusal of what the
+identical to the reference, first-token log-prob close. CI serves the bundled model's prulong
+0.7 (a head mask, a prefix-cache hit included) and the other impls (token eviction with
+decode-time eviction, the hybrid with patched questions) on a tiny random model (the
+interpreter's cost grows with layers x heads); the other cells are the slow tier. And the start-up refusal of what the
 Triton path does not serve yet (`kernels/support.py`)."""
 
 from __future__ import annotations
@@ -24,17 +24,18 @@ from vllm_kvevict.kernels.support import triton_error
 
 TRITON = {"attention_backend": "triton"}
 INTERPRETER = {"TRITON_INTERPRET": "1"}
-CASES = {"full": ({"policy": "full"}, 256), **POLICY_CASES}
+CASES = {"full": ({"policy": "full"}, 256), **POLICY_CASES,
+         "snapkv-patched-0.7": ({"policy": "snapkv", "sparsity": 0.7, "eviction": "patched"},
+                                256)}
 PROMPT_LENGTHS = (300,)  # a 256-token step, then a partial chunk
 
 
 @pytest.mark.server
-@pytest.mark.slow  # CI: the tiny model's cells below (the interpreter's cost)
-@pytest.mark.parametrize("case", ["full", "streaming", "duo-0.3", "prulong-0.7",
-                                  "snapkv-naive-0.5", "snapkv-patched-0.5",
-                                  "pyramidkv-naive-0.5-tiers3", "pyramidkv-patched-0.7",
-                                  "hybrid-prulong-0.5-snapkv-patched-0.5",
-                                  "snapkv-naive-0.5-decode"])
+@pytest.mark.parametrize("case", ["prulong-0.7", *(
+    pytest.param(c, marks=pytest.mark.slow) for c in (
+        "full", "streaming", "duo-0.3", "snapkv-naive-0.5", "snapkv-patched-0.5",
+        "snapkv-patched-0.7", "pyramidkv-naive-0.5-tiers3", "pyramidkv-patched-0.7",
+        "hybrid-prulong-0.5-snapkv-patched-0.5", "snapkv-naive-0.5-decode"))])
 def test_triton_matches_reference(case, bundled_model_dir, tokenizer, hf_model):
     policy, chunk = CASES[case]
     server = start_server(bundled_model_dir, flags({**policy, **TRITON}, chunk),
@@ -67,8 +68,9 @@ TINY_CASES = {
 
 
 @pytest.mark.server
-@pytest.mark.parametrize("case", [*(c for c in TINY_CASES if c != "pyramidkv-patched"),
-                                  pytest.param("pyramidkv-patched", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("case", [  # CI: the impls the bundled model's CI cell does not run
+    "snapkv-naive-decode", "hybrid-patched",
+    *(pytest.param(c, marks=pytest.mark.slow) for c in ("prulong", "pyramidkv-patched"))])
 def test_triton_serves_the_reference_on_a_tiny_model(case, tmp_path, tokenizer,
                                                      one_torch_thread):
     """Each Triton impl served against the reference on a tiny random llama3 (4 layers, 2 KV

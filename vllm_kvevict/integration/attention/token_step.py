@@ -57,6 +57,20 @@ class TokenStepPlan:
     # queries) -> the head's (all its queries'); None: each rank holds whole GQA groups
     combine_scores: Callable[[torch.Tensor], torch.Tensor] | None = None
 
+    _on_device: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def on_device(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """(query_start_loc, seq_lens, block_table) as int32 on `device` and the longest
+        query run: copied once a step (every layer's launch reads them; built on the host, so
+        no sync)."""
+        key = str(device)
+        if key not in self._on_device:
+            q_lens = self.query_start_loc[1:] - self.query_start_loc[:-1]
+            self._on_device[key] = (*(t.to(device=device, dtype=torch.int32) for t in (
+                self.query_start_loc, self.seq_lens, self.block_table)),
+                int(q_lens.max()) if len(q_lens) else 0)
+        return self._on_device[key]
+
     def scores(self, policy, obs_q, keys, obs_offset: int, window: int) -> torch.Tensor:
         out = policy.score(obs_q, keys, obs_offset=obs_offset, window=window)
         return out if self.combine_scores is None else self.combine_scores(out)

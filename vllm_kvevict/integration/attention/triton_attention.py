@@ -99,15 +99,13 @@ class TritonMixin:
         the flex path's storage). `output` rows: the model's token axis."""
         l, device = extract_layer_index(layer.layer_name), query.device
         rows = plan.with_questions(query)
+        q_start, seq_lens, tables, longest = plan.on_device(device)
         k_pool, v_pool, page = pool_pages(cache, self.head_size)
-        table = page_table(cache, plan.table(l).to(device), page)
-        lengths = plan.seq_lens[l].to(device=device, dtype=torch.int32).unsqueeze(1) \
-            .expand(-1, cache.shape[1])
-        q_start = plan.query_start_loc  # (built on the host: its longest chunk, no sync)
+        table = page_table(cache, tables[plan.layer_group[l]], page)
+        lengths = seq_lens[l].unsqueeze(1).expand(-1, cache.shape[1])
         out = torch.empty(rows.shape, dtype=rows.dtype, device=device)
         self._launch(rows if rows.stride(2) == 1 else rows.contiguous(), k_pool, v_pool, table,
-                     lengths, q_start.to(device=device, dtype=torch.int32),
-                     int((q_start[1:] - q_start[:-1]).max()), out)
+                     lengths, q_start, longest, out)
         n = plan.num_tokens
         output[:n] = out[:n]
         if plan.num_questions:
