@@ -364,8 +364,9 @@ ROWS = [
                  "heads over their kept pages at the step plan's slots, patched questions as "
                  "extra rows (the hybrid's streaming heads: a second launch, their question rows "
                  "dense); the bundled model's 300-token prompts in 256-token steps, then a "
-                 "repeat (a prefix hit where the policy caches); CI: each impl on a tiny random "
-                 "llama3 (4 layers, 2 KV heads), 300 tokens in 128-token steps")
+                 "repeat (a prefix hit where the policy caches); CI: prulong 0.7 so, snapkv + "
+                 "decode-time eviction and the hybrid on a tiny random llama3 (4 layers, 2 KV "
+                 "heads), 300 tokens in 128-token steps")
          for c in COLUMNS}),
     Row("tensor parallel (`--tensor-parallel-size 2`)",
         {**{c: Cell("exact", (("" if c in TP_CI else "(s)")
@@ -436,9 +437,9 @@ def render() -> str:
         "the server stops at start-up with one line naming the flag. **n/a**: see the note. "
         "Cells marked ° are checked by slow-tier tests (`pytest -m slow`) or a script run "
         "(`docs/results/policy_matrix-compiled/`), not in CI; the rest run in CI (`make test`). "
-        "The Triton path's row: its bundled-model cells ran on TRITON_COMMIT (`pytest "
-        "tests/test_triton_vllm.py -m ''`); each other row's cells as of the commit its tests "
-        "last ran on.",
+        "The Triton path's row: its cells ran on 78c211c, 15 passed (`pytest "
+        "tests/test_triton_vllm.py -m '' -k 'matches_reference or tiny'`, 28 minutes on two "
+        "cores); each other row's cells as of the commit its tests last ran on.",
         "",
         "Policies as tested: streaming sink 16 / window 64; duo and prulong at sparsity 0.3 / 0.7 "
         "with the shipped masks; snapkv at 0.5; pyramidkv naive at 0.5 with 3 tiers, patched "

@@ -1,7 +1,8 @@
 """The Triton path (`--kv-attention-backend triton`): the FlexAttention path's pool storage (a
 cache layer per KV head, `kv_cache/head_pages.py`), its metadata builder (the step's per-token
-chunk starts) and its KV write, with our kernel for attention (`kernels/head_pages.py`): every
-KV head of a layer, full or streaming, in one launch over only the pages it keeps. vLLM lays
+chunk starts, token eviction's step plan) and its KV write, with our kernel for attention
+(`kernels/head_pages.py`): every KV head of a layer, full, streaming or token-evicting, in one
+launch over only the pages it keeps (the hybrid: two, full and streaming heads). vLLM lays
 every cache layer out in one allocation, so a head's page is a page of the whole pool and the
 page table holds pool page numbers. What it serves so far: `kernels/support.py`.
 """
@@ -50,9 +51,17 @@ def page_table(cache: torch.Tensor, block_table: torch.Tensor, page: int) -> tor
 
 
 class TritonMixin:
-    """The kernel calls shared by every kind: `_attend` for heads at vLLM's block tables
-    (`full`, a head mask's groups), `_token_attend` for token eviction's heads at the step
-    plan's physical slots."""
+    """What every kind shares: a profile run (no metadata) answered by the flex path, then
+    each kind's `_forward`; the kernel calls `_attend` (heads at vLLM's block tables: `full`,
+    a head mask's groups) and `_token_attend` (token eviction's heads at the step plan's
+    physical slots)."""
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        if attn_metadata is None:  # (a profile run: the flex path's answer)
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
+        return self._forward(layer, query, key, value, kv_cache, attn_metadata, output)
 
     def _launch(self, query, k_pool, v_pool, table, lengths, query_start_loc, max_query_len,
                 out, streaming=None, chunk_start=None):
@@ -119,11 +128,7 @@ class TritonMixin:
 class TritonFullImpl(TritonMixin, KVEvictFlexImpl):
     """`full` on the Triton path: the layer's own cache, every head full."""
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
-                output_scale=None, output_block_scale=None):
-        if attn_metadata is None:  # (a profile run: the flex path's answer)
-            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
-                                   output_scale, output_block_scale)
+    def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output):
         heads = torch.arange(self.num_kv_heads, device=query.device)
         return self._attend(query, output, [(kv_cache, heads, attn_metadata)], {})
 
@@ -132,11 +137,7 @@ class TritonHeadMaskImpl(TritonMixin, FlexHeadMaskImpl):
     """A head mask on the Triton path: each kind of head in its own KV-cache group of the pool
     (the flex path's storage and KV write), all of a layer's heads in one launch."""
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
-                output_scale=None, output_block_scale=None):
-        if attn_metadata is None:  # (a profile run: the flex path's answer)
-            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
-                                   output_scale, output_block_scale)
+    def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output):
         context = get_forward_context()
         groups, streaming_of = [], {}
         for slots in self.head_slots(layer):
@@ -150,11 +151,7 @@ class TritonTokenImpl(TritonMixin, FlexTokenImpl):
     """snapkv / pyramidkv on the Triton path: the flex path's KV write at the step plan's
     physical slots (its questions' rows included), our kernel over the kept pages."""
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
-                output_scale=None, output_block_scale=None):
-        if attn_metadata is None:  # (a profile run: the flex path's answer)
-            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
-                                   output_scale, output_block_scale)
+    def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output):
         return self._token_attend(layer, attn_metadata.plan, query, key, value, kv_cache,
                                   output)
 
@@ -166,11 +163,7 @@ class TritonHybridImpl(TritonMixin, FlexHeadMaskImpl):
     heads by dense attention (`flex_token.streaming_questions`: vLLM allocated the question's
     pages in the full heads' group only)."""
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
-                output_scale=None, output_block_scale=None):
-        if attn_metadata is None:  # (a profile run: the flex path's answer)
-            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
-                                   output_scale, output_block_scale)
+    def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output):
         context = get_forward_context()
         for slots in self.head_slots(layer):
             meta, cache = slots.metadata(context), slots.cache(context)
